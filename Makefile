@@ -1,0 +1,30 @@
+# The two commands a newcomer needs: `make run` and `make test`.
+SWIFT ?= swift
+BUILD_FLAGS ?=
+
+.PHONY: deps build build-tests test run bench-redis clean
+
+deps:
+	@scripts/install-deps
+
+build: deps
+	$(SWIFT) build $(BUILD_FLAGS)
+
+build-tests: deps
+	$(SWIFT) build --build-tests $(BUILD_FLAGS)
+
+# Builds once, then runs every test against a throwaway redis-server on a free loopback port.
+test: build-tests
+	scripts/with-redis $(SWIFT) test --skip-build $(BUILD_FLAGS)
+
+# Starts a gateway node on 127.0.0.1:8080 (see README).
+run: deps
+	scripts/run
+
+# Pipelined throughput of the Redis client beside redis-benchmark (numbers in BENCHMARKS.md).
+bench-redis: deps
+	$(SWIFT) build -c release --product redis-client-bench
+	scripts/with-redis .build/release/redis-client-bench
+
+clean:
+	rm -rf .build

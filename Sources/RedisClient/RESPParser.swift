@@ -1,0 +1,120 @@
+private import CHiredis
+import NIOCore
+
+/// Incremental RESP2 parser over hiredis's reader: feed bytes as they arrive, take complete replies.
+///
+/// hiredis keeps partial frames in its own buffer and bounds nesting at 7 levels. On top of that
+/// this type bounds the bytes buffered for one incomplete reply, so a peer cannot make us hold an
+/// arbitrary amount of memory.
+///
+/// - Important: Not thread safe; owned by one channel handler on one event loop.
+final class RESPParser {
+    private let reader: UnsafeMutablePointer<redisReader>
+    /// The most bytes an incomplete reply may hold in the buffer before the stream is rejected.
+    let maxPendingBytes: Int
+
+    init(maxPendingBytes: Int = 512 * 1024 * 1024) {
+        guard let reader = redisReaderCreate() else {
+            fatalError("hiredis could not allocate a reader (out of memory)")
+        }
+        self.reader = reader
+        self.maxPendingBytes = maxPendingBytes
+    }
+
+    deinit {
+        redisReaderFree(reader)
+    }
+
+    /// Appends bytes received from the socket.
+    func feed(_ buffer: ByteBuffer) throws(RedisError) {
+        let status = buffer.withUnsafeReadableBytes { bytes -> Int32 in
+            guard let base = bytes.baseAddress, bytes.count > 0 else { return REDIS_OK }
+            return redisReaderFeed(reader, base.assumingMemoryBound(to: CChar.self), bytes.count)
+        }
+        if status != REDIS_OK {
+            throw RedisError(.protocolViolation, "could not buffer the reply: \(readerError)")
+        }
+        if reader.pointee.len - reader.pointee.pos > maxPendingBytes {
+            throw RedisError(.protocolViolation, "a reply exceeds the limit of \(maxPendingBytes) bytes")
+        }
+    }
+
+    /// The next complete reply, or `nil` when more bytes are needed.
+    func next() throws(RedisError) -> RESPValue? {
+        var raw: UnsafeMutableRawPointer?
+        guard redisReaderGetReply(reader, &raw) == REDIS_OK else {
+            throw RedisError(.protocolViolation, "malformed reply: \(readerError)")
+        }
+        guard let raw else { return nil }
+        let reply = raw.assumingMemoryBound(to: redisReply.self)
+        defer { freeReplyObject(raw) }
+        return Self.convert(reply)
+    }
+
+    private var readerError: String {
+        withUnsafeBytes(of: reader.pointee.errstr) { bytes in
+            let chars = bytes.prefix { $0 != 0 }
+            return String(decoding: chars, as: UTF8.self)
+        }
+    }
+
+    private static func convert(_ reply: UnsafeMutablePointer<redisReply>) -> RESPValue {
+        let node = reply.pointee
+        switch node.type {
+        case REDIS_REPLY_STRING:
+            return .bulkString(bytes(node.str, node.len))
+        case REDIS_REPLY_STATUS:
+            return .simpleString(String(decoding: bytes(node.str, node.len), as: UTF8.self))
+        case REDIS_REPLY_ERROR:
+            return .error(String(decoding: bytes(node.str, node.len), as: UTF8.self))
+        case REDIS_REPLY_INTEGER:
+            return .integer(node.integer)
+        case REDIS_REPLY_ARRAY:
+            var elements: [RESPValue] = []
+            elements.reserveCapacity(node.elements)
+            for index in 0..<node.elements {
+                if let child = node.element[index] { elements.append(convert(child)) } else { elements.append(.null) }
+            }
+            return .array(elements)
+        default:
+            return .null
+        }
+    }
+
+    private static func bytes(_ pointer: UnsafeMutablePointer<CChar>?, _ count: Int) -> [UInt8] {
+        guard let pointer, count > 0 else { return [] }
+        return pointer.withMemoryRebound(to: UInt8.self, capacity: count) { Array(UnsafeBufferPointer(start: $0, count: count)) }
+    }
+}
+
+/// Encodes commands with hiredis's binary-safe formatter.
+enum RESPEncoder {
+    /// Writes `arguments` as one RESP command into `buffer`.
+    static func encode(_ arguments: [RedisArgument], into buffer: inout ByteBuffer) {
+        let count = arguments.count
+        let lengths = arguments.map { $0.bytes.count }
+        // Keep every argument's bytes alive and contiguous while hiredis reads them.
+        let storage = arguments.flatMap(\.bytes)
+        var formatted: UnsafeMutablePointer<CChar>?
+        let length: Int32 = storage.withUnsafeBufferPointer { all in
+            let base = all.baseAddress.map { UnsafeRawPointer($0).assumingMemoryBound(to: CChar.self) }
+            var pointers: [UnsafePointer<CChar>?] = []
+            pointers.reserveCapacity(count)
+            var offset = 0
+            for length in lengths {
+                pointers.append(base.map { $0 + offset } ?? UnsafePointer(bitPattern: 1))
+                offset += length
+            }
+            return pointers.withUnsafeMutableBufferPointer { argv in
+                lengths.withUnsafeBufferPointer { argvlen in
+                    redisFormatCommandArgv(&formatted, Int32(count), argv.baseAddress, argvlen.baseAddress)
+                }
+            }
+        }
+        guard length >= 0, let formatted else {
+            fatalError("hiredis could not format a command (out of memory)")
+        }
+        defer { redisFreeCommand(formatted) }
+        buffer.writeBytes(UnsafeRawBufferPointer(start: formatted, count: Int(length)))
+    }
+}

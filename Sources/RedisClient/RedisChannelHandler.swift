@@ -1,0 +1,160 @@
+import NIOCore
+
+/// A command on its way to Redis: its encoded bytes, how many replies it produces and who waits.
+struct RedisRequest: Sendable {
+    var encoded: ByteBuffer
+    /// SUBSCRIBE with N channels answers with N replies; everything else with one.
+    var expectedReplies: Int
+    var promise: EventLoopPromise<RESPValue>
+}
+
+/// A message pushed by Redis on a subscribed connection.
+struct RedisPush: Sendable {
+    var channel: String
+    var payload: [UInt8]
+}
+
+/// Matches replies to requests in FIFO order, and on a subscriber connection sets pushes aside.
+///
+/// Protocol work only: one pending entry per request, completed by the replies that follow in
+/// order. A broken connection fails every pending request; a reply nobody waits for is a protocol
+/// violation that closes the connection.
+final class RedisChannelHandler: ChannelDuplexHandler {
+    typealias InboundIn = ByteBuffer
+    typealias OutboundIn = RedisRequest
+    typealias OutboundOut = ByteBuffer
+
+    private struct Pending {
+        var promise: EventLoopPromise<RESPValue>
+        var remaining: Int
+        var collected: [RESPValue]
+        var deadline: NIODeadline
+    }
+
+    private let parser: RESPParser
+    private let commandTimeout: TimeAmount
+    private let onPush: (@Sendable (RedisPush) -> Void)?
+    private var pending = CircularBuffer<Pending>(initialCapacity: 64)
+    private var flushScheduled = false
+    private var closed = false
+    private var timeoutCheck: RepeatedTask?
+
+    init(maxReplyBytes: Int, commandTimeout: Duration, onPush: (@Sendable (RedisPush) -> Void)?) {
+        self.parser = RESPParser(maxPendingBytes: maxReplyBytes)
+        self.commandTimeout = TimeAmount(commandTimeout)
+        self.onPush = onPush
+    }
+
+    func handlerAdded(context: ChannelHandlerContext) {
+        let loopBound = NIOLoopBound((self, context), eventLoop: context.eventLoop)
+        timeoutCheck = context.eventLoop.scheduleRepeatedTask(initialDelay: .milliseconds(100), delay: .milliseconds(100)) { _ in
+            let (handler, context) = loopBound.value
+            handler.checkDeadlines(context: context)
+        }
+    }
+
+    func handlerRemoved(context: ChannelHandlerContext) {
+        timeoutCheck?.cancel()
+        failAll(RedisError(.connectionClosed, "the connection to Redis was closed"))
+    }
+
+    func channelInactive(context: ChannelHandlerContext) {
+        closed = true
+        failAll(RedisError(.connectionClosed, "the connection to Redis was closed"))
+        context.fireChannelInactive()
+    }
+
+    func write(context: ChannelHandlerContext, data: NIOAny, promise: EventLoopPromise<Void>?) {
+        let request = unwrapOutboundIn(data)
+        guard !closed else {
+            request.promise.fail(RedisError(.connectionClosed, "the connection to Redis is closed"))
+            promise?.fail(ChannelError.ioOnClosedChannel)
+            return
+        }
+        let deadline = NIODeadline.now() + commandTimeout
+        pending.append(Pending(promise: request.promise, remaining: request.expectedReplies, collected: [], deadline: deadline))
+        context.write(wrapOutboundOut(request.encoded), promise: promise)
+    }
+
+    func flush(context: ChannelHandlerContext) {
+        // Commands written by many tasks in the same loop tick leave in one syscall: the flush
+        // runs after the writes already queued on the event loop.
+        guard !flushScheduled else { return }
+        flushScheduled = true
+        context.eventLoop.assumeIsolated().execute {
+            self.flushScheduled = false
+            context.flush()
+        }
+    }
+
+    func channelRead(context: ChannelHandlerContext, data: NIOAny) {
+        let buffer = unwrapInboundIn(data)
+        do {
+            try parser.feed(buffer)
+            while let reply = try parser.next() {
+                try deliver(reply)
+            }
+        } catch {
+            fail(context: context, error)
+        }
+    }
+
+    func errorCaught(context: ChannelHandlerContext, error: any Error) {
+        fail(context: context, RedisError(.connectionClosed, "the connection to Redis failed", underlying: error))
+    }
+
+    private func deliver(_ reply: RESPValue) throws(RedisError) {
+        if let onPush, let push = Self.push(from: reply) {
+            onPush(push)
+            return
+        }
+        guard var front = pending.first else {
+            throw RedisError(.protocolViolation, "Redis sent a reply that no command was waiting for")
+        }
+        front.remaining -= 1
+        if front.remaining == 0 {
+            pending.removeFirst()
+            if front.collected.isEmpty {
+                front.promise.succeed(reply)
+            } else {
+                front.collected.append(reply)
+                front.promise.succeed(.array(front.collected))
+            }
+        } else {
+            front.collected.append(reply)
+            pending[pending.startIndex] = front
+        }
+    }
+
+    /// `message` and `smessage` pushes carry (kind, channel, payload); `pmessage` adds the pattern.
+    private static func push(from reply: RESPValue) -> RedisPush? {
+        guard case .array(let parts) = reply, let kind = parts.first?.string else { return nil }
+        switch (kind, parts.count) {
+        case ("message", 3), ("smessage", 3):
+            guard let channel = parts[1].string, case .bulkString(let payload) = parts[2] else { return nil }
+            return RedisPush(channel: channel, payload: payload)
+        case ("pmessage", 4):
+            guard let channel = parts[2].string, case .bulkString(let payload) = parts[3] else { return nil }
+            return RedisPush(channel: channel, payload: payload)
+        default:
+            return nil
+        }
+    }
+
+    private func checkDeadlines(context: ChannelHandlerContext) {
+        guard let front = pending.first, front.deadline < .now() else { return }
+        fail(context: context, RedisError(.timeout, "Redis did not answer within \(commandTimeout.nanoseconds / 1_000_000) ms"))
+    }
+
+    private func fail(context: ChannelHandlerContext, _ error: RedisError) {
+        closed = true
+        failAll(error)
+        context.close(promise: nil)
+    }
+
+    private func failAll(_ error: RedisError) {
+        while let entry = pending.popFirst() {
+            entry.promise.fail(error)
+        }
+    }
+}

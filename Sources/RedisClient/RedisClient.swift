@@ -1,0 +1,236 @@
+import Logging
+import NIOConcurrencyHelpers
+import NIOCore
+import NIOPosix
+import ServiceLifecycle
+
+/// What happened to the client's connection; observers use it to repair state after an outage.
+public enum RedisConnectionEvent: Sendable, Equatable {
+    /// A connection is established. `reconnect` is false for the first one.
+    case connected(reconnect: Bool)
+    /// The connection was lost; commands fail until the next `connected`.
+    case disconnected
+}
+
+/// A Redis client that keeps one pipelined connection open and reconnects with backoff.
+///
+/// Run it as a `Service` (or inside ``withClient(configuration:eventLoopGroup:logger:_:)``).
+/// Commands sent while it is (re)connecting wait at most
+/// ``RedisConfiguration/waitForConnection`` and then fail with ``RedisError/Code/unavailable``:
+/// nothing ever hangs on a dead Redis.
+public final class RedisClient: Service, Sendable {
+    /// Where this client connects.
+    public let configuration: RedisConfiguration
+    private let eventLoopGroup: any EventLoopGroup
+    private let logger: Logger
+    private let state = NIOLockedValueBox(State())
+
+    private struct State {
+        var connection: RedisConnection?
+        var waiters: [Int: CheckedContinuation<RedisConnection, any Error>] = [:]
+        var nextWaiterID = 0
+        var observers: [Int: @Sendable (RedisConnectionEvent) -> Void] = [:]
+        var nextObserverID = 0
+        var lastError: RedisError?
+        var shutdown = false
+    }
+
+    /// Makes a client; it connects once `run()` starts.
+    public init(
+        configuration: RedisConfiguration,
+        eventLoopGroup: any EventLoopGroup = MultiThreadedEventLoopGroup.singleton,
+        logger: Logger
+    ) {
+        self.configuration = configuration
+        self.eventLoopGroup = eventLoopGroup
+        self.logger = logger
+    }
+
+    /// Runs a client for the duration of `body`, connected before `body` starts.
+    ///
+    /// Throws if the first connection fails, so a command line tool can report it and exit.
+    public static func withClient<Result: Sendable>(
+        configuration: RedisConfiguration,
+        eventLoopGroup: any EventLoopGroup = MultiThreadedEventLoopGroup.singleton,
+        logger: Logger,
+        _ body: (RedisClient) async throws -> Result
+    ) async throws -> Result {
+        let client = RedisClient(configuration: configuration, eventLoopGroup: eventLoopGroup, logger: logger)
+        let first = try await RedisConnection.connect(configuration: configuration, eventLoopGroup: eventLoopGroup, logger: logger)
+        return try await withThrowingTaskGroup(of: Void.self) { group in
+            group.addTask { try await client.run(startingWith: first) }
+            defer {
+                client.shutdown()
+                group.cancelAll()
+            }
+            return try await body(client)
+        }
+    }
+
+    /// Whether a connection is open right now.
+    public var isConnected: Bool {
+        state.withLockedValue { $0.connection?.isActive ?? false }
+    }
+
+    /// Registers `observer` for connection events; keep the token to remove it.
+    @discardableResult
+    public func addConnectionObserver(_ observer: @escaping @Sendable (RedisConnectionEvent) -> Void) -> Int {
+        state.withLockedValue { state in
+            state.nextObserverID += 1
+            state.observers[state.nextObserverID] = observer
+            return state.nextObserverID
+        }
+    }
+
+    /// Removes an observer added with ``addConnectionObserver(_:)``.
+    public func removeConnectionObserver(_ token: Int) {
+        _ = state.withLockedValue { $0.observers.removeValue(forKey: token) }
+    }
+
+    /// Connects, and reconnects with exponential backoff and jitter until shut down.
+    public func run() async throws {
+        try await run(startingWith: nil)
+    }
+
+    private func run(startingWith first: RedisConnection?) async throws {
+        let backoff = Backoff(minimum: configuration.minimumBackoff, maximum: configuration.maximumBackoff)
+        var pendingFirst = first
+        var attempt = 0
+        var everConnected = false
+        await withGracefulShutdownHandler {
+            while !Task.isCancelled, !state.withLockedValue({ $0.shutdown }) {
+                do {
+                    let connection: RedisConnection
+                    if let first = pendingFirst {
+                        connection = first
+                        pendingFirst = nil
+                    } else {
+                        connection = try await RedisConnection.connect(configuration: configuration, eventLoopGroup: eventLoopGroup, logger: logger)
+                    }
+                    attempt = 0
+                    let event = RedisConnectionEvent.connected(reconnect: everConnected)
+                    everConnected = true
+                    install(connection)
+                    logger.info("connected to Redis", metadata: ["redis.url": "\(configuration.redactedURL)"])
+                    notify(event)
+                    await withTaskCancellationHandler {
+                        await connection.closed()
+                    } onCancel: {
+                        Task { await connection.close() }
+                    }
+                    state.withLockedValue { $0.connection = nil }
+                    guard !Task.isCancelled, !state.withLockedValue({ $0.shutdown }) else { break }
+                    logger.warning("lost the connection to Redis; reconnecting", metadata: ["redis.url": "\(configuration.redactedURL)"])
+                    notify(.disconnected)
+                } catch {
+                    state.withLockedValue { $0.lastError = error as? RedisError }
+                    let level: Logger.Level = attempt == 0 ? .warning : .debug
+                    logger.log(level: level, "cannot reach Redis", metadata: ["redis.url": "\(configuration.redactedURL)", "error": "\(error)"])
+                }
+                let delay = backoff.delay(attempt: attempt)
+                attempt += 1
+                try? await Task.sleep(for: delay)
+            }
+        } onGracefulShutdown: {
+            self.shutdown()
+        }
+        shutdown()
+    }
+
+    /// Stops reconnecting and closes the connection; waiting and later commands fail.
+    public func shutdown() {
+        let (connection, waiters) = state.withLockedValue { state in
+            state.shutdown = true
+            let waiters = state.waiters
+            state.waiters = [:]
+            return (state.connection, waiters)
+        }
+        for waiter in waiters.values {
+            waiter.resume(throwing: RedisError(.unavailable, "the Redis client is shut down"))
+        }
+        if let connection {
+            Task { await connection.close() }
+        }
+    }
+
+    private func install(_ connection: RedisConnection) {
+        let waiters = state.withLockedValue { state in
+            state.connection = connection
+            state.lastError = nil
+            let waiters = state.waiters
+            state.waiters = [:]
+            return waiters
+        }
+        for waiter in waiters.values { waiter.resume(returning: connection) }
+    }
+
+    private func notify(_ event: RedisConnectionEvent) {
+        let observers = state.withLockedValue { Array($0.observers.values) }
+        for observer in observers { observer(event) }
+    }
+
+    /// The open connection, or one that opens within ``RedisConfiguration/waitForConnection``.
+    func connection() async throws(RedisError) -> RedisConnection {
+        enum Lookup { case ready(RedisConnection), failed(RedisError), wait }
+        let lookup: Lookup = state.withLockedValue { state in
+            if let connection = state.connection, connection.isActive { return .ready(connection) }
+            if state.shutdown { return .failed(RedisError(.unavailable, "the Redis client is shut down")) }
+            return .wait
+        }
+        switch lookup {
+        case .ready(let connection): return connection
+        case .failed(let error): throw error
+        case .wait: break
+        }
+        do {
+            return try await waitForConnection()
+        } catch let error as RedisError {
+            throw error
+        } catch {
+            throw RedisError(.unavailable, "Redis is unreachable", underlying: error)
+        }
+    }
+
+    private func waitForConnection() async throws -> RedisConnection {
+        let limit = configuration.waitForConnection
+        let loop = eventLoopGroup.any()
+        return try await withCheckedThrowingContinuation { continuation in
+            let id: Int? = state.withLockedValue { state in
+                if let connection = state.connection, connection.isActive {
+                    continuation.resume(returning: connection)
+                    return nil
+                }
+                state.nextWaiterID += 1
+                state.waiters[state.nextWaiterID] = continuation
+                return state.nextWaiterID
+            }
+            guard let id else { return }
+            loop.scheduleTask(in: TimeAmount(limit)) {
+                let (waiter, cause) = self.state.withLockedValue { ($0.waiters.removeValue(forKey: id), $0.lastError) }
+                waiter?.resume(throwing: RedisError(
+                    .unavailable,
+                    "Redis at \(self.configuration.host):\(self.configuration.port) is unreachable",
+                    underlying: cause
+                ))
+            }
+        }
+    }
+
+    /// Sends one command and returns its reply; an error reply throws ``RedisError/Code/server``.
+    @discardableResult
+    public func send(_ arguments: [RedisArgument]) async throws(RedisError) -> RESPValue {
+        try await connection().send(arguments)
+    }
+
+    /// Sends one command given as words.
+    @discardableResult
+    public func send(_ arguments: RedisArgument...) async throws(RedisError) -> RESPValue {
+        try await send(arguments)
+    }
+
+    /// Sends several commands in one write; each result is that command's reply or error.
+    public func pipeline(_ commands: [[RedisArgument]]) async throws(RedisError) -> [Result<RESPValue, RedisError>] {
+        guard !commands.isEmpty else { return [] }
+        return try await connection().pipeline(commands)
+    }
+}

@@ -1,0 +1,206 @@
+import Logging
+import NIOConcurrencyHelpers
+import NIOCore
+import NIOPosix
+import ServiceLifecycle
+
+/// What a ``RedisSubscriber`` delivers.
+public enum RedisSubscriberEvent: Sendable, Equatable {
+    /// A message published on a subscribed channel.
+    case message(channel: String, payload: [UInt8])
+    /// Every wanted channel is subscribed on a fresh connection. After a reconnect (`true`)
+    /// messages published meanwhile were missed: the owner should re-read the state it mirrors.
+    case subscribed(reconnect: Bool)
+    /// The subscriber connection was lost; it is being re-established.
+    case disconnected
+}
+
+/// Pub/sub on a dedicated connection that re-subscribes by itself after every reconnect.
+///
+/// The set of wanted channels lives here: ``subscribe(_:)`` and ``unsubscribe(_:)`` change it and
+/// tell Redis. ``events`` delivers messages and connection changes to one consumer and finishes
+/// when the subscriber stops.
+public final class RedisSubscriber: Service, Sendable {
+    /// Where this subscriber connects.
+    public let configuration: RedisConfiguration
+    /// Messages and connection changes, in order; finishes when `run()` returns.
+    public let events: AsyncStream<RedisSubscriberEvent>
+    private let continuation: AsyncStream<RedisSubscriberEvent>.Continuation
+    private let eventLoopGroup: any EventLoopGroup
+    private let logger: Logger
+    private let state = NIOLockedValueBox(State())
+    /// How many channels one SUBSCRIBE names when the whole set is re-sent after a reconnect.
+    private static let batchSize = 512
+
+    private struct State {
+        var channels: Set<String> = []
+        var connection: RedisConnection?
+        var shutdown = false
+    }
+
+    /// Makes a subscriber; it connects once `run()` starts.
+    public init(
+        configuration: RedisConfiguration,
+        eventLoopGroup: any EventLoopGroup = MultiThreadedEventLoopGroup.singleton,
+        logger: Logger
+    ) {
+        self.configuration = configuration
+        self.eventLoopGroup = eventLoopGroup
+        self.logger = logger
+        (events, continuation) = AsyncStream.makeStream(of: RedisSubscriberEvent.self)
+    }
+
+    /// Runs a subscriber for the duration of `body`; the first connection is up before `body` starts.
+    public static func withSubscriber<Result: Sendable>(
+        configuration: RedisConfiguration,
+        eventLoopGroup: any EventLoopGroup = MultiThreadedEventLoopGroup.singleton,
+        logger: Logger,
+        _ body: (RedisSubscriber) async throws -> Result
+    ) async throws -> Result {
+        let subscriber = RedisSubscriber(configuration: configuration, eventLoopGroup: eventLoopGroup, logger: logger)
+        return try await withThrowingTaskGroup(of: Void.self) { group in
+            group.addTask { try await subscriber.run() }
+            defer {
+                subscriber.shutdown()
+                group.cancelAll()
+            }
+            try await subscriber.waitUntilConnected()
+            return try await body(subscriber)
+        }
+    }
+
+    /// The channels this subscriber wants, whether or not the connection is up.
+    public var channels: Set<String> {
+        state.withLockedValue { $0.channels }
+    }
+
+    /// Whether the subscriber connection is open.
+    public var isConnected: Bool {
+        state.withLockedValue { $0.connection?.isActive ?? false }
+    }
+
+    /// Adds channels and waits until Redis confirms them.
+    ///
+    /// The channels are wanted from this call on: if the connection is down this throws
+    /// ``RedisError/Code/unavailable``, and they are subscribed on the next connection, which is
+    /// announced with ``RedisSubscriberEvent/subscribed(reconnect:)``.
+    public func subscribe(_ channels: [String]) async throws(RedisError) {
+        try await change(channels, command: "SUBSCRIBE") { $0.formUnion(channels) }
+    }
+
+    /// Removes channels; no message of theirs is delivered once this returns.
+    public func unsubscribe(_ channels: [String]) async throws(RedisError) {
+        try await change(channels, command: "UNSUBSCRIBE") { $0.subtract(channels) }
+    }
+
+    private func change(_ channels: [String], command: RedisArgument, update: (inout Set<String>) -> Void) async throws(RedisError) {
+        guard !channels.isEmpty else { return }
+        // The wanted set and the order of commands on the wire change under one lock, so that a
+        // subscribe and an unsubscribe of the same channel from two tasks cannot cross over.
+        let pending: EventLoopFuture<RESPValue>? = state.withLockedValue { state in
+            update(&state.channels)
+            guard let connection = state.connection, connection.isActive else { return nil }
+            return connection.enqueue([command] + channels.map { RedisArgument($0) }, expectedReplies: channels.count, flush: true)
+        }
+        guard let pending else {
+            throw RedisError(.unavailable, "the subscriber is not connected to Redis; the change applies on reconnect")
+        }
+        let reply: RESPValue
+        do {
+            reply = try await pending.get()
+        } catch let error as RedisError {
+            throw error
+        } catch {
+            throw RedisError(.connectionClosed, "the subscriber connection failed", underlying: error)
+        }
+        if case .error(let message) = reply { throw RedisError(.server, message) }
+    }
+
+    /// Waits until the first connection is established (or fails after the connect timeout).
+    public func waitUntilConnected() async throws {
+        let deadline = ContinuousClock.now + configuration.connectTimeout + configuration.waitForConnection
+        while !isConnected {
+            if ContinuousClock.now > deadline || state.withLockedValue({ $0.shutdown }) {
+                throw RedisError(.unavailable, "the subscriber could not connect to Redis at \(configuration.host):\(configuration.port)")
+            }
+            try await Task.sleep(for: .milliseconds(10))
+        }
+    }
+
+    /// Connects, subscribes to the wanted channels and keeps doing so after every disconnect.
+    public func run() async throws {
+        let backoff = Backoff(minimum: configuration.minimumBackoff, maximum: configuration.maximumBackoff)
+        var attempt = 0
+        var everConnected = false
+        let continuation = self.continuation
+        await withGracefulShutdownHandler {
+            while !Task.isCancelled, !state.withLockedValue({ $0.shutdown }) {
+                do {
+                    let connection = try await RedisConnection.connect(
+                        configuration: configuration,
+                        eventLoopGroup: eventLoopGroup,
+                        logger: logger,
+                        onPush: { push in continuation.yield(.message(channel: push.channel, payload: push.payload)) }
+                    )
+                    try await resubscribe(on: connection)
+                    attempt = 0
+                    continuation.yield(.subscribed(reconnect: everConnected))
+                    everConnected = true
+                    await withTaskCancellationHandler {
+                        await connection.closed()
+                    } onCancel: {
+                        Task { await connection.close() }
+                    }
+                    state.withLockedValue { $0.connection = nil }
+                    guard !Task.isCancelled, !state.withLockedValue({ $0.shutdown }) else { break }
+                    logger.warning("lost the pub/sub connection to Redis; reconnecting")
+                    continuation.yield(.disconnected)
+                } catch {
+                    let level: Logger.Level = attempt == 0 ? .warning : .debug
+                    logger.log(level: level, "cannot subscribe on Redis", metadata: ["redis.url": "\(configuration.redactedURL)", "error": "\(error)"])
+                }
+                let delay = backoff.delay(attempt: attempt)
+                attempt += 1
+                try? await Task.sleep(for: delay)
+            }
+        } onGracefulShutdown: {
+            self.shutdown()
+        }
+        shutdown()
+        continuation.finish()
+    }
+
+    /// Sends SUBSCRIBE for every wanted channel, then publishes the connection for changes.
+    ///
+    /// Channels added while this runs are caught by the loop: the connection becomes visible to
+    /// ``subscribe(_:)`` only once the set it subscribed equals the wanted set.
+    private func resubscribe(on connection: RedisConnection) async throws(RedisError) {
+        var done: Set<String> = []
+        while true {
+            let missing: [String]? = state.withLockedValue { state in
+                let missing = state.channels.subtracting(done)
+                if missing.isEmpty {
+                    state.connection = connection
+                    return nil
+                }
+                return Array(missing)
+            }
+            guard let missing else { return }
+            for start in stride(from: 0, to: missing.count, by: Self.batchSize) {
+                let batch = Array(missing[start..<min(start + Self.batchSize, missing.count)])
+                let reply = try await connection.sendRaw(["SUBSCRIBE"] + batch.map { RedisArgument($0) }, expectedReplies: batch.count)
+                if case .error(let message) = reply { throw RedisError(.server, message) }
+            }
+            done.formUnion(missing)
+        }
+    }
+
+    /// Stops the subscriber and closes its connection.
+    public func shutdown() {
+        let connection = state.withLockedValue { state in
+            state.shutdown = true
+            return state.connection
+        }
+        if let connection { Task { await connection.close() } }
+    }
+}

@@ -1,0 +1,82 @@
+import NIOCore
+import Testing
+
+@testable import RedisClient
+
+@Suite("RESP parsing through hiredis")
+struct RESPParserTests {
+    static let cases: [(String, RESPValue)] = [
+        ("+OK\r\n", .simpleString("OK")),
+        ("-ERR unknown command 'FOO'\r\n", .error("ERR unknown command 'FOO'")),
+        (":42\r\n", .integer(42)),
+        (":-7\r\n", .integer(-7)),
+        ("$5\r\nhello\r\n", .bulkString(Array("hello".utf8))),
+        ("$0\r\n\r\n", .bulkString([])),
+        ("$-1\r\n", .null),
+        ("*-1\r\n", .null),
+        ("*0\r\n", .array([])),
+        ("*3\r\n:1\r\n$1\r\na\r\n$-1\r\n", .array([.integer(1), .bulkString([97]), .null])),
+        ("*2\r\n*2\r\n+a\r\n:2\r\n*1\r\n*1\r\n-E x\r\n", .array([.array([.simpleString("a"), .integer(2)]), .array([.array([.error("E x")])])])),
+        ("$4\r\na\r\nb\r\n", .bulkString(Array("a\r\nb".utf8))),
+    ]
+
+    @Test("every reply type, in one piece and byte by byte", arguments: 0..<cases.count)
+    func replyTypes(index: Int) throws {
+        let (wire, expected) = Self.cases[index]
+        let whole = RESPParser()
+        try whole.feed(ByteBuffer(string: wire))
+        #expect(try whole.next() == expected)
+        #expect(try whole.next() == nil)
+
+        let bytewise = RESPParser()
+        var result: RESPValue?
+        for (offset, byte) in wire.utf8.enumerated() {
+            #expect(result == nil, "a reply completed early, at byte \(offset)")
+            try bytewise.feed(ByteBuffer(bytes: [byte]))
+            result = try bytewise.next()
+        }
+        #expect(result == expected)
+    }
+
+    @Test("several replies in one read come out in order")
+    func manyInOneRead() throws {
+        let parser = RESPParser()
+        try parser.feed(ByteBuffer(string: Self.cases.map(\.0).joined()))
+        for (_, expected) in Self.cases {
+            #expect(try parser.next() == expected)
+        }
+        #expect(try parser.next() == nil)
+    }
+
+    @Test("a malformed reply is an error, not a crash")
+    func malformed() throws {
+        let parser = RESPParser()
+        try parser.feed(ByteBuffer(string: "?what\r\n"))
+        #expect(throws: RedisError.self) { try parser.next() }
+    }
+
+    @Test("nesting deeper than hiredis allows is an error")
+    func tooDeep() throws {
+        let parser = RESPParser()
+        try parser.feed(ByteBuffer(string: String(repeating: "*1\r\n", count: 12) + ":1\r\n"))
+        #expect(throws: RedisError.self) { try parser.next() }
+    }
+
+    @Test("an incomplete reply larger than the limit is rejected")
+    func sizeLimit() throws {
+        let parser = RESPParser(maxPendingBytes: 1024)
+        try parser.feed(ByteBuffer(string: "$100000\r\n"))
+        #expect(try parser.next() == nil)
+        #expect(throws: RedisError.self) {
+            try parser.feed(ByteBuffer(repeating: UInt8(ascii: "x"), count: 2048))
+        }
+    }
+
+    @Test("commands are encoded binary safe")
+    func encoding() {
+        var buffer = ByteBuffer()
+        RESPEncoder.encode(["SET", "k", RedisArgument(bytes: [0, 13, 10, 255]), ""], into: &buffer)
+        let expected: [UInt8] = Array("*4\r\n$3\r\nSET\r\n$1\r\nk\r\n$4\r\n".utf8) + [0, 13, 10, 255] + Array("\r\n$0\r\n\r\n".utf8)
+        #expect(buffer.readableBytesView.elementsEqual(expected))
+    }
+}

@@ -1,0 +1,103 @@
+import NIOCore
+import NIOEmbedded
+import Testing
+
+@testable import RedisClient
+
+@Suite("Reply matching in the channel handler")
+struct RedisChannelHandlerTests {
+    private func makeChannel(push: (@Sendable (RedisPush) -> Void)? = nil) throws -> EmbeddedChannel {
+        let channel = EmbeddedChannel()
+        try channel.pipeline.syncOperations.addHandler(RedisChannelHandler(maxReplyBytes: 1 << 20, commandTimeout: .seconds(5), onPush: push))
+        try channel.connect(to: .init(ipAddress: "127.0.0.1", port: 6379)).wait()
+        return channel
+    }
+
+    private func request(_ channel: EmbeddedChannel, _ words: [RedisArgument], replies: Int = 1) throws -> EventLoopFuture<RESPValue> {
+        var buffer = ByteBuffer()
+        RESPEncoder.encode(words, into: &buffer)
+        let promise = channel.eventLoop.makePromise(of: RESPValue.self)
+        // The handler defers flushes to the end of the loop tick, so run the loop after writing
+        // instead of `writeOutbound`, which would wait for a flush that has not happened yet.
+        channel.writeAndFlush(RedisRequest(encoded: buffer, expectedReplies: replies, promise: promise), promise: nil)
+        channel.embeddedEventLoop.run()
+        #expect(try channel.readOutbound(as: ByteBuffer.self) == buffer)
+        return promise.futureResult
+    }
+
+    @Test("replies complete requests in FIFO order; an error reply only its own")
+    func fifo() throws {
+        let channel = try makeChannel()
+        let first = try request(channel, ["GET", "a"])
+        let second = try request(channel, ["BAD"])
+        let third = try request(channel, ["INCR", "n"])
+        try channel.writeInbound(ByteBuffer(string: "$1\r\n1\r\n-ERR unknown\r\n:3\r\n"))
+        #expect(try first.outcome(on: channel) == .bulkString([49]))
+        #expect(try second.outcome(on: channel) == .error("ERR unknown"))
+        #expect(try third.outcome(on: channel) == .integer(3))
+        _ = try? channel.finish()
+    }
+
+    @Test("a reply nobody waits for closes the connection")
+    func unsolicited() throws {
+        let channel = try makeChannel()
+        try channel.writeInbound(ByteBuffer(string: "+OK\r\n"))
+        #expect(!channel.isActive)
+    }
+
+    @Test("a lost connection fails every pending request")
+    func lostConnection() throws {
+        let channel = try makeChannel()
+        let first = try request(channel, ["GET", "a"])
+        let second = try request(channel, ["GET", "b"])
+        channel.pipeline.fireChannelInactive()
+        #expect(throws: RedisError.self) { try first.outcome(on: channel) }
+        #expect(throws: RedisError.self) { try second.outcome(on: channel) }
+    }
+
+    @Test("a malformed reply fails pending requests and closes")
+    func malformed() throws {
+        let channel = try makeChannel()
+        let pending = try request(channel, ["GET", "a"])
+        _ = try? channel.writeInbound(ByteBuffer(string: "!!!\r\n"))
+        #expect(throws: RedisError.self) { try pending.outcome(on: channel) }
+        #expect(!channel.isActive)
+    }
+
+    @Test("a multi-reply request collects all its replies; pushes go aside")
+    func subscribeReplies() throws {
+        let received = PushBox()
+        let channel = try makeChannel { received.append($0) }
+        let subscribed = try request(channel, ["SUBSCRIBE", "a", "b"], replies: 2)
+        try channel.writeInbound(ByteBuffer(string: "*3\r\n$9\r\nsubscribe\r\n$1\r\na\r\n:1\r\n"))
+        try channel.writeInbound(ByteBuffer(string: "*3\r\n$7\r\nmessage\r\n$1\r\na\r\n$2\r\nhi\r\n"))
+        try channel.writeInbound(ByteBuffer(string: "*3\r\n$9\r\nsubscribe\r\n$1\r\nb\r\n:2\r\n"))
+        let reply = try subscribed.outcome(on: channel)
+        #expect(reply.array?.count == 2)
+        #expect(received.all.map(\.channel) == ["a"])
+        #expect(received.all.first?.payload == Array("hi".utf8))
+        _ = try? channel.finish()
+    }
+}
+
+extension EventLoopFuture where Value == RESPValue {
+    /// The outcome on an embedded loop, without blocking: runs the loop, then reads the result.
+    func outcome(on channel: EmbeddedChannel) throws -> RESPValue {
+        let box = ResultBox()
+        whenComplete { box.result = $0 }
+        channel.embeddedEventLoop.run()
+        guard let result = box.result else { throw RedisError(.timeout, "the request is still pending") }
+        return try result.get()
+    }
+}
+
+final class ResultBox: @unchecked Sendable {
+    // Safe: EmbeddedChannel runs everything on the test's thread.
+    var result: Result<RESPValue, any Error>?
+}
+
+final class PushBox: @unchecked Sendable {
+    // Safe: EmbeddedChannel runs everything on the test's thread.
+    private(set) var all: [RedisPush] = []
+    func append(_ push: RedisPush) { all.append(push) }
+}

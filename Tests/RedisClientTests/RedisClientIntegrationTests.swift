@@ -1,0 +1,164 @@
+import Foundation
+import RedisClient
+import RedisTestSupport
+import Testing
+
+@Suite("Redis client against a real redis-server")
+struct RedisClientIntegrationTests {
+    let logger = TestRedis.logger()
+
+    @Test("100,000 commands from 100 tasks: every reply reaches its own caller, in order")
+    func concurrentPipelining() async throws {
+        let prefix = TestRedis.uniquePrefix("pipe")
+        try await RedisClient.withClient(configuration: TestRedis.configuration(), logger: logger) { client in
+            try await withThrowingTaskGroup(of: Void.self) { group in
+                for task in 0..<100 {
+                    group.addTask {
+                        let key = "\(prefix):counter:\(task)"
+                        for expected in 1...1000 {
+                            // Each INCR's reply is the count so far: a reply delivered to the wrong
+                            // caller or out of order would show up as a wrong number.
+                            let reply = try await client.send("INCR", RedisArgument(key))
+                            #expect(reply == .integer(Int64(expected)))
+                            if reply != .integer(Int64(expected)) { return }
+                        }
+                    }
+                }
+                try await group.waitForAll()
+            }
+            let keys = (0..<100).map { RedisArgument("\(prefix):counter:\($0)") }
+            #expect(try await client.send([RedisArgument("DEL")] + keys) == .integer(100))
+        }
+    }
+
+    @Test("an error reply fails only its own command")
+    func errorReply() async throws {
+        let key = TestRedis.uniquePrefix("err") + ":k"
+        try await RedisClient.withClient(configuration: TestRedis.configuration(), logger: logger) { client in
+            try await client.send("SET", RedisArgument(key), "v")
+            async let bad = outcome { try await client.send("LPUSH", RedisArgument(key), "x") }
+            async let good = client.send("GET", RedisArgument(key))
+            let (badResult, goodResult) = try await (bad, good)
+            guard case .failure(let error) = badResult else {
+                Issue.record("LPUSH on a string should fail")
+                return
+            }
+            #expect(error.code == .server)
+            #expect(error.serverErrorPrefix == "WRONGTYPE")
+            #expect(goodResult.string == "v")
+            try await client.send("DEL", RedisArgument(key))
+        }
+    }
+
+    @Test("a pipeline returns each command's own outcome")
+    func pipeline() async throws {
+        let key = TestRedis.uniquePrefix("pl") + ":k"
+        try await RedisClient.withClient(configuration: TestRedis.configuration(), logger: logger) { client in
+            let results = try await client.pipeline([["SET", RedisArgument(key), "1"], ["NOPE"], ["INCR", RedisArgument(key)], ["DEL", RedisArgument(key)]])
+            #expect(try results[0].get() == .simpleString("OK"))
+            #expect((try? results[1].get()) == nil)
+            #expect(try results[2].get() == .integer(2))
+            #expect(try results[3].get() == .integer(1))
+        }
+    }
+
+    @Test("CLIENT KILL mid-pipeline fails the pending commands and the client reconnects")
+    func clientKill() async throws {
+        var configuration = TestRedis.configuration()
+        configuration.clientName = TestRedis.uniquePrefix("victim")
+        let name = configuration.clientName!
+        try await RedisClient.withClient(configuration: configuration, logger: logger) { client in
+            try await RedisClient.withClient(configuration: TestRedis.configuration(), logger: logger) { admin in
+                // A blocking pop keeps a command pending on the victim's connection while it dies.
+                async let blocked = outcome { try await client.send("BLPOP", RedisArgument(name + ":never"), "3") }
+                try await Task.sleep(for: .milliseconds(200))
+                let killed = try await admin.send("CLIENT", "KILL", "SKIPME", "yes", "TYPE", "normal", "ID", RedisArgument(TestRedis.clientID(admin, name: name)))
+                #expect(killed == .integer(1))
+                guard case .failure(let error) = await blocked else {
+                    Issue.record("the pending command should fail when its connection is killed")
+                    return
+                }
+                #expect(error.code == .connectionClosed)
+                let back = await eventually { (try? await client.send("PING")) == .simpleString("PONG") }
+                #expect(back)
+            }
+        }
+    }
+
+    @Test("a redis-server restart is survived; commands meanwhile fail fast")
+    func serverRestart() async throws {
+        let server = try RedisServerProcess()
+        var configuration = try RedisConfiguration(url: server.url())
+        configuration.maximumBackoff = .milliseconds(200)
+        try await RedisClient.withClient(configuration: configuration, logger: logger) { client in
+            try await client.send("SET", "k", "before")
+            server.stop()
+            let started = ContinuousClock.now
+            await #expect(throws: RedisError.self) { try await client.send("GET", "k") }
+            #expect(ContinuousClock.now - started < .seconds(2), "a command on a dead Redis must fail fast")
+            #expect(!client.isConnected)
+            try server.start()
+            let back = await eventually { (try? await client.send("SET", "k", "after")) == .simpleString("OK") }
+            #expect(back)
+            #expect(try await client.send("GET", "k").string == "after")
+        }
+    }
+
+    @Test("scripts run by SHA and still run after SCRIPT FLUSH")
+    func scripts() async throws {
+        let server = try RedisServerProcess()
+        let script = RedisScript("return redis.call('INCRBY', KEYS[1], ARGV[1])")
+        #expect(script.sha1.count == 40)
+        try await RedisClient.withClient(configuration: RedisConfiguration(url: server.url()), logger: logger) { client in
+            #expect(try await client.evaluate(script, keys: ["n"], arguments: ["5"]) == .integer(5))
+            let exists = try await client.send("SCRIPT", "EXISTS", RedisArgument(script.sha1))
+            #expect(exists == .array([.integer(1)]))
+            try await client.send("SCRIPT", "FLUSH")
+            #expect(try await client.evaluate(script, keys: ["n"], arguments: ["2"]) == .integer(7))
+            let failing = RedisScript("return redis.error_reply('CUSTOM nope')")
+            await #expect(throws: RedisError.self) { try await client.evaluate(failing, keys: []) }
+        }
+    }
+
+    @Test("AUTH with requirepass, with an ACL user, and a clear error for a wrong password")
+    func authentication() async throws {
+        let server = try RedisServerProcess(arguments: ["--requirepass", "right-password", "--user", "app", "on", ">app-secret", "~*", "&*", "+@all"])
+        try await RedisClient.withClient(configuration: RedisConfiguration(url: server.url(credentials: ":right-password", database: 2)), logger: logger) { client in
+            #expect(try await client.send("PING") == .simpleString("PONG"))
+            try await client.send("SET", "in-db-2", "1")
+        }
+        try await RedisClient.withClient(configuration: RedisConfiguration(url: server.url(credentials: "app:app-secret", database: 2)), logger: logger) { client in
+            let value = try await client.send("GET", "in-db-2")
+            #expect(value.string == "1")
+        }
+        do {
+            _ = try await RedisClient.withClient(configuration: RedisConfiguration(url: server.url(credentials: ":wrong")), logger: logger) { _ in }
+            Issue.record("a wrong password must not connect")
+        } catch let error as RedisError {
+            #expect(error.code == .authentication)
+            #expect(error.description.contains("refused"))
+            #expect(!error.description.contains("wrong"), "the message must not echo the password")
+        }
+        do {
+            _ = try await RedisClient.withClient(configuration: RedisConfiguration(url: server.url()), logger: logger) { client in
+                try await client.send("PING")
+            }
+            Issue.record("no password must not be allowed to run commands")
+        } catch let error as RedisError {
+            #expect(error.serverErrorPrefix == "NOAUTH")
+        }
+    }
+
+    @Test("connecting to a port where nothing listens fails with a clear error")
+    func unreachable() async throws {
+        let server = try RedisServerProcess()
+        server.stop()
+        do {
+            _ = try await RedisClient.withClient(configuration: RedisConfiguration(url: server.url()), logger: logger) { _ in }
+            Issue.record("connect must fail")
+        } catch let error as RedisError {
+            #expect(error.code == .unavailable)
+            #expect(error.message.contains("127.0.0.1:\(server.port)"))
+        }
+    }
+}

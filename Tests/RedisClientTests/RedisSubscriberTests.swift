@@ -1,0 +1,51 @@
+import RedisClient
+import RedisTestSupport
+import Testing
+
+@Suite("Pub/sub on a dedicated connection")
+struct RedisSubscriberTests {
+    let logger = TestRedis.logger()
+
+    @Test("delivery, unsubscribe, and re-subscribe after the server kills the connection")
+    func lifecycle() async throws {
+        let prefix = TestRedis.uniquePrefix("ps")
+        var configuration = TestRedis.configuration()
+        configuration.clientName = prefix
+        configuration.maximumBackoff = .milliseconds(200)
+        try await RedisClient.withClient(configuration: TestRedis.configuration(), logger: logger) { publisher in
+            try await RedisSubscriber.withSubscriber(configuration: configuration, logger: logger) { subscriber in
+                var events = subscriber.events.makeAsyncIterator()
+                #expect(await events.next() == .subscribed(reconnect: false))
+
+                try await subscriber.subscribe(["\(prefix):a", "\(prefix):b"])
+                #expect(try await publisher.send("PUBLISH", RedisArgument("\(prefix):a"), "one") == .integer(1))
+                #expect(await events.next() == .message(channel: "\(prefix):a", payload: Array("one".utf8)))
+
+                try await subscriber.unsubscribe(["\(prefix):a"])
+                #expect(try await publisher.send("PUBLISH", RedisArgument("\(prefix):a"), "lost") == .integer(0))
+                try await publisher.send("PUBLISH", RedisArgument("\(prefix):b"), "two")
+                #expect(await events.next() == .message(channel: "\(prefix):b", payload: Array("two".utf8)))
+
+                let killed = try await publisher.send("CLIENT", "KILL", "ID", RedisArgument(TestRedis.clientID(publisher, name: prefix)))
+                #expect(killed == .integer(1))
+                #expect(await events.next() == .disconnected)
+                #expect(await events.next() == .subscribed(reconnect: true))
+                #expect(subscriber.channels == ["\(prefix):b"])
+                try await publisher.send("PUBLISH", RedisArgument("\(prefix):b"), "three")
+                #expect(await events.next() == .message(channel: "\(prefix):b", payload: Array("three".utf8)))
+            }
+        }
+    }
+
+    @Test("the event stream ends cleanly when the subscriber stops")
+    func endsCleanly() async throws {
+        let subscriber = RedisSubscriber(configuration: TestRedis.configuration(), logger: logger)
+        let runner = Task { try await subscriber.run() }
+        try await subscriber.waitUntilConnected()
+        subscriber.shutdown()
+        var count = 0
+        for await _ in subscriber.events { count += 1 }
+        #expect(count == 1, "only the first subscribed event, then the end")
+        try await runner.value
+    }
+}

@@ -1,0 +1,168 @@
+import Foundation
+import Logging
+import RedisClient
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// Where the integration tests find Redis, and how they make private servers of their own.
+public enum TestRedis {
+    /// The shared test server: `PRESENCE_TEST_REDIS_URL`, as `make test` sets it.
+    public static var url: String {
+        ProcessInfo.processInfo.environment["PRESENCE_TEST_REDIS_URL"] ?? "redis://127.0.0.1:6379/0"
+    }
+
+    /// The shared test server's configuration.
+    public static func configuration() -> RedisConfiguration {
+        do {
+            return try RedisConfiguration(url: url)
+        } catch {
+            fatalError("PRESENCE_TEST_REDIS_URL is not a Redis URL: \(error)")
+        }
+    }
+
+    /// A key prefix no other test uses, so tests run in parallel without FLUSHALL.
+    public static func uniquePrefix(_ name: String = "t") -> String {
+        "test-\(name)-\(UUID().uuidString.prefix(8).lowercased())"
+    }
+
+    /// The id of the connection named `name` (CLIENT SETNAME), to kill exactly that one.
+    public static func clientID(_ admin: RedisClient, name: String) async throws -> Int {
+        let list = try await admin.send("CLIENT", "LIST").string ?? ""
+        for line in list.split(separator: "\n") where line.contains("name=\(name) ") {
+            if let field = line.split(separator: " ").first(where: { $0.hasPrefix("id=") }), let id = Int(field.dropFirst(3)) {
+                return id
+            }
+        }
+        throw RedisError(.server, "no client named \(name)")
+    }
+
+    /// A logger for tests: warnings and above, unless `PRESENCE_TEST_LOG_LEVEL` says otherwise.
+    public static func logger(_ label: String = "test") -> Logger {
+        var logger = Logger(label: label)
+        let level = ProcessInfo.processInfo.environment["PRESENCE_TEST_LOG_LEVEL"].flatMap(Logger.Level.init(rawValue:))
+        logger.logLevel = level ?? .critical
+        return logger
+    }
+}
+
+/// A `redis-server` process owned by one test, on a loopback port of its own.
+///
+/// Stopped with SIGKILL: children started from the test runner ignore SIGTERM.
+public final class RedisServerProcess: @unchecked Sendable {
+    // Safe: `process` is only touched by the owning test, one call at a time.
+    public let port: Int
+    private let extraArguments: [String]
+    private var process: Process?
+
+    /// Starts a server with `--save '' --appendonly no` plus `arguments`, on a free port.
+    public init(arguments: [String] = []) throws {
+        self.extraArguments = arguments
+        self.port = try Self.freePort()
+        try start()
+    }
+
+    deinit { stop() }
+
+    /// A URL for this server, with optional credentials.
+    public func url(credentials: String? = nil, database: Int = 0) -> String {
+        "redis://\(credentials.map { $0 + "@" } ?? "")127.0.0.1:\(port)/\(database)"
+    }
+
+    /// Starts the server again on the same port (after ``stop()``), with empty data.
+    public func start() throws {
+        let process = Process()
+        process.executableURL = URL(fileURLWithPath: Self.redisServerPath)
+        process.arguments = ["--port", "\(port)", "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"] + extraArguments
+        process.standardOutput = FileHandle.nullDevice
+        process.standardError = FileHandle.nullDevice
+        try process.run()
+        self.process = process
+        try waitUntilListening()
+    }
+
+    /// Kills the server at once, as a crash would.
+    public func stop() {
+        guard let process else { return }
+        kill(process.processIdentifier, SIGKILL)
+        process.waitUntilExit()
+        self.process = nil
+    }
+
+    private func waitUntilListening() throws {
+        for _ in 0..<200 {
+            guard process?.isRunning == true else { break }
+            if Self.answersPing(port: port) { return }
+            usleep(10_000)
+        }
+        throw RedisError(.unavailable, "redis-server did not start on port \(port)")
+    }
+
+    private static var redisServerPath: String {
+        for path in ["/usr/bin/redis-server", "/usr/local/bin/redis-server"] where FileManager.default.isExecutableFile(atPath: path) {
+            return path
+        }
+        return "/usr/bin/redis-server"
+    }
+
+    /// A port the kernel just handed out, so nothing else is on it.
+    static func freePort() throws -> Int {
+        let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
+        guard fd >= 0 else { throw RedisError(.unavailable, "socket() failed") }
+        defer { close(fd) }
+        var address = sockaddr_in()
+        address.sin_family = sa_family_t(AF_INET)
+        address.sin_addr.s_addr = inet_addr("127.0.0.1")
+        address.sin_port = 0
+        var length = socklen_t(MemoryLayout<sockaddr_in>.size)
+        let bound = withUnsafeMutablePointer(to: &address) { pointer in
+            pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) { bind(fd, $0, length) == 0 && getsockname(fd, $0, &length) == 0 }
+        }
+        guard bound else { throw RedisError(.unavailable, "bind() failed") }
+        return Int(UInt16(bigEndian: address.sin_port))
+    }
+
+    /// Whether a server on `port` answers PING (with PONG, or with NOAUTH when it wants a password).
+    static func answersPing(port: Int) -> Bool {
+        let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
+        guard fd >= 0 else { return false }
+        defer { close(fd) }
+        var address = sockaddr_in()
+        address.sin_family = sa_family_t(AF_INET)
+        address.sin_addr.s_addr = inet_addr("127.0.0.1")
+        address.sin_port = UInt16(port).bigEndian
+        let connected = withUnsafePointer(to: &address) { pointer in
+            pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) { connect(fd, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) == 0 }
+        }
+        guard connected else { return false }
+        let ping = Array("PING\r\n".utf8)
+        guard write(fd, ping, ping.count) == ping.count else { return false }
+        var reply = [UInt8](repeating: 0, count: 64)
+        let count = read(fd, &reply, reply.count)
+        guard count > 0 else { return false }
+        let text = String(decoding: reply[..<count], as: UTF8.self)
+        return text.hasPrefix("+PONG") || text.hasPrefix("-NOAUTH")
+    }
+}
+
+/// Polls `condition` until it holds or `timeout` passes; returns whether it held.
+public func eventually(timeout: Duration = .seconds(5), poll: Duration = .milliseconds(20), _ condition: () async throws -> Bool) async rethrows -> Bool {
+    let deadline = ContinuousClock.now + timeout
+    while ContinuousClock.now < deadline {
+        if try await condition() { return true }
+        try? await Task.sleep(for: poll)
+    }
+    return try await condition()
+}
+
+/// The outcome of a Redis call as a value, for tests that expect some calls to fail.
+public func outcome(_ body: () async throws -> RESPValue) async -> Result<RESPValue, RedisError> {
+    do {
+        return .success(try await body())
+    } catch let error as RedisError {
+        return .failure(error)
+    } catch {
+        return .failure(RedisError(.connectionClosed, "unexpected error", underlying: error))
+    }
+}
