@@ -11,6 +11,7 @@ let package = Package(
     platforms: [.macOS(.v14), .iOS(.v17)],
     products: [
         .library(name: "RedisClient", targets: ["RedisClient"]),
+        .library(name: "PresenceEngine", targets: ["PresenceEngine"]),
         .executable(name: "redis-client-bench", targets: ["redis-client-bench"]),
     ],
     dependencies: [
@@ -39,6 +40,16 @@ let package = Package(
             ],
             swiftSettings: swiftSettings
         ),
+        .target(
+            name: "PresenceEngine",
+            dependencies: [
+                "RedisClient",
+                .product(name: "Logging", package: "swift-log"),
+                .product(name: "NIOConcurrencyHelpers", package: "swift-nio"),
+                .product(name: "ServiceLifecycle", package: "swift-service-lifecycle"),
+            ],
+            swiftSettings: swiftSettings
+        ),
         .executableTarget(
             name: "redis-client-bench",
             dependencies: [
@@ -59,6 +70,11 @@ let package = Package(
                 "RedisClient", "RedisTestSupport",
                 .product(name: "NIOEmbedded", package: "swift-nio"),
             ],
+            swiftSettings: swiftSettings
+        ),
+        .testTarget(
+            name: "PresenceEngineTests",
+            dependencies: ["PresenceEngine", "RedisTestSupport"],
             swiftSettings: swiftSettings
         ),
     ]

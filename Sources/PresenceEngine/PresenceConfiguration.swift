@@ -1,0 +1,73 @@
+/// How the presence engine behaves; the defaults are API.md's.
+public struct PresenceConfiguration: Sendable {
+    /// Prefix of every key and channel, so that deployments can share a Redis.
+    public var keyPrefix: String
+    /// This node's id (its lease, its sessions' devices).
+    public var nodeID: String
+    /// Who may see whom.
+    public var visibility: Visibility
+    /// How long a node's lease lives without renewal; renewed every third of it.
+    public var leaseTTL: Duration
+    /// How long an abruptly disconnected device stays live.
+    public var linger: Duration
+    /// How long a REST device stays live after its last status post.
+    public var heartbeatTTL: Duration
+    /// How long a typing state lives without refresh.
+    public var typingTTL: Duration
+    /// How often the reaper looks for lapsed leases and deadlines (at least once a second).
+    public var reaperInterval: Duration
+    /// Most devices one user may have at once (0: no limit).
+    public var maxDevicesPerUser: Int
+    /// Safety-net TTL on a user's devices and a node's keys: nothing live outlasts every node by
+    /// more than this. Nodes refresh it for the devices they hold every third of it.
+    public var deviceKeyTTL: Duration
+
+    /// A configuration; every value is checked by ``validate()``.
+    public init(
+        keyPrefix: String = "presence",
+        nodeID: String,
+        visibility: Visibility = .conversations,
+        leaseTTL: Duration = .seconds(10),
+        linger: Duration = .seconds(3),
+        heartbeatTTL: Duration = .seconds(60),
+        typingTTL: Duration = .seconds(5),
+        reaperInterval: Duration = .milliseconds(500),
+        maxDevicesPerUser: Int = 32,
+        deviceKeyTTL: Duration = .seconds(24 * 3600)
+    ) {
+        self.keyPrefix = keyPrefix
+        self.nodeID = nodeID
+        self.visibility = visibility
+        self.leaseTTL = leaseTTL
+        self.linger = linger
+        self.heartbeatTTL = heartbeatTTL
+        self.typingTTL = typingTTL
+        self.reaperInterval = reaperInterval
+        self.maxDevicesPerUser = maxDevicesPerUser
+        self.deviceKeyTTL = deviceKeyTTL
+    }
+
+    /// Throws ``PresenceError/Code/invalidRequest`` naming the first value out of range.
+    public func validate() throws(PresenceError) {
+        guard !keyPrefix.isEmpty, !keyPrefix.contains(where: { $0 == " " || $0 == "{" || $0 == "}" }) else {
+            throw PresenceError(.invalidRequest, "the key prefix must be non-empty, without spaces or braces")
+        }
+        try PresenceID.validate(nodeID, as: "the node id")
+        guard leaseTTL >= .seconds(1) else { throw PresenceError(.invalidRequest, "the lease TTL must be at least 1 second") }
+        guard linger >= .zero else { throw PresenceError(.invalidRequest, "the linger must not be negative") }
+        guard heartbeatTTL >= .seconds(1) else { throw PresenceError(.invalidRequest, "the heartbeat TTL must be at least 1 second") }
+        guard typingTTL >= .seconds(1) else { throw PresenceError(.invalidRequest, "the typing TTL must be at least 1 second") }
+        guard reaperInterval > .zero, reaperInterval <= .seconds(1) else {
+            throw PresenceError(.invalidRequest, "the reaper interval must be between 0 and 1 second")
+        }
+        guard maxDevicesPerUser >= 0 else { throw PresenceError(.invalidRequest, "the device limit must not be negative") }
+        guard deviceKeyTTL >= leaseTTL * 3 else { throw PresenceError(.invalidRequest, "the device key TTL must be at least 3 lease TTLs") }
+    }
+}
+
+extension Duration {
+    /// The duration in whole milliseconds.
+    var milliseconds: Int64 {
+        components.seconds * 1000 + components.attoseconds / 1_000_000_000_000_000
+    }
+}

@@ -1,0 +1,157 @@
+import Foundation
+import Logging
+import NIOConcurrencyHelpers
+import RedisClient
+
+/// A change of a conversation's members, as published on the conversation's and each
+/// affected member's channel.
+public struct MembershipEvent: Sendable, Equatable, Codable {
+    /// The conversation.
+    public var conversationID: String
+    /// Users who became members.
+    public var added: [String]
+    /// Users who stopped being members (all of them when the conversation is deleted).
+    public var removed: [String]
+
+    enum CodingKeys: String, CodingKey {
+        case type, conversationID = "conversation_id", added, removed
+    }
+
+    public init(conversationID: String, added: [String], removed: [String]) {
+        self.conversationID = conversationID
+        self.added = added
+        self.removed = removed
+    }
+
+    public init(from decoder: any Decoder) throws {
+        let container = try decoder.container(keyedBy: CodingKeys.self)
+        guard try container.decode(String.self, forKey: .type) == "membership" else {
+            throw DecodingError.dataCorruptedError(forKey: .type, in: container, debugDescription: "not a membership event")
+        }
+        conversationID = try container.decode(String.self, forKey: .conversationID)
+        added = try container.decode([String].self, forKey: .added)
+        removed = try container.decode([String].self, forKey: .removed)
+    }
+
+    public func encode(to encoder: any Encoder) throws {
+        var container = encoder.container(keyedBy: CodingKeys.self)
+        try container.encode("membership", forKey: .type)
+        try container.encode(conversationID, forKey: .conversationID)
+        try container.encode(added, forKey: .added)
+        try container.encode(removed, forKey: .removed)
+    }
+}
+
+extension PresenceEngine {
+    /// Creates the conversation or replaces its members.
+    @discardableResult
+    public func setMembers(of conversation: String, to members: [String]) async throws(PresenceError) -> MembershipEvent {
+        let wanted = Set(members)
+        let current = Set(try await self.members(of: conversation) ?? [])
+        return try await applyMembership(conversation, adding: wanted.subtracting(current), removing: current.subtracting(wanted), create: true)
+    }
+
+    /// Adds members to an existing conversation (creating it if it does not exist).
+    @discardableResult
+    public func addMembers(to conversation: String, _ users: [String]) async throws(PresenceError) -> MembershipEvent {
+        let current = Set(try await self.members(of: conversation) ?? [])
+        return try await applyMembership(conversation, adding: Set(users).subtracting(current), removing: [], create: true)
+    }
+
+    /// Removes one member; `false` if they were not a member.
+    @discardableResult
+    public func removeMember(from conversation: String, _ user: String) async throws(PresenceError) -> Bool {
+        let isMember = try await run { try await self.redis.send("SISMEMBER", RedisArgument(keys.members(conversation)), RedisArgument(user)) }
+        guard isMember.int == 1 else { return false }
+        _ = try await applyMembership(conversation, adding: [], removing: [user], create: false)
+        return true
+    }
+
+    /// Deletes a conversation; `false` if there was none.
+    @discardableResult
+    public func deleteConversation(_ conversation: String) async throws(PresenceError) -> Bool {
+        guard let members = try await members(of: conversation) else { return false }
+        _ = try await applyMembership(conversation, adding: [], removing: Set(members), create: false)
+        _ = try await run {
+            try await self.redis.pipeline([
+                ["DEL", RedisArgument(keys.members(conversation))],
+                ["SREM", RedisArgument(keys.conversations), RedisArgument(conversation)],
+            ])
+        }
+        return true
+    }
+
+    /// The members of a conversation, sorted; `nil` if there is no such conversation.
+    public func members(of conversation: String) async throws(PresenceError) -> [String]? {
+        let results = try await run {
+            try await self.redis.pipeline([
+                ["SISMEMBER", RedisArgument(keys.conversations), RedisArgument(conversation)],
+                ["SMEMBERS", RedisArgument(keys.members(conversation))],
+            ])
+        }
+        guard case .success(let exists) = results[0], exists.int == 1 else { return nil }
+        guard case .success(let members) = results[1] else { throw PresenceError(.unavailable, "the presence store is unreachable") }
+        return members.strings.sorted()
+    }
+
+    /// The conversations a user is a member of, sorted.
+    public func conversations(of user: String) async throws(PresenceError) -> [String] {
+        try await run { try await self.redis.send("SMEMBERS", RedisArgument(keys.conversationsOf(user))) }.strings.sorted()
+    }
+
+    /// Every conversation id, sorted.
+    public func allConversations() async throws(PresenceError) -> [String] {
+        try await run { try await self.redis.send("SMEMBERS", RedisArgument(keys.conversations)) }.strings.sorted()
+    }
+
+    /// Whether `viewer` may see `target` under the configured visibility.
+    public func canSee(viewer: String, target: String) async throws(PresenceError) -> Bool {
+        if viewer == target || configuration.visibility == .open { return true }
+        let shared = try await run {
+            try await self.redis.send("SINTERCARD", 2, RedisArgument(keys.conversationsOf(viewer)), RedisArgument(keys.conversationsOf(target)), "LIMIT", 1)
+        }
+        return (shared.int ?? 0) > 0
+    }
+
+    /// The users sharing at least one conversation with `viewer` (not `viewer`), sorted.
+    public func contacts(of viewer: String) async throws(PresenceError) -> [String] {
+        let conversations = try await conversations(of: viewer)
+        guard !conversations.isEmpty else { return [] }
+        let union = try await run {
+            try await self.redis.send([RedisArgument("SUNION")] + conversations.map { RedisArgument(keys.members($0)) })
+        }
+        return union.strings.filter { $0 != viewer }.sorted()
+    }
+
+    private func applyMembership(_ conversation: String, adding: Set<String>, removing: Set<String>, create: Bool) async throws(PresenceError) -> MembershipEvent {
+        let event = MembershipEvent(conversationID: conversation, added: adding.sorted(), removed: removing.sorted())
+        var commands: [[RedisArgument]] = []
+        if create { commands.append(["SADD", RedisArgument(keys.conversations), RedisArgument(conversation)]) }
+        if !adding.isEmpty {
+            commands.append([RedisArgument("SADD"), RedisArgument(keys.members(conversation))] + event.added.map { RedisArgument($0) })
+        }
+        if !removing.isEmpty {
+            commands.append([RedisArgument("SREM"), RedisArgument(keys.members(conversation))] + event.removed.map { RedisArgument($0) })
+        }
+        // A user's own list of conversations lives in their slot; it follows the member set.
+        for user in event.added { commands.append(["SADD", RedisArgument(keys.conversationsOf(user)), RedisArgument(conversation)]) }
+        for user in event.removed { commands.append(["SREM", RedisArgument(keys.conversationsOf(user)), RedisArgument(conversation)]) }
+        if !adding.isEmpty || !removing.isEmpty, let payload = try? JSONEncoder().encode(event) {
+            let message = RedisArgument(bytes: Array(payload))
+            commands.append(["PUBLISH", RedisArgument(keys.conversationChannel(conversation)), message])
+            for user in event.added + event.removed { commands.append(["PUBLISH", RedisArgument(keys.userChannel(user)), message]) }
+        }
+        for start in stride(from: 0, to: commands.count, by: 1000) {
+            let results = try await run { try await self.redis.pipeline(Array(commands[start..<min(start + 1000, commands.count)])) }
+            for result in results {
+                if case .failure(let error) = result { throw Self.presenceError(error) }
+            }
+        }
+        return event
+    }
+
+    /// Decodes a membership event published by a conversation change; `nil` for other messages.
+    public func decodeMembership(_ payload: [UInt8]) -> MembershipEvent? {
+        try? JSONDecoder().decode(MembershipEvent.self, from: Data(payload))
+    }
+}

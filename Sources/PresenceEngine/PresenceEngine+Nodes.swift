@@ -1,0 +1,246 @@
+import Logging
+import NIOConcurrencyHelpers
+import RedisClient
+
+/// A gateway node as the registry knows it.
+public struct NodeRecord: Sendable, Equatable, Codable {
+    /// The node id.
+    public var nodeID: String
+    /// Live sessions it reported at its last renewal.
+    public var sessions: Int
+    /// When its lease runs out unless renewed (ms).
+    public var leaseExpiresAt: Int64
+    /// Its last renewal (ms), if known.
+    public var renewedAt: Int64?
+    /// Whether the lease has run out (the node is dead but not reaped yet).
+    public var lapsed: Bool
+}
+
+/// What one pass of the reaper did.
+public struct ReapReport: Sendable, Equatable {
+    /// Dead nodes whose devices were taken offline.
+    public var nodes: [String] = []
+    /// Devices whose linger or heartbeat deadline passed and which were taken offline.
+    public var expiredDevices = 0
+    /// Users whose aggregate changed.
+    public var changedUsers = 0
+}
+
+extension PresenceEngine {
+    /// How long a claim on a piece of reaper work lasts before another node may retry it.
+    static let claimMilliseconds: Int64 = 30_000
+
+    /// Registers this node: lease, registry entry and info, as after a start or a lost lease.
+    public func registerNode() async throws(PresenceError) {
+        let node = configuration.nodeID
+        let now = clock.nowMilliseconds()
+        let lease = configuration.leaseTTL.milliseconds
+        let keep = RedisArgument(Int(configuration.deviceKeyTTL.milliseconds))
+        let results = try await run {
+            try await self.redis.pipeline([
+                ["SET", RedisArgument(keys.lease(node)), RedisArgument(Int(now)), "PX", RedisArgument(Int(lease))],
+                ["ZADD", RedisArgument(keys.nodes), RedisArgument(Int(now + lease)), RedisArgument(node)],
+                ["HSET", RedisArgument(keys.nodeInfo(node)), "renewed_at", RedisArgument(Int(now)), "sessions", RedisArgument(localDeviceCount)],
+                ["PEXPIRE", RedisArgument(keys.nodeInfo(node)), keep],
+                ["PEXPIRE", RedisArgument(keys.nodes), keep],
+            ])
+        }
+        for result in results {
+            if case .failure(let error) = result { throw Self.presenceError(error) }
+        }
+    }
+
+    /// Renews the lease. Returns `false` when the lease was gone: the node was reaped or Redis
+    /// lost its data, and the caller must ``reregister()``.
+    public func renewLease() async throws(PresenceError) -> Bool {
+        let node = configuration.nodeID
+        let now = clock.nowMilliseconds()
+        let keep = RedisArgument(Int(configuration.deviceKeyTTL.milliseconds))
+        let renewed = try await run {
+            try await self.redis.evaluate(
+                PresenceScripts.renewLease,
+                keys: [keys.lease(node), keys.nodes],
+                arguments: [RedisArgument(Int(now)), RedisArgument(Int(configuration.leaseTTL.milliseconds)), RedisArgument(node)]
+            )
+        }
+        guard renewed.int == 1 else { return false }
+        // The node's other keys follow the lease; their safety TTL is refreshed at the same time.
+        _ = try await run {
+            try await self.redis.pipeline([
+                ["HSET", RedisArgument(keys.nodeInfo(node)), "renewed_at", RedisArgument(Int(now)), "sessions", RedisArgument(localDeviceCount)],
+                ["PEXPIRE", RedisArgument(keys.nodeInfo(node)), keep],
+                ["PEXPIRE", RedisArgument(keys.nodeDevices(node)), keep],
+                ["PEXPIRE", RedisArgument(keys.nodes), keep],
+                ["PEXPIRE", RedisArgument(keys.deadlines), keep],
+            ])
+        }
+        return true
+    }
+
+    /// Registers the node and every device its live sessions hold again, with their statuses.
+    /// Watchers get events for every aggregate this brings back.
+    @discardableResult
+    public func reregister() async throws(PresenceError) -> Int {
+        try await registerNode()
+        let devices = local.withLockedValue { Array($0.values) }
+        for device in devices {
+            // A session that closed meanwhile is no longer in `local`; skip it.
+            let stillOpen = local.withLockedValue { $0[keys.deviceMember(user: device.user, device: device.device)]?.session == device.session }
+            guard stillOpen else { continue }
+            _ = try await connect(user: device.user, device: device.device, session: device.session, status: device.status)
+        }
+        logger.info("re-registered this node's sessions", metadata: ["presence.node_id": "\(configuration.nodeID)", "presence.devices": "\(devices.count)"])
+        return devices.count
+    }
+
+    /// Refreshes the safety TTL of the devices hash of every user this node holds a device of.
+    public func refreshDeviceKeys() async throws(PresenceError) {
+        let users = Set(local.withLockedValue { $0.values.map(\.user) })
+        let ttl = deviceTTLArgument
+        let commands = users.map { ["PEXPIRE", RedisArgument(keys.devices($0)), ttl] as [RedisArgument] }
+        for start in stride(from: 0, to: commands.count, by: 1000) {
+            _ = try await run { try await self.redis.pipeline(Array(commands[start..<min(start + 1000, commands.count)])) }
+        }
+    }
+
+    /// Gives up the lease on a graceful shutdown; devices whose sessions were closed are already
+    /// lingering and do not depend on it.
+    public func deregisterNode() async throws(PresenceError) {
+        let node = configuration.nodeID
+        _ = try await run {
+            try await self.redis.pipeline([
+                ["DEL", RedisArgument(keys.lease(node)), RedisArgument(keys.nodeInfo(node))],
+                ["ZREM", RedisArgument(keys.nodes), RedisArgument(node)],
+            ])
+        }
+        if localDeviceCount == 0 {
+            _ = try await run { try await self.redis.send("DEL", RedisArgument(keys.nodeDevices(node))) }
+        }
+    }
+
+    /// How many devices this node's sessions hold.
+    public var localDeviceCount: Int {
+        local.withLockedValue { $0.count }
+    }
+
+    /// The registered nodes, live and lapsed-but-not-reaped.
+    public func nodes() async throws(PresenceError) -> [NodeRecord] {
+        let now = clock.nowMilliseconds()
+        let reply = try await run { try await self.redis.send("ZRANGE", RedisArgument(keys.nodes), "0", "-1", "WITHSCORES") }
+        let values = reply.array ?? []
+        var pairs: [(String, Int64)] = []
+        for index in stride(from: 0, to: values.count - 1, by: 2) {
+            if let node = values[index].string, let score = values[index + 1].double { pairs.append((node, Int64(score))) }
+        }
+        let infos = try await run { try await self.redis.pipeline(pairs.map { ["HMGET", RedisArgument(keys.nodeInfo($0.0)), "sessions", "renewed_at"] }) }
+        return zip(pairs, infos).map { pair, info in
+            let fields = (try? info.get())?.array ?? []
+            let renewed = fields.count == 2 ? Self.timestamp(fields[1]) : nil
+            return NodeRecord(
+                nodeID: pair.0,
+                sessions: fields.first?.int ?? 0,
+                leaseExpiresAt: pair.1,
+                renewedAt: renewed,
+                lapsed: pair.1 <= now
+            )
+        }
+    }
+
+    /// One pass of the reaper: claims lapsed node leases and due device deadlines and takes those
+    /// devices offline, with `last_seen` the last moment each was known alive.
+    public func reapOnce(limit: Int = 500) async throws(PresenceError) -> ReapReport {
+        var report = ReapReport()
+        let now = clock.nowMilliseconds()
+        let retry = RedisArgument(Int(now + Self.claimMilliseconds))
+        let nodes = try await run { try await self.redis.evaluate(PresenceScripts.claimDue, keys: [keys.nodes], arguments: [RedisArgument(Int(now)), retry, 16]) }
+        for (node, score) in Self.pairs(nodes) {
+            report.changedUsers += try await reapNode(node, now: now)
+            report.nodes.append(node)
+            _ = try await run { try await self.redis.evaluate(PresenceScripts.removeIfScore, keys: [keys.nodes], arguments: [RedisArgument(node), retry]) }
+            _ = score
+        }
+        let due = try await run {
+            try await self.redis.evaluate(PresenceScripts.claimDue, keys: [keys.deadlines], arguments: [RedisArgument(Int(now)), retry, RedisArgument(limit)])
+        }
+        for (member, _) in Self.pairs(due) {
+            guard let (user, device) = keys.splitDeviceMember(member) else {
+                _ = try await run { try await self.redis.send("ZREM", RedisArgument(keys.deadlines), RedisArgument(member)) }
+                continue
+            }
+            let reply = try await run {
+                try await self.redis.evaluate(
+                    PresenceScripts.removeDevice,
+                    keys: [keys.devices(user), keys.state(user)],
+                    arguments: [RedisArgument(Int(now)), RedisArgument(user), RedisArgument(device), "", "expire", "0",
+                                RedisArgument(keys.userChannel(user)), deviceTTLArgument]
+                )
+            }
+            let values = reply.array ?? []
+            if let flag = values.first?.int, flag == -1, values.count == 2, let deadline = values[1].int, deadline > 0 {
+                // Renewed since it was scheduled: keep it indexed at its real deadline.
+                _ = try await run { try await self.redis.send("ZADD", RedisArgument(keys.deadlines), RedisArgument(deadline), RedisArgument(member)) }
+                continue
+            }
+            _ = try await run { try await self.redis.evaluate(PresenceScripts.removeIfScore, keys: [keys.deadlines], arguments: [RedisArgument(member), retry]) }
+            if let flag = values.first?.int, flag >= 0 {
+                report.expiredDevices += 1
+                if flag == 1 || values.count > 3 && values[3].int == 1 { report.changedUsers += 1 }
+            }
+        }
+        if !report.nodes.isEmpty || report.expiredDevices > 0 {
+            logger.info("reaped", metadata: ["presence.nodes": "\(report.nodes)", "presence.devices": "\(report.expiredDevices)"])
+        }
+        return report
+    }
+
+    /// Takes offline every device a dead node held; returns how many users' aggregates changed.
+    private func reapNode(_ node: String, now: Int64) async throws(PresenceError) -> Int {
+        let info = try await run { try await self.redis.send("HGET", RedisArgument(keys.nodeInfo(node)), "renewed_at") }
+        // Without its info (lost with Redis data), the best known moment is a lease ago.
+        let renewed = Self.timestamp(info) ?? (now - configuration.leaseTTL.milliseconds)
+        var cursor = "0"
+        var byUser: [String: Int] = [:]
+        repeat {
+            let page = try await run { try await self.redis.send("SSCAN", RedisArgument(keys.nodeDevices(node)), RedisArgument(cursor), "COUNT", "1000") }
+            guard let parts = page.array, parts.count == 2, let next = parts[0].string else { break }
+            cursor = next
+            for member in parts[1].strings {
+                if let (user, _) = keys.splitDeviceMember(member) { byUser[user, default: 0] += 1 }
+            }
+        } while cursor != "0"
+        var changed = 0
+        let users = Array(byUser.keys)
+        for start in stride(from: 0, to: users.count, by: 200) {
+            let batch = users[start..<min(start + 200, users.count)]
+            let commands: [[RedisArgument]] = batch.map { user in
+                ["EVALSHA", RedisArgument(PresenceScripts.reapNode.sha1), 2, RedisArgument(keys.devices(user)), RedisArgument(keys.state(user)),
+                 RedisArgument(Int(now)), RedisArgument(user), RedisArgument(node), RedisArgument(Int(renewed)),
+                 RedisArgument(keys.userChannel(user)), deviceTTLArgument]
+            }
+            var results = try await run { try await self.redis.pipeline(commands) }
+            if results.contains(where: { if case .failure(let error) = $0 { error.serverErrorPrefix == "NOSCRIPT" } else { false } }) {
+                _ = try await run { try await self.redis.send("SCRIPT", "LOAD", RedisArgument(PresenceScripts.reapNode.source)) }
+                results = try await run { try await self.redis.pipeline(commands) }
+            }
+            for result in results {
+                if case .success(let reply) = result, let values = reply.array, values.count >= 6, values[0].int == 1 || values[3].int == 1 {
+                    changed += 1
+                }
+            }
+        }
+        _ = try await run {
+            try await self.redis.pipeline([["DEL", RedisArgument(keys.nodeDevices(node)), RedisArgument(keys.nodeInfo(node)), RedisArgument(keys.lease(node))]])
+        }
+        logger.info("reaped a dead node", metadata: ["presence.node_id": "\(node)", "presence.users": "\(byUser.count)", "presence.last_renewal": "\(renewed)"])
+        return changed
+    }
+
+    private static func pairs(_ reply: RESPValue) -> [(String, Double)] {
+        let values = reply.array ?? []
+        var pairs: [(String, Double)] = []
+        for index in stride(from: 0, to: values.count - 1, by: 2) {
+            if let member = values[index].string, let score = values[index + 1].double { pairs.append((member, score)) }
+        }
+        return pairs
+    }
+}

@@ -1,0 +1,298 @@
+import Foundation
+import Logging
+import NIOConcurrencyHelpers
+import RedisClient
+
+/// The presence engine: devices, aggregates, privacy and reads, over Redis, knowing nothing of HTTP.
+///
+/// Every change goes through one Lua script on the user's keys, which says whether the aggregate
+/// changed and publishes on the user's channel only then. This node's live sessions are tracked
+/// here too, so that they can be registered again after the lease is lost.
+public final class PresenceEngine: Sendable {
+    /// How the engine behaves.
+    public let configuration: PresenceConfiguration
+    /// The key layout.
+    public let keys: PresenceKeys
+    /// The store.
+    public let redis: RedisClient
+    /// Where time comes from.
+    public let clock: any PresenceClock
+    let logger: Logger
+    let local = NIOLockedValueBox([String: LocalDevice]())
+
+    /// A device held by one of this node's sessions.
+    struct LocalDevice: Sendable {
+        var user: String
+        var device: String
+        var session: String
+        var status: PresenceStatus
+    }
+
+    /// Makes an engine; `configuration` must pass ``PresenceConfiguration/validate()``.
+    public init(redis: RedisClient, configuration: PresenceConfiguration, clock: any PresenceClock = SystemPresenceClock(), logger: Logger) {
+        self.redis = redis
+        self.configuration = configuration
+        self.keys = PresenceKeys(prefix: configuration.keyPrefix)
+        self.clock = clock
+        self.logger = logger
+    }
+
+    /// The outcome of opening a session.
+    public struct SessionOpened: Sendable {
+        /// The aggregate change it caused.
+        public var change: PresenceChange
+        /// The session that held this device before, on which node, if it was another session:
+        /// that session has been taken over and should be closed.
+        public var replaced: (node: String, session: String)?
+    }
+
+    // MARK: Sessions
+
+    /// Registers a live session's device; the device is live once this returns.
+    public func connect(user: String, device: String, session: String, status: PresenceStatus = .online) async throws(PresenceError) -> SessionOpened {
+        let member = keys.deviceMember(user: user, device: device)
+        local.withLockedValue { $0[member] = LocalDevice(user: user, device: device, session: session, status: status) }
+        do {
+            // The node's device index is written first: if the script then fails, a stale entry
+            // costs the reaper one no-op; the other order could leave a device nobody reaps.
+            try await run { try await self.redis.send("SADD", RedisArgument(self.keys.nodeDevices(self.configuration.nodeID)), RedisArgument(member)) }
+            let reply = try await upsert(user: user, device: device, status: status, node: configuration.nodeID, session: session, deadline: 0, mode: "session")
+            let previousSession = reply.count > 7 ? reply[6].string ?? "" : ""
+            let previousNode = reply.count > 7 ? reply[7].string ?? "" : ""
+            let replaced = !previousSession.isEmpty && previousSession != session ? (previousNode, previousSession) : nil
+            return SessionOpened(change: try Self.change(from: reply, user: user), replaced: replaced)
+        } catch {
+            local.withLockedValue { devices in
+                if devices[member]?.session == session { devices[member] = nil }
+            }
+            throw error
+        }
+    }
+
+    /// Changes the status of a device held by a live session of this node.
+    public func setStatus(user: String, device: String, session: String, status: PresenceStatus) async throws(PresenceError) -> PresenceChange {
+        let member = keys.deviceMember(user: user, device: device)
+        local.withLockedValue { devices in
+            if devices[member]?.session == session { devices[member]?.status = status }
+        }
+        let reply = try await upsert(user: user, device: device, status: status, node: configuration.nodeID, session: session, deadline: 0, mode: "session")
+        return try Self.change(from: reply, user: user)
+    }
+
+    /// Ends a session: `clean` (close code 1000, or an explicit sign-out) takes the device offline
+    /// at once; otherwise it stays live for the linger window. Returns `nil` when another session
+    /// has taken the device over meanwhile, which this changes nothing for.
+    @discardableResult
+    public func disconnect(user: String, device: String, session: String, clean: Bool) async throws(PresenceError) -> PresenceChange? {
+        let member = keys.deviceMember(user: user, device: device)
+        local.withLockedValue { devices in
+            if devices[member]?.session == session { devices[member] = nil }
+        }
+        let now = clock.nowMilliseconds()
+        let lingerDeadline = now + configuration.linger.milliseconds
+        if !clean {
+            try await run { try await self.redis.send("ZADD", RedisArgument(self.keys.deadlines), RedisArgument(Int(lingerDeadline)), RedisArgument(member)) }
+        }
+        let reply = try await run {
+            try await self.redis.evaluate(
+                PresenceScripts.removeDevice,
+                keys: [self.keys.devices(user), self.keys.state(user)],
+                arguments: [RedisArgument(Int(now)), RedisArgument(user), RedisArgument(device), RedisArgument(session),
+                            clean ? "clean" : "linger", RedisArgument(Int(lingerDeadline)), RedisArgument(self.keys.userChannel(user)), self.deviceTTLArgument]
+            )
+        }
+        _ = try? await redis.send("SREM", RedisArgument(keys.nodeDevices(configuration.nodeID)), RedisArgument(member))
+        guard let values = reply.array, let first = values.first?.int, first >= 0 else { return nil }
+        return try Self.change(from: values, user: user)
+    }
+
+    // MARK: REST devices
+
+    /// A status post from a client without a WebSocket: a heartbeat that keeps the device live
+    /// for the heartbeat TTL; `offline` takes it away at once.
+    public func post(user: String, device: String, status: PresenceStatus) async throws(PresenceError) -> PresenceChange {
+        let member = keys.deviceMember(user: user, device: device)
+        if status == .offline {
+            let now = clock.nowMilliseconds()
+            let reply = try await run {
+                try await self.redis.evaluate(
+                    PresenceScripts.removeDevice,
+                    keys: [self.keys.devices(user), self.keys.state(user)],
+                    arguments: [RedisArgument(Int(now)), RedisArgument(user), RedisArgument(device), "", "clean", "0",
+                                RedisArgument(self.keys.userChannel(user)), self.deviceTTLArgument]
+                )
+            }
+            _ = try? await redis.send("ZREM", RedisArgument(keys.deadlines), RedisArgument(member))
+            if let values = reply.array, let first = values.first?.int, first >= 0 {
+                return try Self.change(from: values, user: user)
+            }
+            return PresenceChange(changed: false, shownChanged: false, views: try await views(of: user))
+        }
+        let deadline = clock.nowMilliseconds() + configuration.heartbeatTTL.milliseconds
+        try await run { try await self.redis.send("ZADD", RedisArgument(self.keys.deadlines), RedisArgument(Int(deadline)), RedisArgument(member)) }
+        let reply = try await upsert(user: user, device: device, status: status, node: "", session: "", deadline: deadline, mode: "rest")
+        return try Self.change(from: reply, user: user)
+    }
+
+    // MARK: Privacy
+
+    /// Turns `show_online_status` on or off. Others see `offline` with the `last_seen` of this
+    /// moment while it is off; the user's own devices see the truth.
+    public func setPrivacy(user: String, showOnlineStatus: Bool) async throws(PresenceError) -> PresenceChange {
+        let reply = try await run {
+            try await self.redis.evaluate(
+                PresenceScripts.setPrivacy,
+                keys: [self.keys.devices(user), self.keys.state(user)],
+                arguments: [RedisArgument(Int(self.clock.nowMilliseconds())), RedisArgument(user), showOnlineStatus ? "1" : "0",
+                            RedisArgument(self.keys.userChannel(user)), self.deviceTTLArgument]
+            )
+        }
+        guard let values = reply.array else { throw PresenceError(.internal, "unexpected reply from the privacy script") }
+        return try Self.change(from: values, user: user)
+    }
+
+    // MARK: Reads
+
+    /// The real and shown presence of one user.
+    public func views(of user: String) async throws(PresenceError) -> PresenceViews {
+        try await views(of: [user])[0]
+    }
+
+    /// The presence of many users, read in one pipeline, in the order given.
+    public func views(of users: [String]) async throws(PresenceError) -> [PresenceViews] {
+        guard !users.isEmpty else { return [] }
+        let now = RedisArgument(Int(clock.nowMilliseconds()))
+        let commands: [[RedisArgument]] = users.map { user in
+            ["EVALSHA", RedisArgument(PresenceScripts.read.sha1), 2, RedisArgument(keys.devices(user)), RedisArgument(keys.state(user)), now]
+        }
+        var results = try await run { try await self.redis.pipeline(commands) }
+        if results.contains(where: { if case .failure(let error) = $0 { error.serverErrorPrefix == "NOSCRIPT" } else { false } }) {
+            _ = try await run { try await self.redis.send("SCRIPT", "LOAD", RedisArgument(PresenceScripts.read.source)) }
+            results = try await run { try await self.redis.pipeline(commands) }
+        }
+        let nowMilliseconds = clock.nowMilliseconds()
+        return try zip(users, results).map { (user, result) throws(PresenceError) in
+            let reply: RESPValue
+            switch result {
+            case .success(let value): reply = value
+            case .failure(let error): throw Self.presenceError(error)
+            }
+            let values = reply.array ?? []
+            guard values.count == 5, let status = values[0].string.flatMap(PresenceStatus.init(rawValue:)) else {
+                throw PresenceError(.internal, "unexpected reply from the read script")
+            }
+            // Online or away: the latest moment seen live is now.
+            let lastSeen: Int64? = status == .offline ? Self.timestamp(values[1]) : nowMilliseconds
+            let hidden = values[2].string == "1"
+            let real = Presence(userID: user, status: status, lastSeen: lastSeen)
+            let shown = hidden ? Presence(userID: user, status: .offline, lastSeen: Self.timestamp(values[3])) : real
+            return PresenceViews(real: real, shown: shown, hidden: hidden)
+        }
+    }
+
+    /// The devices of a user, as stored.
+    public func devices(of user: String) async throws(PresenceError) -> [DeviceRecord] {
+        let reply = try await run { try await self.redis.send("HGETALL", RedisArgument(self.keys.devices(user))) }
+        let values = reply.array ?? []
+        var records: [DeviceRecord] = []
+        for index in stride(from: 0, to: values.count - 1, by: 2) {
+            guard let id = values[index].string, let raw = values[index + 1].string else { continue }
+            let fields = raw.split(separator: "|", omittingEmptySubsequences: false)
+            guard fields.count == 6, let status = PresenceStatus(rawValue: String(fields[0])) else { continue }
+            let deadline = Int64(fields[4]) ?? 0
+            records.append(DeviceRecord(
+                deviceID: id, status: status, node: String(fields[1]), since: Int64(fields[3]) ?? 0,
+                deadline: deadline == 0 ? nil : deadline, lastAlive: Int64(fields[5]) ?? 0
+            ))
+        }
+        return records.sorted { $0.deviceID < $1.deviceID }
+    }
+
+    /// Decodes an event published on a user's channel; `nil` for other message types.
+    public func decodeEvent(_ payload: [UInt8]) -> PresenceEvent? {
+        guard let wire = try? JSONDecoder().decode(WireEvent.self, from: Data(payload)), wire.type == "presence",
+              let status = PresenceStatus(rawValue: wire.status), let shownStatus = PresenceStatus(rawValue: wire.public_status)
+        else { return nil }
+        let real = Presence(userID: wire.user_id, status: status, lastSeen: wire.last_seen == 0 ? nil : wire.last_seen)
+        let shown = Presence(userID: wire.user_id, status: shownStatus, lastSeen: wire.public_last_seen == 0 ? nil : wire.public_last_seen)
+        return PresenceEvent(
+            views: PresenceViews(real: real, shown: shown, hidden: shown != real),
+            changed: wire.changed, shownChanged: wire.public_changed, at: wire.at
+        )
+    }
+
+    private struct WireEvent: Decodable {
+        var type: String
+        var user_id: String
+        var status: String
+        var last_seen: Int64
+        var public_status: String
+        var public_last_seen: Int64
+        var changed: Bool
+        var public_changed: Bool
+        var at: Int64
+    }
+
+    // MARK: Helpers
+
+    var deviceTTLArgument: RedisArgument { RedisArgument(Int(configuration.deviceKeyTTL.milliseconds)) }
+
+    private func upsert(user: String, device: String, status: PresenceStatus, node: String, session: String, deadline: Int64, mode: String) async throws(PresenceError) -> [RESPValue] {
+        let reply = try await run {
+            try await self.redis.evaluate(
+                PresenceScripts.upsertDevice,
+                keys: [self.keys.devices(user), self.keys.state(user)],
+                arguments: [RedisArgument(Int(self.clock.nowMilliseconds())), RedisArgument(user), RedisArgument(device), RedisArgument(status.rawValue),
+                            RedisArgument(node), RedisArgument(session), RedisArgument(Int(deadline)), RedisArgument(self.configuration.maxDevicesPerUser),
+                            RedisArgument(self.keys.userChannel(user)), RedisArgument(mode), self.deviceTTLArgument]
+            )
+        }
+        guard let values = reply.array else { throw PresenceError(.internal, "unexpected reply from the device script") }
+        return values
+    }
+
+    /// Runs a Redis call, mapping its errors to presence errors.
+    @discardableResult
+    func run<T>(_ body: () async throws -> T) async throws(PresenceError) -> T {
+        do {
+            return try await body()
+        } catch let error as RedisError {
+            throw Self.presenceError(error)
+        } catch let error as PresenceError {
+            throw error
+        } catch {
+            throw PresenceError(.internal, "unexpected failure", underlying: error)
+        }
+    }
+
+    static func presenceError(_ error: RedisError) -> PresenceError {
+        switch error.code {
+        case .server where error.serverErrorPrefix == "TOO_MANY_DEVICES":
+            return PresenceError(.limitReached, String(error.message.drop { $0 != " " }.dropFirst()), underlying: error)
+        case .server, .protocolViolation:
+            return PresenceError(.internal, "the presence store failed a command", underlying: error)
+        default:
+            return PresenceError(.unavailable, "the presence store is unreachable", underlying: error)
+        }
+    }
+
+    static func timestamp(_ value: RESPValue) -> Int64? {
+        guard let number = value.int, number > 0 else { return nil }
+        return Int64(number)
+    }
+
+    /// Reads finish()'s array: changed, status, last_seen, shown changed, shown status, shown last_seen.
+    static func change(from values: [RESPValue], user: String) throws(PresenceError) -> PresenceChange {
+        guard values.count >= 6,
+              let status = values[1].string.flatMap(PresenceStatus.init(rawValue:)),
+              let shownStatus = values[4].string.flatMap(PresenceStatus.init(rawValue:))
+        else { throw PresenceError(.internal, "unexpected reply from a presence script") }
+        let real = Presence(userID: user, status: status, lastSeen: timestamp(values[2]))
+        let shown = Presence(userID: user, status: shownStatus, lastSeen: timestamp(values[5]))
+        return PresenceChange(
+            changed: values[0].int == 1,
+            shownChanged: values[3].int == 1,
+            views: PresenceViews(real: real, shown: shown, hidden: shown != real)
+        )
+    }
+}

@@ -1,0 +1,215 @@
+import RedisClient
+
+/// The Lua scripts that change presence atomically. Each touches the keys of one user (one hash
+/// slot, `{u:ID}`), recomputes the aggregate and publishes on the user's channel only when the
+/// aggregate (or the view others have of it) changed.
+///
+/// A device is stored as one field of the user's devices hash:
+/// `status|node|session|since|deadline|alive` — `node` and `session` are empty for a REST
+/// device or a lingering one, `deadline` is 0 while a live session on a leased node holds the
+/// device, and `alive` is the last moment the device was known to be alive (all times in ms).
+enum PresenceScripts {
+    /// Shared by every script: parsing a device, the aggregate, and the finishing step.
+    private static let prelude = """
+    local function parse(raw)
+      local s, n, ses, since, dl, alive = string.match(raw, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
+      return {status = s, node = n, session = ses, since = tonumber(since), deadline = tonumber(dl), alive = tonumber(alive)}
+    end
+    local function encode(d)
+      return d.status .. '|' .. d.node .. '|' .. d.session .. '|' .. d.since .. '|' .. d.deadline .. '|' .. d.alive
+    end
+    local function aggregate(devicesKey)
+      local all = redis.call('HGETALL', devicesKey)
+      local best = 'offline'
+      for i = 2, #all, 2 do
+        local s = string.match(all[i], '^([^|]*)')
+        if s == 'online' then return 'online' end
+        if s == 'away' then best = 'away' end
+      end
+      return best
+    end
+    local function view(status, lastSeen, hidden, hiddenLastSeen)
+      if hidden == '1' then return 'offline', hiddenLastSeen end
+      return status, lastSeen
+    end
+    -- Stores the new aggregate, publishes if anything visible changed, and returns
+    -- {changed, status, last_seen, public_changed, public_status, public_last_seen}.
+    local function finish(stateKey, devicesKey, channel, now, removedAlive, user)
+      local old = redis.call('HMGET', stateKey, 'status', 'last_seen', 'hidden', 'hidden_last_seen')
+      local oldStatus = old[1] or 'offline'
+      local lastSeen = tonumber(old[2] or '0')
+      local newStatus = aggregate(devicesKey)
+      if removedAlive > lastSeen then lastSeen = removedAlive end
+      if newStatus ~= 'offline' then lastSeen = now end
+      local hidden = old[3] or '0'
+      local hiddenLastSeen = tonumber(old[4] or '0')
+      local oldPublicStatus, oldPublicSeen = view(oldStatus, tonumber(old[2] or '0'), hidden, hiddenLastSeen)
+      local publicStatus, publicSeen = view(newStatus, lastSeen, hidden, hiddenLastSeen)
+      local changed = newStatus ~= oldStatus
+      local publicChanged = publicStatus ~= oldPublicStatus or (publicStatus == 'offline' and publicSeen ~= oldPublicSeen)
+      redis.call('HSET', stateKey, 'status', newStatus, 'last_seen', lastSeen)
+      if redis.call('EXISTS', devicesKey) == 1 then
+        redis.call('PEXPIRE', devicesKey, ARGV[#ARGV])
+      end
+      if changed or publicChanged then
+        redis.call('PUBLISH', channel, cjson.encode({type = 'presence', user_id = user, status = newStatus,
+          last_seen = lastSeen, public_status = publicStatus, public_last_seen = publicSeen,
+          changed = changed, public_changed = publicChanged, at = now}))
+      end
+      return {changed and 1 or 0, newStatus, tostring(lastSeen), publicChanged and 1 or 0, publicStatus, tostring(publicSeen)}
+    end
+    """
+
+    /// Adds or updates a device. KEYS: devices, state. ARGV: now, user, device, status, node,
+    /// session, deadline, max devices, channel, mode (`session` or `rest`), device TTL.
+    /// Returns finish()'s array plus the previous session and its node, or an error reply
+    /// `TOO_MANY_DEVICES`.
+    static let upsertDevice = RedisScript(prelude + """
+
+    local now = tonumber(ARGV[1])
+    local user, device, status, node, session = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+    local deadline, maxDevices, channel, mode = tonumber(ARGV[7]), tonumber(ARGV[8]), ARGV[9], ARGV[10]
+    local raw = redis.call('HGET', KEYS[1], device)
+    local prevSession, prevNode = '', ''
+    local since = now
+    if raw then
+      local d = parse(raw)
+      prevSession, prevNode = d.session, d.node
+      if d.status == status then since = d.since end
+      if mode == 'rest' and d.deadline == 0 and d.node ~= '' then
+        -- A REST post for a device that a live session holds changes its status only.
+        node, session, deadline = d.node, d.session, 0
+      end
+    elseif maxDevices > 0 and redis.call('HLEN', KEYS[1]) >= maxDevices then
+      return redis.error_reply('TOO_MANY_DEVICES the user has ' .. maxDevices .. ' devices already')
+    end
+    redis.call('HSET', KEYS[1], device, encode({status = status, node = node, session = session, since = since, deadline = deadline, alive = now}))
+    local result = finish(KEYS[2], KEYS[1], channel, now, 0, user)
+    table.insert(result, prevSession)
+    table.insert(result, prevNode)
+    return result
+    """)
+
+    /// Takes a device away. KEYS: devices, state. ARGV: now, user, device, session ('' for any),
+    /// mode, linger deadline, channel, device TTL. Modes: `clean` removes at once; `linger` keeps
+    /// the device live until the deadline without its session; `expire` removes it only if its
+    /// deadline has passed. Returns finish()'s array, or {-1, deadline} when nothing was done
+    /// (another session holds the device, or it is not due yet), or {-2} when there is no such device.
+    static let removeDevice = RedisScript(prelude + """
+
+    local now = tonumber(ARGV[1])
+    local user, device, session, mode, lingerDeadline, channel = ARGV[2], ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6]), ARGV[7]
+    local raw = redis.call('HGET', KEYS[1], device)
+    if not raw then return {-2} end
+    local d = parse(raw)
+    if session ~= '' and d.session ~= session then return {-1, tostring(d.deadline)} end
+    if mode == 'linger' then
+      d.node, d.session, d.deadline, d.alive = '', '', lingerDeadline, now
+      redis.call('HSET', KEYS[1], device, encode(d))
+      return {-1, tostring(lingerDeadline)}
+    end
+    local alive = now
+    if mode == 'expire' then
+      if d.deadline == 0 or d.deadline > now then return {-1, tostring(d.deadline)} end
+      alive = d.alive
+    end
+    redis.call('HDEL', KEYS[1], device)
+    return finish(KEYS[2], KEYS[1], channel, now, alive, user)
+    """)
+
+    /// Removes every device a dead node's sessions held. KEYS: devices, state. ARGV: now, user,
+    /// node, the node's last renewal, channel, device TTL. Returns finish()'s array, or {-2} when
+    /// the node held none of this user's devices.
+    static let reapNode = RedisScript(prelude + """
+
+    local now = tonumber(ARGV[1])
+    local user, node, renewed, channel = ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
+    local all = redis.call('HGETALL', KEYS[1])
+    local removed = 0
+    for i = 1, #all, 2 do
+      local d = parse(all[i + 1])
+      if d.node == node and d.deadline == 0 then
+        redis.call('HDEL', KEYS[1], all[i])
+        removed = removed + 1
+      end
+    end
+    if removed == 0 then return {-2} end
+    return finish(KEYS[2], KEYS[1], channel, now, renewed, user)
+    """)
+
+    /// Turns `show_online_status` on or off. KEYS: devices, state. ARGV: now, user, show (1/0),
+    /// channel, device TTL. Returns finish()'s array.
+    static let setPrivacy = RedisScript(prelude + """
+
+    local now = tonumber(ARGV[1])
+    local user, show, channel = ARGV[2], ARGV[3], ARGV[4]
+    local state = redis.call('HMGET', KEYS[2], 'status', 'last_seen', 'hidden')
+    local wasHidden = state[3] == '1'
+    if show == '0' and not wasHidden then
+      local status = state[1] or 'offline'
+      local seen = tonumber(state[2] or '0')
+      if status ~= 'offline' then seen = now end
+      redis.call('HSET', KEYS[2], 'hidden', '1', 'hidden_last_seen', seen)
+      -- Others saw online/away until now; an offline user keeps the last_seen they already show.
+      local publicChanged = status ~= 'offline'
+      if publicChanged then
+        redis.call('PUBLISH', channel, cjson.encode({type = 'presence', user_id = user, status = status,
+          last_seen = seen, public_status = 'offline', public_last_seen = seen,
+          changed = false, public_changed = true, at = now}))
+      end
+      return {0, status, tostring(seen), publicChanged and 1 or 0, 'offline', tostring(seen)}
+    elseif show == '1' and wasHidden then
+      redis.call('HSET', KEYS[2], 'hidden', '0')
+      local status = state[1] or 'offline'
+      local seen = tonumber(state[2] or '0')
+      if status ~= 'offline' then seen = now end
+      redis.call('PUBLISH', channel, cjson.encode({type = 'presence', user_id = user, status = status,
+        last_seen = seen, public_status = status, public_last_seen = seen,
+        changed = false, public_changed = true, at = now}))
+      return {0, status, tostring(seen), 1, status, tostring(seen)}
+    end
+    local status, seen = view(state[1] or 'offline', tonumber(state[2] or '0'), state[3] or '0', 0)
+    return {0, state[1] or 'offline', state[2] or '0', 0, status, tostring(seen)}
+    """)
+
+    /// Reads a user. KEYS: devices, state. ARGV: now. Returns {status, last_seen, hidden,
+    /// hidden_last_seen, seen_ever}; a stored aggregate whose devices are all gone (their safety
+    /// TTL ran out with every node dead) reads as offline.
+    static let read = RedisScript("""
+    local s = redis.call('HMGET', KEYS[2], 'status', 'last_seen', 'hidden', 'hidden_last_seen')
+    local status = s[1] or 'offline'
+    if status ~= 'offline' and redis.call('EXISTS', KEYS[1]) == 0 then status = 'offline' end
+    return {status, s[2] or '0', s[3] or '0', s[4] or '0', s[2] and 1 or 0}
+    """)
+
+    /// Claims up to ARGV[3] due entries of a deadline sorted set (KEYS[1]): entries scored at or
+    /// before ARGV[1] are re-scored to ARGV[2] (a retry time, should the claimer die) and
+    /// returned with their old scores, so exactly one reaper works on each.
+    static let claimDue = RedisScript("""
+    local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'WITHSCORES', 'LIMIT', 0, tonumber(ARGV[3]))
+    for i = 1, #due, 2 do
+      redis.call('ZADD', KEYS[1], ARGV[2], due[i])
+    end
+    return due
+    """)
+
+    /// Removes member ARGV[1] from sorted set KEYS[1] only if its score is still ARGV[2].
+    static let removeIfScore = RedisScript("""
+    local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+    if score and tonumber(score) == tonumber(ARGV[2]) then
+      return redis.call('ZREM', KEYS[1], ARGV[1])
+    end
+    return 0
+    """)
+
+    /// Renews a node's lease. KEYS: lease, nodes registry. ARGV: now, lease ms, node id.
+    /// Returns 1, or 0 when the lease was gone (reaped, or Redis lost its data): the caller
+    /// re-registers, which recreates it with `register`.
+    static let renewLease = RedisScript("""
+    if redis.call('SET', KEYS[1], ARGV[1], 'XX', 'PX', ARGV[2]) then
+      redis.call('ZADD', KEYS[2], tonumber(ARGV[1]) + tonumber(ARGV[2]), ARGV[3])
+      return 1
+    end
+    return 0
+    """)
+}

@@ -1,0 +1,61 @@
+import Logging
+import RedisClient
+import ServiceLifecycle
+
+/// Keeps this node's lease: renews it every third of the lease TTL, re-registers every session
+/// when it finds the lease gone, and gives it up on graceful shutdown.
+public struct PresenceLeaseService: Service {
+    let engine: PresenceEngine
+
+    /// A lease service for `engine`.
+    public init(engine: PresenceEngine) { self.engine = engine }
+
+    public func run() async throws {
+        let interval = engine.configuration.leaseTTL / 3
+        let refreshEvery = max(1, Int(engine.configuration.deviceKeyTTL.milliseconds / 3 / max(1, interval.milliseconds)))
+        var registered = false
+        var tick = 0
+        while !Task.isShuttingDownGracefully, !Task.isCancelled {
+            do {
+                if !registered {
+                    try await engine.registerNode()
+                    registered = true
+                } else if try await !engine.renewLease() {
+                    engine.logger.warning("this node's lease was gone; registering its sessions again", metadata: ["presence.node_id": "\(engine.configuration.nodeID)"])
+                    try await engine.reregister()
+                }
+                tick += 1
+                if tick % refreshEvery == 0 { try await engine.refreshDeviceKeys() }
+            } catch {
+                engine.logger.warning("cannot renew the lease", metadata: ["error": "\(error)"])
+            }
+            try? await cancelWhenGracefulShutdown { try await Task.sleep(for: interval) }
+        }
+        do {
+            try await engine.deregisterNode()
+        } catch {
+            engine.logger.warning("cannot give up the lease", metadata: ["error": "\(error)"])
+        }
+    }
+}
+
+/// Runs the reaper on a fixed interval (at most a second), on every node.
+public struct PresenceReaperService: Service {
+    let engine: PresenceEngine
+
+    /// A reaper for `engine`.
+    public init(engine: PresenceEngine) { self.engine = engine }
+
+    public func run() async throws {
+        while !Task.isShuttingDownGracefully, !Task.isCancelled {
+            do {
+                var report = try await engine.reapOnce()
+                // A full page means more is due: keep going without waiting.
+                while report.expiredDevices >= 500 { report = try await engine.reapOnce() }
+            } catch {
+                engine.logger.debug("reaper pass failed", metadata: ["error": "\(error)"])
+            }
+            try? await cancelWhenGracefulShutdown { try await Task.sleep(for: engine.configuration.reaperInterval) }
+        }
+    }
+}

@@ -1,0 +1,71 @@
+import Logging
+import NIOConcurrencyHelpers
+import PresenceEngine
+import RedisClient
+import RedisTestSupport
+
+/// A clock the test moves by hand.
+final class ManualClock: PresenceClock {
+    private let now = NIOLockedValueBox<Int64>(1_800_000_000_000)
+    func nowMilliseconds() -> Int64 { now.withLockedValue { $0 } }
+    func advance(_ duration: Duration) {
+        let step = duration.components.seconds * 1000 + duration.components.attoseconds / 1_000_000_000_000_000
+        now.withLockedValue { $0 += step }
+    }
+}
+
+/// Engines for several simulated nodes sharing one Redis client and one key prefix.
+struct EngineCluster {
+    let redis: RedisClient
+    let clock = ManualClock()
+    let prefix = TestRedis.uniquePrefix("engine")
+
+    func engine(node: String, visibility: Visibility = .conversations, maxDevices: Int = 32) -> PresenceEngine {
+        PresenceEngine(
+            redis: redis,
+            configuration: PresenceConfiguration(keyPrefix: prefix, nodeID: node, visibility: visibility, maxDevicesPerUser: maxDevices),
+            clock: clock,
+            logger: TestRedis.logger()
+        )
+    }
+
+    /// Deletes every key under the prefix, as a Redis that lost its data would.
+    func wipe() async throws {
+        var cursor = "0"
+        repeat {
+            let page = try await redis.send("SCAN", RedisArgument(cursor), "MATCH", RedisArgument(prefix + ":*"), "COUNT", "1000")
+            cursor = page.array?[0].string ?? "0"
+            let keys = page.array?[1].strings ?? []
+            if !keys.isEmpty { try await redis.send([RedisArgument("DEL")] + keys.map { RedisArgument($0) }) }
+        } while cursor != "0"
+    }
+
+    static func with(_ body: (EngineCluster) async throws -> Void) async throws {
+        try await RedisClient.withClient(configuration: TestRedis.configuration(), logger: TestRedis.logger()) { redis in
+            let cluster = EngineCluster(redis: redis)
+            defer { Task { try? await cluster.wipe() } }
+            try await body(cluster)
+        }
+    }
+}
+
+/// Collects the presence events published on some users' channels.
+final class EventRecorder: Sendable {
+    private let received = NIOLockedValueBox<[PresenceEvent]>([])
+    var events: [PresenceEvent] { received.withLockedValue { $0 } }
+    func append(_ event: PresenceEvent) { received.withLockedValue { $0.append(event) } }
+}
+
+func withRecorder(_ engine: PresenceEngine, users: [String], _ body: (EventRecorder) async throws -> Void) async throws {
+    try await RedisSubscriber.withSubscriber(configuration: TestRedis.configuration(), logger: TestRedis.logger()) { subscriber in
+        try await subscriber.subscribe(users.map { engine.keys.userChannel($0) })
+        let recorder = EventRecorder()
+        let listener = Task {
+            for await event in subscriber.events {
+                if case .message(_, let payload) = event, let decoded = engine.decodeEvent(payload) { recorder.append(decoded) }
+            }
+        }
+        defer { listener.cancel() }
+        try await body(recorder)
+    }
+}

@@ -1,0 +1,214 @@
+import PresenceEngine
+import RedisClient
+import RedisTestSupport
+import Testing
+
+@Suite("Presence engine rules against a real Redis")
+struct PresenceEngineTests {
+    @Test("several devices: online wins over away; the user is offline only when every device is gone")
+    func multiDevice() async throws {
+        try await EngineCluster.with { cluster in
+            let node = cluster.engine(node: "n1")
+            let phone = try await node.connect(user: "alice", device: "phone", session: "s1")
+            #expect(phone.change.changed && phone.change.views.real.status == .online)
+            let laptop = try await node.connect(user: "alice", device: "laptop", session: "s2", status: .away)
+            #expect(!laptop.change.changed, "online stays online when a second device is away")
+            cluster.clock.advance(.seconds(5))
+            let afterPhone = try await node.disconnect(user: "alice", device: "phone", session: "s1", clean: true)
+            #expect(afterPhone?.changed == true && afterPhone?.views.real.status == .away)
+            cluster.clock.advance(.seconds(5))
+            let goneAt = cluster.clock.nowMilliseconds()
+            let last = try await node.disconnect(user: "alice", device: "laptop", session: "s2", clean: true)
+            #expect(last?.views.real == Presence(userID: "alice", status: .offline, lastSeen: goneAt))
+            let read = try await node.views(of: "alice")
+            #expect(read.real.status == .offline && read.real.lastSeen == goneAt)
+            let never = try await node.views(of: "nobody")
+            #expect(never.real == Presence(userID: "nobody", status: .offline, lastSeen: nil))
+        }
+    }
+
+    @Test("an abrupt drop lingers; a reconnect within the linger publishes nothing; expiry sets last_seen to the drop")
+    func lingerAndReclaim() async throws {
+        try await EngineCluster.with { cluster in
+            let a = cluster.engine(node: "a")
+            let b = cluster.engine(node: "b")
+            try await withRecorder(a, users: ["bob"]) { recorder in
+                _ = try await a.connect(user: "bob", device: "phone", session: "s1")
+                #expect(await eventually { recorder.events.count == 1 })
+                let dropped = try await a.disconnect(user: "bob", device: "phone", session: "s1", clean: false)
+                #expect(dropped == nil, "a lingering device changes nothing")
+                cluster.clock.advance(.seconds(2))
+                let back = try await b.connect(user: "bob", device: "phone", session: "s2")
+                #expect(!back.change.changed && !back.change.shownChanged)
+                cluster.clock.advance(.seconds(10))
+                let report = try await a.reapOnce()
+                #expect(report.expiredDevices == 0, "the reconnected device is held by a session again")
+                #expect(try await a.views(of: "bob").real.status == .online)
+
+                let droppedAt = cluster.clock.nowMilliseconds()
+                _ = try await b.disconnect(user: "bob", device: "phone", session: "s2", clean: false)
+                cluster.clock.advance(.seconds(2))
+                #expect(try await a.reapOnce().expiredDevices == 0, "still within the linger window")
+                cluster.clock.advance(.seconds(2))
+                #expect(try await a.reapOnce().expiredDevices == 1)
+                let read = try await a.views(of: "bob")
+                #expect(read.real == Presence(userID: "bob", status: .offline, lastSeen: droppedAt))
+                #expect(await eventually { recorder.events.count == 2 })
+                #expect(recorder.events.map(\.views.real.status) == [.online, .offline])
+            }
+        }
+    }
+
+    @Test("REST devices stay live for the heartbeat TTL after their last post")
+    func heartbeatExpiry() async throws {
+        try await EngineCluster.with { cluster in
+            let engine = cluster.engine(node: "n1")
+            _ = try await engine.post(user: "carol", device: "web", status: .online)
+            cluster.clock.advance(.seconds(50))
+            let postedAt = cluster.clock.nowMilliseconds()
+            let renewed = try await engine.post(user: "carol", device: "web", status: .away)
+            #expect(renewed.changed && renewed.views.real.status == .away)
+            cluster.clock.advance(.seconds(59))
+            #expect(try await engine.reapOnce().expiredDevices == 0)
+            cluster.clock.advance(.seconds(2))
+            #expect(try await engine.reapOnce().expiredDevices == 1)
+            #expect(try await engine.views(of: "carol").real == Presence(userID: "carol", status: .offline, lastSeen: postedAt))
+            _ = try await engine.post(user: "carol", device: "web", status: .online)
+            let off = try await engine.post(user: "carol", device: "web", status: .offline)
+            #expect(off.views.real.status == .offline, "posting offline takes the device away at once")
+        }
+    }
+
+    @Test("a dead node's devices go offline with last_seen at its last renewal; exactly one reaper does it")
+    func nodeDeath() async throws {
+        try await EngineCluster.with { cluster in
+            let dying = cluster.engine(node: "dying")
+            let survivor = cluster.engine(node: "survivor")
+            let other = cluster.engine(node: "other")
+            try await dying.registerNode()
+            try await survivor.registerNode()
+            _ = try await dying.connect(user: "dave", device: "phone", session: "s1")
+            _ = try await dying.connect(user: "erin", device: "phone", session: "s2")
+            _ = try await survivor.connect(user: "erin", device: "laptop", session: "s3", status: .away)
+            cluster.clock.advance(.seconds(3))
+            #expect(try await dying.renewLease())
+            let lastRenewal = cluster.clock.nowMilliseconds()
+            cluster.clock.advance(.seconds(6))
+            #expect(try await survivor.renewLease())
+            cluster.clock.advance(.seconds(3))
+            #expect(try await survivor.reapOnce().nodes.isEmpty, "the lease has not lapsed yet")
+            cluster.clock.advance(.seconds(2))
+            #expect(try await survivor.renewLease())
+            async let first = survivor.reapOnce()
+            async let second = other.reapOnce()
+            let reports = try await [first, second]
+            #expect(reports.flatMap(\.nodes) == ["dying"], "exactly one reaper takes the dead node")
+            #expect(try await survivor.views(of: "dave").real == Presence(userID: "dave", status: .offline, lastSeen: lastRenewal))
+            #expect(try await survivor.views(of: "erin").real.status == .away, "erin's device on the live node keeps her away")
+            #expect(try await survivor.nodes().map(\.nodeID) == ["survivor"])
+        }
+    }
+
+    @Test("a node whose lease is gone re-registers every session it holds")
+    func leaseLoss() async throws {
+        try await EngineCluster.with { cluster in
+            let node = cluster.engine(node: "n1")
+            try await node.registerNode()
+            _ = try await node.connect(user: "frank", device: "phone", session: "s1", status: .away)
+            _ = try await node.connect(user: "gina", device: "phone", session: "s2")
+            try await cluster.wipe()
+            #expect(try await node.views(of: "frank").real.status == .offline)
+            #expect(try await !node.renewLease())
+            #expect(try await node.reregister() == 2)
+            #expect(try await node.views(of: "frank").real.status == .away)
+            #expect(try await node.views(of: "gina").real.status == .online)
+            #expect(try await node.renewLease())
+        }
+    }
+
+    @Test("a newer session takes a device over; closing the older one changes nothing")
+    func takeover() async throws {
+        try await EngineCluster.with { cluster in
+            let a = cluster.engine(node: "a")
+            let b = cluster.engine(node: "b")
+            _ = try await a.connect(user: "hal", device: "phone", session: "old")
+            let newer = try await b.connect(user: "hal", device: "phone", session: "new")
+            #expect(newer.replaced?.node == "a" && newer.replaced?.session == "old")
+            #expect(try await a.disconnect(user: "hal", device: "phone", session: "old", clean: true) == nil)
+            #expect(try await b.views(of: "hal").real.status == .online)
+        }
+    }
+
+    @Test("privacy: others see offline with the last_seen of the moment it was turned off; the user sees the truth")
+    func privacy() async throws {
+        try await EngineCluster.with { cluster in
+            let engine = cluster.engine(node: "n1")
+            try await withRecorder(engine, users: ["ivy"]) { recorder in
+                _ = try await engine.connect(user: "ivy", device: "phone", session: "s1")
+                cluster.clock.advance(.seconds(10))
+                let hiddenAt = cluster.clock.nowMilliseconds()
+                let hidden = try await engine.setPrivacy(user: "ivy", showOnlineStatus: false)
+                #expect(hidden.shownChanged && hidden.views.shown == Presence(userID: "ivy", status: .offline, lastSeen: hiddenAt))
+                cluster.clock.advance(.seconds(10))
+                let away = try await engine.setStatus(user: "ivy", device: "phone", session: "s1", status: .away)
+                #expect(away.changed && !away.shownChanged, "a hidden user's changes reach nobody else")
+                let read = try await engine.views(of: "ivy")
+                #expect(read.seen(by: "someone") == Presence(userID: "ivy", status: .offline, lastSeen: hiddenAt))
+                #expect(read.seen(by: "ivy").status == .away)
+                #expect(await eventually { recorder.events.count == 3 })
+                let others = recorder.events.compactMap { $0.update(for: "someone") }
+                #expect(others.map(\.status) == [.online, .offline], "others only saw online, then the hide")
+                #expect(others.last?.lastSeen == hiddenAt)
+                let shown = try await engine.setPrivacy(user: "ivy", showOnlineStatus: true)
+                #expect(shown.views.shown.status == .away)
+            }
+        }
+    }
+
+    @Test("visibility: conversations share presence; open sees anyone; membership changes apply")
+    func visibility() async throws {
+        try await EngineCluster.with { cluster in
+            let engine = cluster.engine(node: "n1")
+            let open = cluster.engine(node: "n2", visibility: .open)
+            try await engine.setMembers(of: "team", to: ["jack", "kate", "liam"])
+            try await engine.setMembers(of: "pair", to: ["kate", "mia"])
+            #expect(try await engine.canSee(viewer: "jack", target: "kate"))
+            #expect(try await !engine.canSee(viewer: "jack", target: "mia"))
+            #expect(try await engine.canSee(viewer: "mia", target: "mia"))
+            #expect(try await open.canSee(viewer: "jack", target: "mia"))
+            #expect(try await engine.contacts(of: "kate") == ["jack", "liam", "mia"])
+            let change = try await engine.setMembers(of: "team", to: ["jack", "mia"])
+            #expect(change.added == ["mia"] && change.removed == ["kate", "liam"])
+            #expect(try await engine.canSee(viewer: "jack", target: "mia"))
+            #expect(try await !engine.canSee(viewer: "jack", target: "kate"))
+            #expect(try await engine.removeMember(from: "team", "mia"))
+            #expect(try await !engine.removeMember(from: "team", "mia"))
+            #expect(try await engine.deleteConversation("pair"))
+            #expect(try await engine.members(of: "pair") == nil)
+            #expect(try await engine.contacts(of: "kate") == [])
+        }
+    }
+
+    @Test("the per-user device limit refuses one more device with a clear error")
+    func deviceLimit() async throws {
+        try await EngineCluster.with { cluster in
+            let engine = cluster.engine(node: "n1", maxDevices: 2)
+            _ = try await engine.connect(user: "nina", device: "d1", session: "s1")
+            _ = try await engine.connect(user: "nina", device: "d2", session: "s2")
+            await #expect(throws: PresenceError.self) { _ = try await engine.connect(user: "nina", device: "d3", session: "s3") }
+            _ = try await engine.connect(user: "nina", device: "d2", session: "s4")
+            #expect(try await engine.devices(of: "nina").map(\.deviceID) == ["d1", "d2"])
+        }
+    }
+
+    @Test("ids are checked as API.md says")
+    func ids() {
+        #expect(PresenceID.isValid("alice@example.com"))
+        #expect(PresenceID.isValid("a.b_c:d-e"))
+        #expect(!PresenceID.isValid(""))
+        #expect(!PresenceID.isValid(String(repeating: "x", count: 129)))
+        #expect(!PresenceID.isValid("a b"))
+        #expect(!PresenceID.isValid("a|b"))
+        #expect(!PresenceID.isValid("ü"))
+    }
+}
