@@ -101,8 +101,13 @@ public final class PresenceEngine: Sendable {
                             clean ? "clean" : "linger", RedisArgument(Int(lingerDeadline)), RedisArgument(self.keys.userChannel(user)), self.deviceTTLArgument]
             )
         }
-        _ = try? await redis.send("SREM", RedisArgument(keys.nodeDevices(configuration.nodeID)), RedisArgument(member))
-        guard let values = reply.array, let first = values.first?.int, first >= 0 else { return nil }
+        let values = reply.array ?? []
+        if values.first?.int != -3 {
+            // Not held by this session any more; unless another session took it over (possibly
+            // on this very node), drop it from the node's index.
+            _ = try? await redis.send("SREM", RedisArgument(keys.nodeDevices(configuration.nodeID)), RedisArgument(member))
+        }
+        guard let first = values.first?.int, first >= 0 else { return nil }
         return try Self.change(from: values, user: user)
     }
 

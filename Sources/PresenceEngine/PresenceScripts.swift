@@ -93,8 +93,9 @@ enum PresenceScripts {
     /// Takes a device away. KEYS: devices, state. ARGV: now, user, device, session ('' for any),
     /// mode, linger deadline, channel, device TTL. Modes: `clean` removes at once; `linger` keeps
     /// the device live until the deadline without its session; `expire` removes it only if its
-    /// deadline has passed. Returns finish()'s array, or {-1, deadline} when nothing was done
-    /// (another session holds the device, or it is not due yet), or {-2} when there is no such device.
+    /// deadline has passed. Returns finish()'s array; {-1, deadline} when the device stays live
+    /// (lingering, or not due yet); {-2} when there is no such device; {-3} when another session
+    /// holds it now.
     static let removeDevice = RedisScript(prelude + """
 
     local now = tonumber(ARGV[1])
@@ -102,7 +103,7 @@ enum PresenceScripts {
     local raw = redis.call('HGET', KEYS[1], device)
     if not raw then return {-2} end
     local d = parse(raw)
-    if session ~= '' and d.session ~= session then return {-1, tostring(d.deadline)} end
+    if session ~= '' and d.session ~= session then return {-3} end
     if mode == 'linger' then
       d.node, d.session, d.deadline, d.alive = '', '', lingerDeadline, now
       redis.call('HSET', KEYS[1], device, encode(d))
