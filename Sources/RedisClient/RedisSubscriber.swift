@@ -34,6 +34,7 @@ public final class RedisSubscriber: Service, Sendable {
 
     private struct State {
         var channels: Set<String> = []
+        var references: [String: Int] = [:]
         var connection: RedisConnection?
         var shutdown = false
     }
@@ -79,32 +80,73 @@ public final class RedisSubscriber: Service, Sendable {
         state.withLockedValue { $0.connection?.isActive ?? false }
     }
 
-    /// Adds channels and waits until Redis confirms them.
+    /// Adds channels (not counted: one unsubscribe removes them) and waits until Redis confirms them.
     ///
     /// The channels are wanted from this call on: if the connection is down this throws
     /// ``RedisError/Code/unavailable``, and they are subscribed on the next connection, which is
     /// announced with ``RedisSubscriberEvent/subscribed(reconnect:)``.
     public func subscribe(_ channels: [String]) async throws(RedisError) {
-        try await change(channels, command: "SUBSCRIBE") { $0.formUnion(channels) }
+        try await change(channels, command: "SUBSCRIBE") { state in
+            let added = channels.filter { !state.channels.contains($0) }
+            for channel in added { state.references[channel] = 1 }
+            return added
+        }
     }
 
     /// Removes channels; no message of theirs is delivered once this returns.
     public func unsubscribe(_ channels: [String]) async throws(RedisError) {
-        try await change(channels, command: "UNSUBSCRIBE") { $0.subtract(channels) }
+        try await change(channels, command: "UNSUBSCRIBE") { state in
+            let removed = channels.filter { state.channels.contains($0) }
+            for channel in removed { state.references[channel] = nil }
+            return removed
+        }
     }
 
-    private func change(_ channels: [String], command: RedisArgument, update: (inout Set<String>) -> Void) async throws(RedisError) {
+    /// Counts one more user of each channel, subscribing those that had none; waits for Redis.
+    ///
+    /// Reference counting happens under the same lock as the commands' order on the wire, so a
+    /// retain and a release of one channel from two tasks always leave Redis matching the counts.
+    /// If the connection is down this throws ``RedisError/Code/unavailable``; the channels are
+    /// subscribed on reconnect, announced by ``RedisSubscriberEvent/subscribed(reconnect:)``.
+    public func retain(_ channels: [String]) async throws(RedisError) {
+        try await change(channels, command: "SUBSCRIBE") { state in
+            channels.filter { channel in
+                state.references[channel, default: 0] += 1
+                return state.references[channel] == 1
+            }
+        }
+    }
+
+    /// Counts one user less of each channel, unsubscribing those that have none left.
+    public func release(_ channels: [String]) async throws(RedisError) {
+        try await change(channels, command: "UNSUBSCRIBE") { state in
+            channels.filter { channel in
+                guard let count = state.references[channel] else { return false }
+                if count <= 1 {
+                    state.references[channel] = nil
+                    return true
+                }
+                state.references[channel] = count - 1
+                return false
+            }
+        }
+    }
+
+    private func change(_ channels: [String], command: RedisArgument, update: (inout State) -> [String]) async throws(RedisError) {
         guard !channels.isEmpty else { return }
         // The wanted set and the order of commands on the wire change under one lock, so that a
         // subscribe and an unsubscribe of the same channel from two tasks cannot cross over.
-        let pending: EventLoopFuture<RESPValue>? = state.withLockedValue { state in
-            update(&state.channels)
+        let pending: EventLoopFuture<RESPValue>?? = state.withLockedValue { state in
+            let effective = update(&state)
+            if command == "SUBSCRIBE" { state.channels.formUnion(effective) } else { state.channels.subtract(effective) }
+            guard !effective.isEmpty else { return .some(nil) }
             guard let connection = state.connection, connection.isActive else { return nil }
-            return connection.enqueue([command] + channels.map { RedisArgument($0) }, expectedReplies: channels.count, flush: true)
+            return connection.enqueue([command] + effective.map { RedisArgument($0) }, expectedReplies: effective.count, flush: true)
         }
         guard let pending else {
             throw RedisError(.unavailable, "the subscriber is not connected to Redis; the change applies on reconnect")
         }
+        guard let pending else { return }
         let reply: RESPValue
         do {
             reply = try await pending.get()

@@ -1,0 +1,87 @@
+import Logging
+import Foundation
+import HTTPTypes
+import Hummingbird
+import PresenceEngine
+
+/// An error answer of API.md: `{"error": {"code", "message"}}` with its HTTP status.
+public struct APIError: Error, HTTPResponseError, Sendable {
+    /// The API.md code (`unauthorized`, `not_found`, ...).
+    public let code: String
+    /// Human readable text.
+    public let message: String
+    /// The HTTP status for REST.
+    public let status: HTTPResponse.Status
+    /// Seconds to wait, for `rate_limited`.
+    public var retryAfter: Int?
+
+    public static func unauthorized(_ message: String = "a valid bearer token is required") -> APIError { .init(code: "unauthorized", message: message, status: .unauthorized) }
+    public static func forbidden(_ message: String) -> APIError { .init(code: "forbidden", message: message, status: .forbidden) }
+    public static func notFound(_ message: String) -> APIError { .init(code: "not_found", message: message, status: .notFound) }
+    public static func invalid(_ message: String) -> APIError { .init(code: "invalid_request", message: message, status: .unprocessableContent) }
+    public static func rateLimited(_ message: String, retryAfter: Int) -> APIError {
+        .init(code: "rate_limited", message: message, status: .tooManyRequests, retryAfter: retryAfter)
+    }
+    public static func unavailable(_ message: String = "the presence store is unreachable; try again shortly") -> APIError {
+        .init(code: "unavailable", message: message, status: .serviceUnavailable)
+    }
+    public static func `internal`(_ message: String = "internal error") -> APIError { .init(code: "internal", message: message, status: .internalServerError) }
+
+    init(code: String, message: String, status: HTTPResponse.Status, retryAfter: Int? = nil) {
+        self.code = code
+        self.message = message
+        self.status = status
+        self.retryAfter = retryAfter
+    }
+
+    /// Maps any error to the answer a client gets; unknown errors become `internal`.
+    public static func from(_ error: any Error) -> APIError {
+        switch error {
+        case let error as APIError:
+            return error
+        case let error as PresenceError:
+            switch error.code {
+            case .unavailable: return .unavailable()
+            case .invalidRequest: return .invalid(error.message)
+            case .limitReached: return .rateLimited(error.message, retryAfter: 60)
+            case .internal: return .internal()
+            }
+        case let error as HTTPError where error.status == .notFound:
+            return .notFound("no such route")
+        case let error as HTTPError where error.status == .unauthorized:
+            return .unauthorized()
+        case let error as HTTPError where error.status.code < 500:
+            return .invalid(error.body ?? "the request is not valid")
+        case is DecodingError:
+            return .invalid("the body is not the JSON this route expects")
+        default:
+            return .internal()
+        }
+    }
+
+    /// The JSON body.
+    var body: [String: [String: String]] { ["error": ["code": code, "message": message]] }
+
+    public func response(from request: Request, context: some RequestContext) throws -> Response {
+        var headers: HTTPFields = [.contentType: "application/json; charset=utf-8"]
+        if let retryAfter { headers[.retryAfter] = String(retryAfter) }
+        let data = (try? JSONSerialization.data(withJSONObject: body, options: [.sortedKeys])) ?? Data("{}".utf8)
+        return Response(status: status, headers: headers, body: .init(byteBuffer: ByteBuffer(bytes: data)))
+    }
+}
+
+/// Turns every error a route throws into API.md's error body, so no route can answer otherwise.
+struct APIErrorMiddleware<Context: RequestContext>: RouterMiddleware {
+    func handle(_ request: Request, context: Context, next: (Request, Context) async throws -> Response) async throws -> Response {
+        do {
+            return try await next(request, context)
+        } catch {
+            let apiError = APIError.from(error)
+            if apiError.code == "internal" {
+                context.logger.error("request failed", metadata: ["error": "\(error)"])
+            }
+            GatewayMetrics.errors(apiError.code)
+            throw apiError
+        }
+    }
+}

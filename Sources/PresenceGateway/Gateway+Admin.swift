@@ -1,0 +1,58 @@
+import Foundation
+import Hummingbird
+import PresenceEngine
+
+extension Gateway {
+    func addAdminRoutes(to router: Router<GatewayRequestContext>) {
+        router.put("/api/admin/conversations/{conversation_id}") { request, context in
+            try self.requireAdmin(request)
+            let conversation = try Self.pathID(context, "conversation_id", "conversation id")
+            let body = try await Self.decode(MembersBody.self, request, context)
+            let members = try Self.validIDs(body.member_ids)
+            try await self.engine.setMembers(of: conversation, to: members)
+            return Self.json(["conversation_id": conversation, "member_ids": Array(Set(members)).sorted()])
+        }
+        router.post("/api/admin/conversations/{conversation_id}/members") { request, context in
+            try self.requireAdmin(request)
+            let conversation = try Self.pathID(context, "conversation_id", "conversation id")
+            let body = try await Self.decode(UsersBody.self, request, context)
+            let users = try Self.validIDs(body.user_ids)
+            try await self.engine.addMembers(to: conversation, users)
+            return Self.json(["conversation_id": conversation, "member_ids": try await self.engine.members(of: conversation) ?? []])
+        }
+        router.delete("/api/admin/conversations/{conversation_id}/members/{user_id}") { request, context in
+            try self.requireAdmin(request)
+            let conversation = try Self.pathID(context, "conversation_id", "conversation id")
+            let user = try Self.pathID(context, "user_id", "user id")
+            guard try await self.engine.members(of: conversation) != nil else { throw APIError.notFound("no such conversation") }
+            let removed = try await self.engine.removeMember(from: conversation, user)
+            return Self.json(["conversation_id": conversation, "user_id": user, "removed": removed])
+        }
+        router.delete("/api/admin/conversations/{conversation_id}") { request, context in
+            try self.requireAdmin(request)
+            let conversation = try Self.pathID(context, "conversation_id", "conversation id")
+            guard try await self.engine.deleteConversation(conversation) else { throw APIError.notFound("no such conversation") }
+            return Self.json(["conversation_id": conversation, "deleted": true])
+        }
+        router.post("/api/admin/users/{user_id}/disconnect") { request, context in
+            try self.requireAdmin(request)
+            let user = try Self.pathID(context, "user_id", "user id")
+            try await self.hub.disconnectEverywhere(user: user)
+            return Self.json(["user_id": user])
+        }
+        router.get("/api/admin/nodes") { request, _ in
+            try self.requireAdmin(request)
+            let nodes = try await self.engine.nodes().filter { !$0.lapsed }
+            return Self.json(nodes.map { ["node_id": $0.nodeID, "sessions": $0.sessions, "lease_expires_at": Wire.timestamp($0.leaseExpiresAt)] })
+        }
+    }
+
+    struct MembersBody: Decodable { var member_ids: [String] }
+    struct UsersBody: Decodable { var user_ids: [String] }
+
+    static func validIDs(_ ids: [String]) throws(APIError) -> [String] {
+        guard ids.count <= 100_000 else { throw .invalid("at most 100000 ids at once") }
+        for id in ids where !PresenceID.isValid(id) { throw .invalid("user ids must be 1-128 characters of A-Z a-z 0-9 . _ : @ -") }
+        return ids
+    }
+}

@@ -1,0 +1,124 @@
+import RedisClient
+import Foundation
+import HTTPTypes
+import Hummingbird
+import NIOCore
+import PresenceEngine
+
+extension Gateway {
+    func addRESTRoutes(to router: Router<GatewayRequestContext>) {
+        router.get("/healthz") { _, _ in Self.json(["status": "ok"]) }
+        router.get("/readyz") { _, _ in
+            guard self.engine.redis.isConnected, self.hub.subscriber.isConnected else { throw APIError.unavailable() }
+            return Self.json(["status": "ready"])
+        }
+        router.get("/metrics") { _, _ in
+            Response(status: .ok, headers: [.contentType: "text/plain; version=0.0.4"], body: .init(byteBuffer: ByteBuffer(string: GatewayMetrics.render())))
+        }
+        router.post("/api/presence/status") { request, context in
+            let user = try await self.authenticate(request)
+            let body = try await Self.decode(StatusBody.self, request, context)
+            guard let status = PresenceStatus(rawValue: body.status) else { throw APIError.invalid("status must be one of online, away, offline") }
+            let device = body.device_id ?? "rest"
+            guard PresenceID.isValid(device) else { throw APIError.invalid("device_id must be 1-128 characters of A-Z a-z 0-9 . _ : @ -") }
+            if let wait = self.restLimiter.take(user.userID) { throw APIError.rateLimited("too many status posts", retryAfter: wait) }
+            let change = try await self.engine.post(user: user.userID, device: device, status: status)
+            if change.changed { GatewayMetrics.transition() }
+            return Self.json(Wire.presence(change.views.real))
+        }
+        router.get("/api/presence/users") { request, _ in
+            let user = try await self.authenticate(request)
+            var targets: [String]
+            if let list = request.uri.queryParameters.get("user_ids") {
+                targets = list.split(separator: ",", omittingEmptySubsequences: false).map { String($0) }
+                guard targets.count <= self.configuration.maxIDsPerRequest else {
+                    throw APIError.invalid("at most \(self.configuration.maxIDsPerRequest) user ids per request")
+                }
+                for id in targets where !PresenceID.isValid(id) { throw APIError.invalid("user ids must be 1-128 characters of A-Z a-z 0-9 . _ : @ -") }
+                var seen = Set<String>()
+                targets = targets.filter { seen.insert($0).inserted }
+                var visible: [String] = []
+                for target in targets where try await self.engine.canSee(viewer: user.userID, target: target) { visible.append(target) }
+                targets = visible
+            } else {
+                targets = try await self.engine.contacts(of: user.userID)
+            }
+            let views = try await self.engine.views(of: targets)
+            return Self.json(views.map { Wire.presence($0.seen(by: user.userID), isTyping: false) })
+        }
+        router.get("/api/presence/users/{user_id}") { request, context in
+            let user = try await self.authenticate(request)
+            let target = try Self.pathID(context, "user_id", "user id")
+            guard try await self.engine.canSee(viewer: user.userID, target: target) else { throw APIError.notFound("no such user") }
+            let view = try await self.engine.views(of: target)
+            return Self.json(Wire.presence(view.seen(by: user.userID), isTyping: false))
+        }
+        router.put("/api/presence/privacy") { request, context in
+            let user = try await self.authenticate(request)
+            let body = try await Self.decode(PrivacyBody.self, request, context)
+            _ = try await self.engine.setPrivacy(user: user.userID, showOnlineStatus: body.show_online_status)
+            return Self.json(["show_online_status": body.show_online_status])
+        }
+        router.get("/api/conversations/{conversation_id}/presence") { request, context in
+            let user = try await self.authenticate(request)
+            let conversation = try Self.pathID(context, "conversation_id", "conversation id")
+            guard let members = try await self.engine.members(of: conversation) else { throw APIError.notFound("no such conversation") }
+            guard members.contains(user.userID) else { throw APIError.forbidden("you are not a member of this conversation") }
+            let presences = try await self.engine.views(of: members).map { $0.seen(by: user.userID) }
+            return Self.json([
+                "conversation_id": conversation,
+                "total": presences.count,
+                "online": presences.count { $0.status == .online },
+                "away": presences.count { $0.status == .away },
+                "members": presences.map { Wire.presence($0, isTyping: false) },
+            ])
+        }
+    }
+
+    struct StatusBody: Decodable {
+        var status: String
+        var device_id: String?
+    }
+
+    struct PrivacyBody: Decodable {
+        var show_online_status: Bool
+    }
+
+    /// A JSON response.
+    static func json(_ value: Any, status: HTTPResponse.Status = .ok) -> Response {
+        Response(status: status, headers: [.contentType: "application/json; charset=utf-8"], body: .init(byteBuffer: ByteBuffer(string: Wire.json(value))))
+    }
+
+    /// Decodes a JSON body of at most 64 KiB; anything else is 422 with the reason.
+    static func decode<T: Decodable>(_ type: T.Type, _ request: Request, _ context: GatewayRequestContext) async throws -> T {
+        var request = request
+        let buffer: ByteBuffer
+        do {
+            buffer = try await request.collectBody(upTo: 64 * 1024)
+        } catch {
+            throw APIError.invalid("the body must be JSON of at most 64 KiB")
+        }
+        do {
+            return try JSONDecoder().decode(T.self, from: Data(buffer.readableBytesView))
+        } catch {
+            throw APIError.invalid("the body is not the JSON this route expects: \(Self.describe(error))")
+        }
+    }
+
+    private static func describe(_ error: any Error) -> String {
+        switch error {
+        case DecodingError.keyNotFound(let key, _): return "missing field '\(key.stringValue)'"
+        case DecodingError.typeMismatch(_, let context): return "wrong type for '\(context.codingPath.map(\.stringValue).joined(separator: "."))'"
+        case DecodingError.valueNotFound(_, let context): return "null for '\(context.codingPath.map(\.stringValue).joined(separator: "."))'"
+        default: return "not valid JSON"
+        }
+    }
+
+    /// A path parameter that must be a valid id (422 otherwise).
+    static func pathID(_ context: GatewayRequestContext, _ name: String, _ what: String) throws(APIError) -> String {
+        guard let value = context.parameters.get(name), PresenceID.isValid(value) else {
+            throw .invalid("the \(what) must be 1-128 characters of A-Z a-z 0-9 . _ : @ -")
+        }
+        return value
+    }
+}

@@ -1,0 +1,100 @@
+import NIOCore
+import Foundation
+import Hummingbird
+import HummingbirdWebSocket
+import Logging
+import NIOWebSocket
+import PresenceEngine
+
+extension Gateway {
+    func addWebSocketRoute(to router: Router<GatewayRequestContext>) {
+        router.ws("/api/presence/subscribe", shouldUpgrade: { request, _ in
+            _ = try await self.authenticate(request, allowQuery: true)
+            _ = try Self.deviceID(request)
+            return .upgrade([:])
+        }, onUpgrade: { inbound, outbound, context in
+            await self.serve(inbound: inbound, outbound: outbound, request: context.request, channel: context.requestContext.channel)
+        })
+    }
+
+    static func deviceID(_ request: Request) throws(APIError) -> String {
+        guard let device = request.uri.queryParameters.get("device_id") else {
+            throw .invalid("device_id is required, as in /api/presence/subscribe?device_id=phone-1")
+        }
+        guard PresenceID.isValid(device) else { throw .invalid("device_id must be 1-128 characters of A-Z a-z 0-9 . _ : @ -") }
+        return device
+    }
+
+    private func serve(inbound: WebSocketInboundStream, outbound: WebSocketOutboundWriter, request: Request, channel: any Channel) async {
+        guard let user = try? await authenticate(request, allowQuery: true), let device = try? Self.deviceID(request) else {
+            try? await outbound.close(.unknown(4001), reason: "unauthorized")
+            return
+        }
+        let recorder = await CloseCodeRecorder.install(on: channel)
+        let session = Session(userID: user.userID, deviceID: device, queueLimit: configuration.outboundQueueLimit)
+        var logger = self.logger
+        logger[metadataKey: "presence.user_id"] = "\(user.userID)"
+        logger[metadataKey: "presence.device_id"] = "\(device)"
+        await hub.register(session)
+        do {
+            let opened = try await engine.connect(user: user.userID, device: device, session: session.id)
+            if opened.change.changed { GatewayMetrics.transition() }
+            if let replaced = opened.replaced { await hub.closeRemote(node: replaced.node, session: replaced.session) }
+            try await sendInitialState(to: session, user: user.userID)
+        } catch {
+            let apiError = APIError.from(error)
+            try? await outbound.writeTextMessage(Wire.error(apiError, id: nil))
+            try? await outbound.close(.unknown(apiError.code == "rate_limited" ? 4029 : 1011), reason: apiError.message)
+            await hub.unregister(session)
+            _ = try? await engine.disconnect(user: user.userID, device: device, session: session.id, clean: true)
+            return
+        }
+        logger.info("session opened")
+        let expiry = max(0, user.expiresAt.timeIntervalSinceNow)
+        await withTaskGroup(of: Void.self) { group in
+            group.addTask {
+                for await frame in session.outbound {
+                    guard case .text(let text) = frame else { continue }
+                    do { try await outbound.writeTextMessage(text) } catch { break }
+                }
+                let close = session.closeRequest ?? (1000, "")
+                try? await outbound.close(.init(codeNumber: Int(close.code)), reason: close.reason)
+            }
+            group.addTask {
+                try? await Task.sleep(for: .milliseconds(Int64(expiry * 1000)))
+                if !Task.isCancelled { session.close(code: 4001, reason: "the token has expired") }
+            }
+            var handler = WebSocketSession(gateway: self, session: session, user: user, logger: logger)
+            do {
+                for try await message in inbound.messages(maxSize: configuration.maxFrameSize) {
+                    guard case .text(let text) = message else {
+                        session.send(Wire.error(.invalid("frames must be JSON text, not binary"), id: nil))
+                        continue
+                    }
+                    if await !handler.handle(text) { break }
+                }
+            } catch {
+                logger.debug("session read failed", metadata: ["error": "\(error)"])
+            }
+            session.close(code: 1000, reason: "")
+            await group.next()
+            group.cancelAll()
+        }
+        await hub.unregister(session)
+        let serverClose = session.closeRequest?.code
+        let clean = recorder?.receivedCode == 1000 && serverClose == 1000 || session.deviceStatus.saidOffline || serverClose == 4003
+        _ = try? await engine.disconnect(user: user.userID, device: device, session: session.id, clean: clean)
+        logger.info("session closed", metadata: ["presence.clean": "\(clean)", "presence.close_code": "\(recorder?.receivedCode ?? serverClose ?? 0)"])
+    }
+
+    private func sendInitialState(to session: Session, user: String) async throws {
+        var presences: [Presence] = []
+        if configuration.visibility == .conversations {
+            let contacts = try await engine.contacts(of: user)
+            await hub.watch(session, contacts)
+            presences = try await engine.views(of: contacts).map { $0.seen(by: user) }
+            for presence in presences { _ = session.remember(presence) }
+        }
+        session.send(Wire.frame("initial_state", ["presences": presences.map { Wire.presence($0) }]))
+    }
+}

@@ -1,0 +1,141 @@
+import Foundation
+import Logging
+import PresenceEngine
+import RedisClient
+
+/// Everything a gateway node is configured with: API.md's environment variables and the limits.
+public struct GatewayConfiguration: Sendable {
+    /// Listen address.
+    public var host = "127.0.0.1"
+    /// Listen port (0 picks a free one, for tests).
+    public var port = 8080
+    /// The presence store.
+    public var redisURL = "redis://127.0.0.1:6379/0"
+    /// Prefix of every Redis key and channel.
+    public var keyPrefix = "presence"
+    /// This node's id.
+    public var nodeID = GatewayConfiguration.defaultNodeID()
+    /// HS256 secret (at least 32 bytes).
+    public var jwtSecret: String?
+    /// RS256/ES256 public key, PEM.
+    public var jwtPublicKey: String?
+    /// Admin bearer token; admin routes answer 404 without it.
+    public var adminToken: String?
+    /// Who may see whom.
+    public var visibility = Visibility.conversations
+    /// Node lease, seconds.
+    public var leaseTTL = 10
+    /// Linger after an abrupt drop, seconds.
+    public var linger = 3
+    /// REST heartbeat TTL, seconds.
+    public var heartbeatTTL = 60
+    /// Typing TTL, seconds.
+    public var typingTTL = 5
+    /// Log level.
+    public var logLevel = Logger.Level.info
+
+    /// Largest WebSocket frame accepted; larger ones close the session with 1009.
+    public var maxFrameSize = 16 * 1024
+    /// Most devices one user may have at once.
+    public var maxDevicesPerUser = 32
+    /// Most users one session may watch.
+    public var maxWatchedUsers = 5_000
+    /// Most ids in one `subscribe` / `unsubscribe` or `user_ids` query.
+    public var maxIDsPerRequest = 500
+    /// Status changes per second per session or REST user (token bucket rate; burst is twice).
+    public var statusRate = 5.0
+    /// Subscribes per second per session (burst twice).
+    public var subscribeRate = 5.0
+    /// Frames queued for a session before it is closed as too slow.
+    public var outboundQueueLimit = 1_024
+    /// Bad frames in a row answered with `error` before the session is closed with 1008.
+    public var maxBadFrames = 10
+    /// WebSocket ping interval; a session that misses a pong is closed and its device lingers.
+    public var pingInterval = Duration.seconds(20)
+
+    /// The defaults.
+    public init() {}
+
+    /// Reads API.md's `PRESENCE_*` variables over the defaults. Throws a message naming the
+    /// variable for anything malformed.
+    public init(environment: [String: String]) throws(GatewayConfigurationError) {
+        self.init()
+        try apply(environment)
+    }
+
+    /// Applies `PRESENCE_*` values (environment variables, or flags turned into them).
+    public mutating func apply(_ values: [String: String]) throws(GatewayConfigurationError) {
+        func integer(_ name: String, _ range: ClosedRange<Int>) throws(GatewayConfigurationError) -> Int? {
+            guard let text = values[name] else { return nil }
+            guard let value = Int(text), range.contains(value) else {
+                throw GatewayConfigurationError("\(name)=\(text) must be a whole number between \(range.lowerBound) and \(range.upperBound)")
+            }
+            return value
+        }
+        if let value = values["PRESENCE_HOST"] { host = value }
+        if let value = try integer("PRESENCE_PORT", 0...65535) { port = value }
+        if let value = values["PRESENCE_REDIS_URL"] { redisURL = value }
+        if let value = values["PRESENCE_KEY_PREFIX"] { keyPrefix = value }
+        if let value = values["PRESENCE_NODE_ID"] { nodeID = value }
+        if let value = values["PRESENCE_JWT_SECRET"], !value.isEmpty { jwtSecret = value }
+        if let value = values["PRESENCE_JWT_PUBLIC_KEY"], !value.isEmpty { jwtPublicKey = value }
+        if let value = values["PRESENCE_ADMIN_TOKEN"], !value.isEmpty { adminToken = value }
+        if let value = values["PRESENCE_VISIBILITY"] {
+            guard let parsed = Visibility(rawValue: value) else {
+                throw GatewayConfigurationError("PRESENCE_VISIBILITY=\(value) must be 'conversations' or 'open'")
+            }
+            visibility = parsed
+        }
+        if let value = try integer("PRESENCE_LEASE_TTL", 1...3600) { leaseTTL = value }
+        if let value = try integer("PRESENCE_LINGER", 0...3600) { linger = value }
+        if let value = try integer("PRESENCE_HEARTBEAT_TTL", 1...86400) { heartbeatTTL = value }
+        if let value = try integer("PRESENCE_TYPING_TTL", 1...3600) { typingTTL = value }
+        if let value = values["PRESENCE_LOG_LEVEL"] {
+            guard let level = Logger.Level(rawValue: value.lowercased()) else {
+                throw GatewayConfigurationError("PRESENCE_LOG_LEVEL=\(value) must be one of trace, debug, info, notice, warning, error, critical")
+            }
+            logLevel = level
+        }
+    }
+
+    /// Checks what cannot be checked one value at a time.
+    public func validate() throws(GatewayConfigurationError) {
+        guard jwtSecret != nil || jwtPublicKey != nil else {
+            throw GatewayConfigurationError("set PRESENCE_JWT_SECRET (HS256, at least 32 bytes) or PRESENCE_JWT_PUBLIC_KEY (RS256/ES256 PEM)")
+        }
+        if let secret = jwtSecret, secret.utf8.count < 32 {
+            throw GatewayConfigurationError("PRESENCE_JWT_SECRET must be at least 32 bytes long (it is \(secret.utf8.count))")
+        }
+        do {
+            _ = try RedisConfiguration(url: redisURL)
+            try engineConfiguration.validate()
+        } catch let error as RedisError {
+            throw GatewayConfigurationError("PRESENCE_REDIS_URL: \(error.message)")
+        } catch {
+            throw GatewayConfigurationError("\(error)")
+        }
+    }
+
+    /// The engine's part of this configuration.
+    public var engineConfiguration: PresenceConfiguration {
+        PresenceConfiguration(
+            keyPrefix: keyPrefix, nodeID: nodeID, visibility: visibility,
+            leaseTTL: .seconds(leaseTTL), linger: .seconds(linger), heartbeatTTL: .seconds(heartbeatTTL),
+            typingTTL: .seconds(typingTTL), maxDevicesPerUser: maxDevicesPerUser
+        )
+    }
+
+    /// Host name plus a random suffix, so that two nodes on one host differ.
+    public static func defaultNodeID() -> String {
+        let host = ProcessInfo.processInfo.hostName.split(separator: ".").first.map(String.init) ?? "node"
+        let clean = host.filter { PresenceID.isValid(String($0)) }
+        return "\(clean.isEmpty ? "node" : String(clean.prefix(100)))-\(String(UInt32.random(in: 0...UInt32.max), radix: 36))"
+    }
+}
+
+/// A configuration value that cannot be used, with a message that names it.
+public struct GatewayConfigurationError: Error, CustomStringConvertible {
+    /// What is wrong and how to fix it.
+    public let description: String
+    init(_ description: String) { self.description = description }
+}

@@ -1,0 +1,40 @@
+import CoreMetrics
+import Foundation
+import Metrics
+import NIOConcurrencyHelpers
+import Prometheus
+
+/// The gateway's metrics, exported in Prometheus text format at `/metrics`.
+enum GatewayMetrics {
+    /// The registry behind `/metrics`; bootstrapped into swift-metrics once per process.
+    static let registry: PrometheusCollectorRegistry = {
+        let registry = PrometheusCollectorRegistry()
+        MetricsSystem.bootstrap(PrometheusMetricsFactory(registry: registry))
+        return registry
+    }()
+
+    static func bootstrap() { _ = registry }
+
+    private static let sessionGauge = Gauge(label: "presence_sessions")
+    private static let framesSent = Counter(label: "presence_frames_sent_total")
+    private static let deliveries = Metrics.Timer(label: "presence_delivery_latency_seconds")
+    private static let transitions = Counter(label: "presence_transitions_total")
+
+    static func sessions(_ count: Int) { sessionGauge.record(count) }
+    static func frameSent() { framesSent.increment() }
+    static func transition() { transitions.increment() }
+    static func delivered(latencyMilliseconds: Int64) {
+        deliveries.recordNanoseconds(max(0, latencyMilliseconds) * 1_000_000)
+    }
+    static func errors(_ code: String) { Counter(label: "presence_errors_total", dimensions: [("code", code)]).increment() }
+    static func redisLatency(_ command: String, nanoseconds: Int64) {
+        Metrics.Timer(label: "presence_redis_latency_seconds", dimensions: [("operation", command)]).recordNanoseconds(nanoseconds)
+    }
+
+    /// The text format for `/metrics`.
+    static func render() -> String {
+        var buffer: [UInt8] = []
+        registry.emit(into: &buffer)
+        return String(decoding: buffer, as: UTF8.self)
+    }
+}

@@ -1,0 +1,213 @@
+import Foundation
+import Logging
+import NIOConcurrencyHelpers
+import PresenceEngine
+import RedisClient
+import ServiceLifecycle
+
+/// This node's sessions and their fan-out: which session watches whom, the reference-counted
+/// subscriptions to user channels, and the delivery of each event to exactly its local watchers.
+final class SessionHub: Service, Sendable {
+    let engine: PresenceEngine
+    let subscriber: RedisSubscriber
+    let logger: Logger
+    private let state = NIOLockedValueBox(HubState())
+
+    private struct HubState {
+        var sessions: [String: Session] = [:]
+        /// User → ids of that user's own sessions.
+        var own: [String: Set<String>] = [:]
+        /// User → ids of the sessions watching them.
+        var watchers: [String: Set<String>] = [:]
+    }
+
+    init(engine: PresenceEngine, subscriber: RedisSubscriber, logger: Logger) {
+        self.engine = engine
+        self.subscriber = subscriber
+        self.logger = logger
+    }
+
+    var sessionCount: Int { state.withLockedValue { $0.sessions.count } }
+
+    // MARK: Sessions and watching
+
+    /// Adds a session; its own user's channel carries membership changes and its own presence.
+    func register(_ session: Session) async {
+        state.withLockedValue { state in
+            state.sessions[session.id] = session
+            state.own[session.userID, default: []].insert(session.id)
+        }
+        GatewayMetrics.sessions(sessionCount)
+        try? await subscriber.retain([engine.keys.userChannel(session.userID)])
+    }
+
+    /// Removes a session and everything it watched.
+    func unregister(_ session: Session) async {
+        let watched = session.removeWatched(Array(session.watched))
+        let removed = state.withLockedValue { state -> Bool in
+            guard state.sessions.removeValue(forKey: session.id) != nil else { return false }
+            state.own[session.userID]?.remove(session.id)
+            if state.own[session.userID]?.isEmpty == true { state.own[session.userID] = nil }
+            for user in watched { Self.drop(session.id, from: user, in: &state.watchers) }
+            return true
+        }
+        guard removed else { return }
+        GatewayMetrics.sessions(sessionCount)
+        try? await subscriber.release(watched.map { engine.keys.userChannel($0) } + [engine.keys.userChannel(session.userID)])
+    }
+
+    /// Starts delivering the presence of `users` to `session`; returns the users newly watched.
+    @discardableResult
+    func watch(_ session: Session, _ users: [String]) async -> [String] {
+        let added = session.addWatched(users)
+        guard !added.isEmpty else { return [] }
+        state.withLockedValue { state in
+            for user in added { state.watchers[user, default: []].insert(session.id) }
+        }
+        do {
+            try await subscriber.retain(added.map { engine.keys.userChannel($0) })
+        } catch {
+            // Wanted from now on: subscribed on reconnect, and the resync then catches up.
+            logger.debug("subscription deferred until Redis is back", metadata: ["error": "\(error)"])
+        }
+        return added
+    }
+
+    /// Stops delivering the presence of `users` to `session`.
+    func unwatch(_ session: Session, _ users: [String]) async {
+        let removed = session.removeWatched(users)
+        guard !removed.isEmpty else { return }
+        state.withLockedValue { state in
+            for user in removed { Self.drop(session.id, from: user, in: &state.watchers) }
+        }
+        try? await subscriber.release(removed.map { engine.keys.userChannel($0) })
+    }
+
+    private static func drop(_ id: String, from user: String, in index: inout [String: Set<String>]) {
+        index[user]?.remove(id)
+        if index[user]?.isEmpty == true { index[user] = nil }
+    }
+
+    /// Sends `session` the current presence of `users` it has not been told yet, as updates.
+    func catchUp(_ session: Session, _ users: [String]) async {
+        guard let views = try? await engine.views(of: users) else { return }
+        for view in views {
+            let presence = view.seen(by: session.userID)
+            if session.remember(presence) {
+                session.send(Wire.frame("presence_update", Wire.presence(presence)))
+            }
+        }
+    }
+
+    /// Re-checks who `session` may see after a membership change: new contacts become watched,
+    /// users it may no longer see stop producing events.
+    func refreshVisibility(_ session: Session) async {
+        guard engine.configuration.visibility == .conversations,
+              let contacts = try? await engine.contacts(of: session.userID) else { return }
+        let visible = Set(contacts)
+        var lost: [String] = []
+        for user in session.watched where user != session.userID && !visible.contains(user) {
+            if (try? await engine.canSee(viewer: session.userID, target: user)) == false { lost.append(user) }
+        }
+        await unwatch(session, lost)
+        let added = await watch(session, contacts)
+        await catchUp(session, added)
+    }
+
+    // MARK: Control
+
+    /// Closes every session of `user` on this node.
+    func disconnect(user: String, code: UInt16, reason: String) -> Int {
+        let sessions = state.withLockedValue { state in (state.own[user] ?? []).compactMap { state.sessions[$0] } }
+        for session in sessions { session.close(code: code, reason: reason) }
+        return sessions.count
+    }
+
+    /// Every session, for shutdown.
+    var allSessions: [Session] { state.withLockedValue { Array($0.sessions.values) } }
+
+    // MARK: Fan-out
+
+    /// Consumes the subscriber's events until it stops.
+    func run() async throws {
+        try? await subscriber.retain([engine.keys.nodeChannel(engine.configuration.nodeID), engine.keys.broadcastChannel])
+        for await event in subscriber.events.cancelOnGracefulShutdown() {
+            switch event {
+            case .message(let channel, let payload):
+                await deliver(channel: channel, payload: payload)
+            case .subscribed(reconnect: true):
+                logger.info("pub/sub reconnected; re-reading the presence every session watches")
+                await resync()
+            case .subscribed(reconnect: false), .disconnected:
+                break
+            }
+        }
+    }
+
+    private func deliver(channel: String, payload: [UInt8]) async {
+        if channel == engine.keys.nodeChannel(engine.configuration.nodeID) || channel == engine.keys.broadcastChannel {
+            handleControl(payload)
+            return
+        }
+        guard let user = userOf(channel: channel) else { return }
+        if let event = engine.decodeEvent(payload) {
+            let watchers = state.withLockedValue { state in (state.watchers[user] ?? []).compactMap { state.sessions[$0] } }
+            for session in watchers {
+                guard let update = event.update(for: session.userID), session.remember(update) else { continue }
+                session.send(Wire.frame("presence_update", Wire.presence(update)))
+                GatewayMetrics.delivered(latencyMilliseconds: engine.clock.nowMilliseconds() - event.at)
+            }
+        } else if engine.decodeMembership(payload) != nil {
+            let own = state.withLockedValue { state in (state.own[user] ?? []).compactMap { state.sessions[$0] } }
+            for session in own { await refreshVisibility(session) }
+        }
+    }
+
+    private func userOf(channel: String) -> String? {
+        let head = engine.keys.prefix + ":{u:"
+        let tail = "}:events"
+        guard channel.hasPrefix(head), channel.hasSuffix(tail) else { return nil }
+        return String(channel.dropFirst(head.count).dropLast(tail.count))
+    }
+
+    private func handleControl(_ payload: [UInt8]) {
+        guard let object = try? JSONSerialization.jsonObject(with: Data(payload)) as? [String: Any],
+              let type = object["type"] as? String else { return }
+        switch type {
+        case "disconnect_user":
+            if let user = object["user_id"] as? String {
+                let count = disconnect(user: user, code: 4003, reason: "disconnected by an administrator")
+                if count > 0 { logger.info("admin disconnect", metadata: ["presence.user_id": "\(user)", "presence.sessions": "\(count)"]) }
+            }
+        case "close_session":
+            if let id = object["session"] as? String, let session = state.withLockedValue({ $0.sessions[id] }) {
+                session.close(code: 4009, reason: "this device connected again in another session")
+            }
+        default:
+            break
+        }
+    }
+
+    /// After a pub/sub reconnect: every session gets what changed while events could be missed.
+    private func resync() async {
+        for session in allSessions {
+            await catchUp(session, Array(session.watched))
+        }
+    }
+
+    /// Asks the node holding `session` to close it (a newer session took its device over).
+    func closeRemote(node: String, session: String) async {
+        let message = Wire.json(["type": "close_session", "session": session])
+        _ = try? await engine.redis.send("PUBLISH", RedisArgument(engine.keys.nodeChannel(node)), RedisArgument(message))
+    }
+
+    /// Asks every node to close the sessions of `user`.
+    func disconnectEverywhere(user: String) async throws(PresenceError) {
+        let message = Wire.json(["type": "disconnect_user", "user_id": user])
+        do {
+            try await engine.redis.send("PUBLISH", RedisArgument(engine.keys.broadcastChannel), RedisArgument(message))
+        } catch {
+            throw PresenceError(.unavailable, "the presence store is unreachable", underlying: error)
+        }
+    }
+}

@@ -1,0 +1,148 @@
+import Foundation
+import Hummingbird
+import HummingbirdWebSocket
+import Logging
+import NIOConcurrencyHelpers
+import NIOCore
+import NIOWebSocket
+import PresenceEngine
+
+/// Remembers the close code a client sent, which the WebSocket handler does not surface:
+/// code 1000 takes the device offline at once, anything else lets it linger.
+final class CloseCodeRecorder: ChannelInboundHandler, RemovableChannelHandler, Sendable {
+    typealias InboundIn = WebSocketFrame
+    private let code = NIOLockedValueBox<UInt16?>(nil)
+
+    var receivedCode: UInt16? { code.withLockedValue { $0 } }
+
+    func channelRead(context: ChannelHandlerContext, data: NIOAny) {
+        let frame = unwrapInboundIn(data)
+        if frame.opcode == .connectionClose {
+            var payload = frame.unmaskedData
+            let received = payload.readInteger(as: UInt16.self) ?? 1005
+            code.withLockedValue { $0 = received }
+        }
+        context.fireChannelRead(data)
+    }
+
+    /// Puts a recorder right after the frame decoder of a WebSocket channel.
+    static func install(on channel: any Channel) async -> CloseCodeRecorder? {
+        let recorder = CloseCodeRecorder()
+        do {
+            try await channel.eventLoop.submit {
+                let pipeline = channel.pipeline.syncOperations
+                let decoder = try pipeline.handler(type: ByteToMessageHandler<WebSocketFrameDecoder>.self)
+                try pipeline.addHandler(recorder, position: .after(decoder))
+            }.get()
+            return recorder
+        } catch {
+            return nil
+        }
+    }
+}
+
+/// The WebSocket protocol of API.md for one session.
+struct WebSocketSession {
+    let gateway: Gateway
+    let session: Session
+    let user: AuthenticatedUser
+    let logger: Logger
+    private var badFrames = 0
+    private var statusBucket: TokenBucket
+    private var subscribeBucket: TokenBucket
+
+    init(gateway: Gateway, session: Session, user: AuthenticatedUser, logger: Logger) {
+        self.gateway = gateway
+        self.session = session
+        self.user = user
+        self.logger = logger
+        let configuration = gateway.configuration
+        statusBucket = TokenBucket(rate: configuration.statusRate, burst: configuration.statusRate * 2)
+        subscribeBucket = TokenBucket(rate: configuration.subscribeRate, burst: configuration.subscribeRate * 2)
+    }
+
+    /// Handles one text message; returns `false` once the session must close.
+    mutating func handle(_ text: String) async -> Bool {
+        var id: String?
+        do {
+            guard let object = try? JSONSerialization.jsonObject(with: Data(text.utf8)) as? [String: Any] else {
+                throw APIError.invalid("a frame must be a JSON object {\"type\", \"data\", \"id\"?}")
+            }
+            if let raw = object["id"] {
+                guard let value = raw as? String, value.utf8.count <= 128 else { throw APIError.invalid("id must be a string of at most 128 bytes") }
+                id = value
+            }
+            guard let type = object["type"] as? String else { throw APIError.invalid("the frame has no type") }
+            let data = object["data"] as? [String: Any] ?? [:]
+            if object["data"] != nil, !(object["data"] is [String: Any]) { throw APIError.invalid("data must be an object") }
+            try await dispatch(type: type, data: data, id: id)
+            badFrames = 0
+        } catch {
+            let apiError = APIError.from(error)
+            session.send(Wire.error(apiError, id: id))
+            GatewayMetrics.errors(apiError.code)
+            if apiError.code == "invalid_request" {
+                badFrames += 1
+                if badFrames > gateway.configuration.maxBadFrames {
+                    session.close(code: 1008, reason: "too many bad frames in a row")
+                    return false
+                }
+            }
+        }
+        return !session.isClosing
+    }
+
+    private mutating func dispatch(type: String, data: [String: Any], id: String?) async throws {
+        switch type {
+        case "ping":
+            session.send(Wire.frame("pong", [:], id: id))
+        case "status":
+            guard let raw = data["status"] as? String, let status = PresenceStatus(rawValue: raw) else {
+                throw APIError.invalid("status must be one of online, away, offline")
+            }
+            if let wait = statusBucket.take() { throw APIError.rateLimited("too many status changes", retryAfter: wait) }
+            session.setDeviceStatus(status)
+            _ = try await gateway.engine.setStatus(user: user.userID, device: session.deviceID, session: session.id, status: status)
+            session.send(Wire.frame("ack", [:], id: id))
+        case "subscribe", "unsubscribe":
+            if data["conversation_id"] != nil {
+                throw APIError.invalid("conversation subscriptions are not available on this node yet")
+            }
+            let users = try userIDs(data)
+            if type == "unsubscribe" {
+                await gateway.hub.unwatch(session, users)
+                session.send(Wire.frame("ack", [:], id: id))
+                return
+            }
+            if let wait = subscribeBucket.take() { throw APIError.rateLimited("too many subscribes", retryAfter: wait) }
+            guard session.watchedCount + users.count <= gateway.configuration.maxWatchedUsers else {
+                throw APIError.invalid("a session may watch at most \(gateway.configuration.maxWatchedUsers) users")
+            }
+            var visible: [String] = []
+            for target in users where try await gateway.engine.canSee(viewer: user.userID, target: target) {
+                visible.append(target)
+            }
+            let added = await gateway.hub.watch(session, visible)
+            let views = try await gateway.engine.views(of: added)
+            let presences = views.map { $0.seen(by: user.userID) }
+            for presence in presences { _ = session.remember(presence) }
+            session.send(Wire.frame("initial_state", ["presences": presences.map { Wire.presence($0) }], id: id))
+        case "typing":
+            throw APIError.invalid("typing is not available on this node yet")
+        default:
+            throw APIError.invalid("unknown frame type '\(type.prefix(64))'")
+        }
+    }
+
+    private func userIDs(_ data: [String: Any]) throws(APIError) -> [String] {
+        guard let ids = data["user_ids"] as? [String] else { throw .invalid("user_ids must be an array of user ids") }
+        guard ids.count <= gateway.configuration.maxIDsPerRequest else {
+            throw .invalid("at most \(gateway.configuration.maxIDsPerRequest) user ids per frame")
+        }
+        for id in ids where !PresenceID.isValid(id) {
+            throw .invalid("user ids must be 1-128 characters of A-Z a-z 0-9 . _ : @ -")
+        }
+        var seen = Set<String>()
+        return ids.filter { seen.insert($0).inserted }
+    }
+}

@@ -1,0 +1,55 @@
+import ArgumentParser
+import Foundation
+import Hummingbird
+import Logging
+import PresenceGateway
+
+/// `presence-gateway`: one gateway node. Every flag is also a `PRESENCE_*` environment variable.
+@main
+struct PresenceGatewayCommand: AsyncParsableCommand {
+    static let configuration = CommandConfiguration(
+        commandName: "presence-gateway",
+        abstract: "A presence gateway node: WebSocket and REST presence over Redis.",
+        discussion: "Each option can also be set by the environment variable in brackets; flags win."
+    )
+
+    @Option(help: "Listen host [PRESENCE_HOST].") var host: String?
+    @Option(help: "Listen port [PRESENCE_PORT].") var port: String?
+    @Option(help: "redis://[user:password@]host:port/db [PRESENCE_REDIS_URL].") var redisURL: String?
+    @Option(help: "Prefix of every Redis key and channel [PRESENCE_KEY_PREFIX].") var keyPrefix: String?
+    @Option(help: "This node's id [PRESENCE_NODE_ID].") var nodeID: String?
+    @Option(help: "HS256 secret, at least 32 bytes [PRESENCE_JWT_SECRET].") var jwtSecret: String?
+    @Option(help: "RS256/ES256 public key, PEM text [PRESENCE_JWT_PUBLIC_KEY].") var jwtPublicKey: String?
+    @Option(help: "Admin bearer token; admin routes are off without it [PRESENCE_ADMIN_TOKEN].") var adminToken: String?
+    @Option(help: "conversations or open [PRESENCE_VISIBILITY].") var visibility: String?
+    @Option(help: "Seconds a node lease lives [PRESENCE_LEASE_TTL].") var leaseTTL: String?
+    @Option(help: "Seconds an abruptly disconnected device stays live [PRESENCE_LINGER].") var linger: String?
+    @Option(help: "Seconds a REST device stays live after a post [PRESENCE_HEARTBEAT_TTL].") var heartbeatTTL: String?
+    @Option(help: "Seconds a typing state lives [PRESENCE_TYPING_TTL].") var typingTTL: String?
+    @Option(help: "trace, debug, info, notice, warning, error, critical [PRESENCE_LOG_LEVEL].") var logLevel: String?
+
+    func run() async throws {
+        var values = ProcessInfo.processInfo.environment.filter { $0.key.hasPrefix("PRESENCE_") }
+        let flags: [(String, String?)] = [
+            ("PRESENCE_HOST", host), ("PRESENCE_PORT", port), ("PRESENCE_REDIS_URL", redisURL), ("PRESENCE_KEY_PREFIX", keyPrefix),
+            ("PRESENCE_NODE_ID", nodeID), ("PRESENCE_JWT_SECRET", jwtSecret), ("PRESENCE_JWT_PUBLIC_KEY", jwtPublicKey),
+            ("PRESENCE_ADMIN_TOKEN", adminToken), ("PRESENCE_VISIBILITY", visibility), ("PRESENCE_LEASE_TTL", leaseTTL),
+            ("PRESENCE_LINGER", linger), ("PRESENCE_HEARTBEAT_TTL", heartbeatTTL), ("PRESENCE_TYPING_TTL", typingTTL),
+            ("PRESENCE_LOG_LEVEL", logLevel),
+        ]
+        for case let (name, value?) in flags { values[name] = value }
+        let configuration: GatewayConfiguration
+        do {
+            configuration = try GatewayConfiguration(environment: values)
+            try configuration.validate()
+        } catch {
+            FileHandle.standardError.write(Data("presence-gateway: \(error)\n".utf8))
+            throw ExitCode(2)
+        }
+        var logger = Logger(label: "presence-gateway")
+        logger.logLevel = configuration.logLevel
+        logger[metadataKey: "presence.node_id"] = "\(configuration.nodeID)"
+        let app = try await buildApplication(configuration: configuration, logger: logger)
+        try await app.runService()
+    }
+}
