@@ -13,7 +13,7 @@ extension Gateway {
             _ = try Self.deviceID(request)
             return .upgrade([:])
         }, onUpgrade: { inbound, outbound, context in
-            await self.serve(inbound: inbound, outbound: outbound, request: context.request, channel: context.requestContext.channel)
+            try await self.serve(inbound: inbound, outbound: outbound, request: context.request, channel: context.requestContext.channel)
         })
     }
 
@@ -25,7 +25,7 @@ extension Gateway {
         return device
     }
 
-    private func serve(inbound: WebSocketInboundStream, outbound: WebSocketOutboundWriter, request: Request, channel: any Channel) async {
+    private func serve(inbound: WebSocketInboundStream, outbound: WebSocketOutboundWriter, request: Request, channel: any Channel) async throws {
         guard let user = try? await authenticate(request, allowQuery: true), let device = try? Self.deviceID(request) else {
             try? await outbound.close(.unknown(4001), reason: "unauthorized")
             return
@@ -51,20 +51,23 @@ extension Gateway {
         }
         logger.info("session opened")
         let expiry = max(0, user.expiresAt.timeIntervalSinceNow)
-        await withTaskGroup(of: Void.self) { group in
+        // A protocol error while reading (a message over the size limit, a bad frame) is thrown
+        // again at the end, so that the WebSocket layer closes with its code (1009, 1002...).
+        let readError: (any Error)? = await withTaskGroup(of: Void.self) { group in
             group.addTask {
                 for await frame in session.outbound {
                     guard case .text(let text) = frame else { continue }
                     do { try await outbound.writeTextMessage(text) } catch { break }
                 }
                 let close = session.closeRequest ?? (1000, "")
-                try? await outbound.close(.init(codeNumber: Int(close.code)), reason: close.reason)
+                if close.code != 0 { try? await outbound.close(.init(codeNumber: Int(close.code)), reason: close.reason) }
             }
             group.addTask {
                 try? await Task.sleep(for: .milliseconds(Int64(expiry * 1000)))
                 if !Task.isCancelled { session.close(code: 4001, reason: "the token has expired") }
             }
             var handler = WebSocketSession(gateway: self, session: session, user: user, logger: logger)
+            var readError: (any Error)?
             do {
                 for try await message in inbound.messages(maxSize: configuration.maxFrameSize) {
                     guard case .text(let text) = message else {
@@ -75,16 +78,20 @@ extension Gateway {
                 }
             } catch {
                 logger.debug("session read failed", metadata: ["error": "\(error)"])
+                readError = error
             }
-            session.close(code: 1000, reason: "")
+            // Code 0: the WebSocket layer closes, with the code of the error rethrown below.
+            session.close(code: readError == nil ? 1000 : 0, reason: "")
             await group.next()
             group.cancelAll()
+            return readError
         }
         await hub.unregister(session)
         let serverClose = session.closeRequest?.code
         let clean = recorder?.receivedCode == 1000 && serverClose == 1000 || session.deviceStatus.saidOffline || serverClose == 4003
         _ = try? await engine.disconnect(user: user.userID, device: device, session: session.id, clean: clean)
         logger.info("session closed", metadata: ["presence.clean": "\(clean)", "presence.close_code": "\(recorder?.receivedCode ?? serverClose ?? 0)"])
+        if let readError { throw readError }
     }
 
     private func sendInitialState(to session: Session, user: String) async throws {

@@ -54,7 +54,7 @@ public final class Gateway: Sendable {
 }
 
 /// Builds the gateway application: routes, WebSocket upgrade and services. Tests call it too.
-public func buildApplication(configuration: GatewayConfiguration, logger: Logger) async throws -> some ApplicationProtocol {
+public func buildApplication(configuration: GatewayConfiguration, logger: Logger) async throws -> Application<RouterResponder<GatewayRequestContext>> {
     let gateway = try await Gateway(configuration: configuration, logger: logger)
     let router = Router(context: GatewayRequestContext.self)
     router.add(middleware: APIErrorMiddleware())

@@ -83,11 +83,15 @@ final class Session: Sendable {
         state.withLockedValue { state in users.filter { state.watched.removeValue(forKey: $0) != nil } }
     }
 
-    /// Records what the client was told of `presence.userID`; `false` if it is already what it knows.
+    /// Records what the client was told of `presence.userID`; `false` if nothing it should be
+    /// told changed: the status, or `last_seen` of an offline user (an online user's `last_seen`
+    /// moves all the time and is not news).
     func remember(_ presence: Presence) -> Bool {
         state.withLockedValue { state in
-            guard let known = state.watched[presence.userID] else { return false }
-            if known == presence { return false }
+            guard let entry = state.watched[presence.userID] else { return false }
+            if let known = entry, known.status == presence.status, known.status != .offline || known.lastSeen == presence.lastSeen {
+                return false
+            }
             state.watched[presence.userID] = presence
             return true
         }

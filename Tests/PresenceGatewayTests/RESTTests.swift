@@ -1,0 +1,141 @@
+import Foundation
+import RedisTestSupport
+import Testing
+
+@testable import PresenceGateway
+
+@Suite("REST routes of a live node")
+struct RESTTests {
+    static func errorCode(_ json: Any?) -> String? {
+        ((json as? [String: Any])?["error"] as? [String: Any])?["code"] as? String
+    }
+
+    @Test("bad tokens are 401 with the error body, never 500")
+    func badTokens() async throws {
+        try await withNodes(1) { ports in
+            let port = ports[0]
+            let valid = try await token("alice")
+            let parts = valid.split(separator: ".")
+            let header = Data(#"{"alg":"none","typ":"JWT"}"#.utf8).base64EncodedString().replacingOccurrences(of: "=", with: "")
+            let bad: [String?] = [
+                nil, "", "garbage", "a.b.c",
+                try await token("alice", expiresIn: -60),
+                try await token("alice", secret: "another-secret-that-is-long-enough-000"),
+                "\(header).\(parts[1]).",
+                String(repeating: "x", count: 20_000),
+                try await token("bad id with spaces"),
+            ]
+            for candidate in bad {
+                let answer = try await call(port, "GET", "/api/presence/users/alice", token: candidate)
+                #expect(answer.status == 401, "token \(candidate?.prefix(20) ?? "nil")")
+                #expect(Self.errorCode(answer.json) == "unauthorized")
+            }
+            #expect(try await call(port, "GET", "/api/presence/users/alice", token: valid).status == 200)
+        }
+    }
+
+    @Test("status posts: the aggregate back, 422 for bad input, 429 with Retry-After past the rate")
+    func statusPosts() async throws {
+        try await withNodes(1) { ports in
+            let port = ports[0]
+            let alice = try await token("alice")
+            let posted = try await call(port, "POST", "/api/presence/status", token: alice, body: #"{"status":"away","device_id":"web-1"}"#)
+            #expect(posted.status == 200)
+            let body = posted.json as? [String: Any]
+            #expect(body?["user_id"] as? String == "alice" && body?["status"] as? String == "away")
+            #expect((body?["last_seen"] as? String)?.hasSuffix("Z") == true)
+            for bad in [#"{"status":"busy"}"#, #"{"status":1}"#, "not json", #"{"status":"online","device_id":"a b"}"#, "{}"] {
+                let answer = try await call(port, "POST", "/api/presence/status", token: alice, body: bad)
+                #expect(answer.status == 422, "body \(bad)")
+                #expect(Self.errorCode(answer.json) == "invalid_request")
+            }
+            var limited: (status: Int, json: Any?, headers: [AnyHashable: Any])?
+            for _ in 0..<30 {
+                let answer = try await call(port, "POST", "/api/presence/status", token: alice, body: #"{"status":"online","device_id":"web-1"}"#)
+                if answer.status == 429 { limited = answer; break }
+            }
+            #expect(limited != nil, "30 posts at once must hit the rate limit")
+            #expect(Self.errorCode(limited?.json) == "rate_limited")
+            #expect(limited?.headers["Retry-After"] != nil)
+        }
+    }
+
+    @Test("reads honour visibility and privacy; unknown and invisible users look the same")
+    func reads() async throws {
+        try await withNodes(1) { ports in
+            let port = ports[0]
+            #expect(try await call(port, "PUT", "/api/admin/conversations/c1", token: adminToken, body: #"{"member_ids":["alice","bob"]}"#).status == 200)
+            let alice = try await token("alice"), bob = try await token("bob"), carol = try await token("carol")
+            _ = try await call(port, "POST", "/api/presence/status", token: bob, body: #"{"status":"online"}"#)
+            let seen = try await call(port, "GET", "/api/presence/users/bob", token: alice)
+            #expect(seen.status == 200 && (seen.json as? [String: Any])?["status"] as? String == "online")
+            #expect((seen.json as? [String: Any])?["is_typing"] as? Bool == false)
+            #expect(try await call(port, "GET", "/api/presence/users/bob", token: carol).status == 404)
+            #expect(try await call(port, "GET", "/api/presence/users/nobody", token: carol).status == 404)
+            #expect(try await call(port, "GET", "/api/presence/users/bad%20id", token: carol).status == 422)
+            let list = try await call(port, "GET", "/api/presence/users?user_ids=bob,carol,nobody", token: alice)
+            #expect((list.json as? [[String: Any]])?.compactMap { $0["user_id"] as? String } == ["bob"])
+            let contacts = try await call(port, "GET", "/api/presence/users", token: alice)
+            #expect((contacts.json as? [[String: Any]])?.compactMap { $0["user_id"] as? String } == ["bob"])
+
+            let hidden = try await call(port, "PUT", "/api/presence/privacy", token: bob, body: #"{"show_online_status":false}"#)
+            #expect(hidden.status == 200 && (hidden.json as? [String: Any])?["show_online_status"] as? Bool == false)
+            #expect((try await call(port, "GET", "/api/presence/users/bob", token: alice).json as? [String: Any])?["status"] as? String == "offline")
+            #expect((try await call(port, "GET", "/api/presence/users/bob", token: bob).json as? [String: Any])?["status"] as? String == "online")
+            #expect(try await call(port, "PUT", "/api/presence/privacy", token: bob, body: #"{"show_online_status":"no"}"#).status == 422)
+
+            let group = try await call(port, "GET", "/api/conversations/c1/presence", token: alice)
+            #expect((group.json as? [String: Any])?["total"] as? Int == 2)
+            #expect((group.json as? [String: Any])?["online"] as? Int == 0, "hidden bob counts as offline")
+            #expect(try await call(port, "GET", "/api/conversations/c1/presence", token: carol).status == 403)
+            #expect(try await call(port, "GET", "/api/conversations/none/presence", token: carol).status == 404)
+        }
+    }
+
+    @Test("admin routes: 401 with a wrong token, 404 when turned off; nodes are listed")
+    func admin() async throws {
+        try await withNodes(1) { ports in
+            let port = ports[0]
+            #expect(try await call(port, "GET", "/api/admin/nodes", token: "wrong").status == 401)
+            #expect(try await call(port, "GET", "/api/admin/nodes", token: try await token("alice")).status == 401)
+            let nodes = try await call(port, "GET", "/api/admin/nodes", token: adminToken)
+            #expect((nodes.json as? [[String: Any]])?.first?["node_id"] as? String == "node-0")
+            #expect(try await call(port, "PUT", "/api/admin/conversations/c1", token: adminToken, body: #"{"member_ids":["ok","not ok"]}"#).status == 422)
+            #expect(try await call(port, "POST", "/api/admin/conversations/c1/members", token: adminToken, body: #"{"user_ids":["a","b"]}"#).status == 200)
+            #expect(try await call(port, "DELETE", "/api/admin/conversations/c1/members/a", token: adminToken).status == 200)
+            #expect(try await call(port, "DELETE", "/api/admin/conversations/c1", token: adminToken).status == 200)
+            #expect(try await call(port, "DELETE", "/api/admin/conversations/c1", token: adminToken).status == 404)
+            #expect(try await call(port, "GET", "/healthz").status == 200)
+            let ready = await eventually { (try? await call(port, "GET", "/readyz").status) == 200 }
+            #expect(ready)
+            let metrics = try await call(port, "GET", "/metrics")
+            #expect(metrics.status == 200)
+        }
+        try await withNodes(1, configure: { $0.adminToken = nil }) { ports in
+            let answer = try await call(ports[0], "GET", "/api/admin/nodes", token: adminToken)
+            #expect(answer.status == 404)
+        }
+    }
+
+    @Test("/readyz is 503 and REST answers 503 within a second while Redis is down")
+    func redisDown() async throws {
+        let server = try RedisServerProcess()
+        try await withNodes(1, configure: { $0.redisURL = server.url() }) { ports in
+            let port = ports[0]
+            let alice = try await token("alice")
+            let ready = await eventually { (try? await call(port, "GET", "/readyz").status) == 200 }
+            #expect(ready)
+            server.stop()
+            let down = await eventually { (try? await call(port, "GET", "/readyz").status) == 503 }
+            #expect(down)
+            let started = ContinuousClock.now
+            let answer = try await call(port, "POST", "/api/presence/status", token: alice, body: #"{"status":"online"}"#)
+            #expect(answer.status == 503 && Self.errorCode(answer.json) == "unavailable")
+            #expect(ContinuousClock.now - started < .seconds(1))
+            #expect(try await call(port, "GET", "/healthz").status == 200)
+            try server.start()
+            let back = await eventually(timeout: .seconds(10)) { (try? await call(port, "GET", "/readyz").status) == 200 }
+            #expect(back)
+        }
+    }
+}

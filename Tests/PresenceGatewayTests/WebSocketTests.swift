@@ -1,0 +1,140 @@
+import Foundation
+import RedisTestSupport
+import Testing
+
+@testable import PresenceGateway
+
+@Suite("WebSocket sessions across two live nodes")
+struct WebSocketTests {
+    @Test("a watcher on node B sees a user on node A come online, go away, and go offline")
+    func crossNode() async throws {
+        try await withNodes(2) { ports in
+            _ = try await call(ports[0], "PUT", "/api/admin/conversations/pair", token: adminToken, body: #"{"member_ids":["alice","bob"]}"#)
+            let bob = TestSocket(port: ports[1], token: try await token("bob"), device: "phone")
+            let initial = try await bob.next("initial_state")
+            #expect(initial.presences.map { $0["status"] as? String } == ["offline"])
+            let alice = TestSocket(port: ports[0], token: try await token("alice"), device: "phone")
+            _ = try await alice.next("initial_state")
+            let online = try await bob.next("presence_update")
+            #expect(online.userID == "alice" && online.status == "online")
+            alice.send("status", ["status": "away"], id: "s1")
+            let ack = try await alice.next("ack")
+            #expect(ack.id == "s1")
+            #expect(try await bob.next("presence_update").status == "away")
+            alice.closeNormally()
+            let offline = try await bob.next("presence_update")
+            #expect(offline.status == "offline" && offline.data["last_seen"] is String)
+        }
+    }
+
+    @Test("several devices: offline only when the last one leaves; a reconnect within the linger publishes nothing")
+    func devicesAndLinger() async throws {
+        try await withNodes(2) { ports in
+            _ = try await call(ports[0], "PUT", "/api/admin/conversations/pair", token: adminToken, body: #"{"member_ids":["alice","bob"]}"#)
+            let bob = TestSocket(port: ports[1], token: try await token("bob"), device: "phone")
+            _ = try await bob.next("initial_state")
+            let alicePhone = TestSocket(port: ports[0], token: try await token("alice"), device: "phone")
+            #expect(try await bob.next("presence_update").status == "online")
+            let aliceLaptop = TestSocket(port: ports[1], token: try await token("alice"), device: "laptop")
+            _ = try await aliceLaptop.next("initial_state")
+            alicePhone.closeNormally()
+            #expect(await bob.staysQuiet(for: .milliseconds(500)), "the laptop keeps alice online")
+            aliceLaptop.closeAbruptly()
+            _ = await aliceLaptop.closed()
+            let back = TestSocket(port: ports[0], token: try await token("alice"), device: "laptop")
+            _ = try await back.next("initial_state")
+            #expect(await bob.staysQuiet(for: .milliseconds(1500)), "a reconnect within the linger must not flicker")
+            back.closeAbruptly()
+            let offline = try await bob.next("presence_update", timeout: .seconds(5))
+            #expect(offline.status == "offline", "after the linger the device goes")
+        }
+    }
+
+    @Test("subscribe leaves out users the caller may not see; unsubscribe stops updates")
+    func subscribeVisibility() async throws {
+        try await withNodes(1) { ports in
+            let port = ports[0]
+            _ = try await call(port, "PUT", "/api/admin/conversations/pair", token: adminToken, body: #"{"member_ids":["alice","bob"]}"#)
+            let alice = TestSocket(port: port, token: try await token("alice"), device: "d")
+            _ = try await alice.next("initial_state")
+            alice.send("subscribe", ["user_ids": ["bob", "stranger"]], id: "sub")
+            let answer = try await alice.next("initial_state")
+            #expect(answer.id == "sub")
+            #expect(answer.presences.isEmpty, "bob is watched already, the stranger is invisible")
+            alice.send("unsubscribe", ["user_ids": ["bob"]], id: "u")
+            #expect(try await alice.next("ack").id == "u")
+            _ = try await call(port, "POST", "/api/presence/status", token: try await token("bob"), body: #"{"status":"online"}"#)
+            #expect(await alice.staysQuiet(for: .milliseconds(500)))
+            _ = try await call(port, "POST", "/api/presence/status", token: try await token("stranger"), body: #"{"status":"online"}"#)
+            #expect(await alice.staysQuiet(for: .milliseconds(300)), "nothing of an invisible user leaks")
+        }
+    }
+
+    @Test("privacy: watchers see offline, the user's own other device sees the truth")
+    func privacy() async throws {
+        try await withNodes(2) { ports in
+            _ = try await call(ports[0], "PUT", "/api/admin/conversations/pair", token: adminToken, body: #"{"member_ids":["alice","bob"]}"#)
+            let bob = TestSocket(port: ports[1], token: try await token("bob"), device: "phone")
+            _ = try await bob.next("initial_state")
+            let alice = TestSocket(port: ports[0], token: try await token("alice"), device: "phone")
+            _ = try await alice.next("initial_state")
+            alice.send("subscribe", ["user_ids": ["alice"]], id: "self")
+            #expect(try await alice.next("initial_state").presences.first?["status"] as? String == "online")
+            #expect(try await bob.next("presence_update").status == "online")
+            _ = try await call(ports[0], "PUT", "/api/presence/privacy", token: try await token("alice"), body: #"{"show_online_status":false}"#)
+            #expect(try await bob.next("presence_update").status == "offline")
+            alice.send("status", ["status": "away"])
+            let own = try await alice.next("presence_update")
+            #expect(own.status == "away", "her own device sees the truth: \(own)")
+            #expect(await bob.staysQuiet(for: .milliseconds(500)), "a hidden user's changes reach nobody else")
+        }
+    }
+
+    @Test("an admin disconnect closes the user's sessions on every node with 4003")
+    func adminDisconnect() async throws {
+        try await withNodes(2) { ports in
+            let first = TestSocket(port: ports[0], token: try await token("mallory"), device: "a")
+            let second = TestSocket(port: ports[1], token: try await token("mallory"), device: "b")
+            _ = try await first.next("initial_state")
+            _ = try await second.next("initial_state")
+            #expect(try await call(ports[0], "POST", "/api/admin/users/mallory/disconnect", token: adminToken).status == 200)
+            #expect(await first.closed() == 4003)
+            #expect(await second.closed() == 4003)
+        }
+    }
+
+    @Test("bad frames get error frames and change nothing; a stream of garbage is closed with 1008")
+    func garbage() async throws {
+        try await withNodes(1) { ports in
+            let socket = TestSocket(port: ports[0], token: try await token("eve"), device: "d")
+            _ = try await socket.next("initial_state")
+            let bad = ["not json", "[]", #"{"type":"dance"}"#, #"{"type":"status","data":{"status":"busy"}}"#,
+                       #"{"type":"subscribe","data":{"user_ids":["a b"]}}"#, #"{"type":"status","data":[]}"#]
+            for text in bad {
+                socket.sendRaw(text)
+                let error = try await socket.next("error")
+                #expect(error.data["code"] as? String == "invalid_request", "for \(text)")
+            }
+            socket.send("ping", id: "p")
+            #expect(try await socket.next("pong").id == "p", "the session still works")
+            for _ in 0..<11 { socket.sendRaw("garbage") }
+            #expect(await socket.closed() == 1008)
+        }
+    }
+
+    @Test("a frame over the size limit closes with 1009; a bad token is refused")
+    func limits() async throws {
+        try await withNodes(1) { ports in
+            let socket = TestSocket(port: ports[0], token: try await token("big"), device: "d")
+            _ = try await socket.next("initial_state")
+            socket.sendRaw(#"{"type":"ping","data":{"pad":""# + String(repeating: "x", count: 20_000) + #""}}"#)
+            #expect(await socket.closed() == 1009)
+            let refused = TestSocket(port: ports[0], token: "garbage", device: "d")
+            let code = await refused.closed()
+            #expect(code != nil && code != 1000)
+            let expired = TestSocket(port: ports[0], token: try await token("late", expiresIn: 1), device: "d")
+            _ = try await expired.next("initial_state")
+            #expect(await expired.closed(timeout: .seconds(5)) == 4001, "a session whose token expires is closed")
+        }
+    }
+}
