@@ -5,6 +5,7 @@ import HummingbirdWebSocket
 import Logging
 import NIOWebSocket
 import PresenceEngine
+import ServiceLifecycle
 
 extension Gateway {
     func addWebSocketRoute(to router: Router<GatewayRequestContext>) {
@@ -50,10 +51,27 @@ extension Gateway {
             return
         }
         logger.info("session opened")
-        let expiry = max(0, user.expiresAt.timeIntervalSinceNow)
         // A protocol error while reading (a message over the size limit, a bad frame) is thrown
         // again at the end, so that the WebSocket layer closes with its code (1009, 1002...).
-        let readError: (any Error)? = await withTaskGroup(of: Void.self) { group in
+        let readError: (any Error)? = await withGracefulShutdownHandler {
+            await run(session, user: user, inbound: inbound, outbound: outbound, logger: logger)
+        } onGracefulShutdown: {
+            // Clients reconnect to another node within the linger: no offline flicker.
+            session.close(code: 1001, reason: "the node is shutting down")
+        }
+        await hub.unregister(session)
+        let serverClose = session.closeRequest?.code
+        let clean = recorder?.receivedCode == 1000 && serverClose == 1000 || session.deviceStatus.saidOffline || serverClose == 4003
+        _ = try? await engine.disconnect(user: user.userID, device: device, session: session.id, clean: clean)
+        logger.info("session closed", metadata: ["presence.clean": "\(clean)", "presence.close_code": "\(recorder?.receivedCode ?? serverClose ?? 0)"])
+        if let readError { throw readError }
+    }
+
+    /// Runs a session until it closes: a writer draining its queue, a timer for the token's
+    /// expiry, and the reader handling frames. Returns the error that ended reading, if any.
+    private func run(_ session: Session, user: AuthenticatedUser, inbound: WebSocketInboundStream, outbound: WebSocketOutboundWriter, logger: Logger) async -> (any Error)? {
+        let expiry = max(0, user.expiresAt.timeIntervalSinceNow)
+        return await withTaskGroup(of: Void.self) { group in
             group.addTask {
                 for await frame in session.outbound {
                     guard case .text(let text) = frame else { continue }
@@ -86,12 +104,6 @@ extension Gateway {
             group.cancelAll()
             return readError
         }
-        await hub.unregister(session)
-        let serverClose = session.closeRequest?.code
-        let clean = recorder?.receivedCode == 1000 && serverClose == 1000 || session.deviceStatus.saidOffline || serverClose == 4003
-        _ = try? await engine.disconnect(user: user.userID, device: device, session: session.id, clean: clean)
-        logger.info("session closed", metadata: ["presence.clean": "\(clean)", "presence.close_code": "\(recorder?.receivedCode ?? serverClose ?? 0)"])
-        if let readError { throw readError }
     }
 
     private func sendInitialState(to session: Session, user: String) async throws {

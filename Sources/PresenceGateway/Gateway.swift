@@ -6,6 +6,7 @@ import NIOCore
 import PresenceEngine
 import RedisClient
 import ServiceLifecycle
+import UnixSignals
 
 /// One gateway node: configuration, the presence engine, the session hub and the authenticator.
 public final class Gateway: Sendable {
@@ -55,6 +56,29 @@ public final class Gateway: Sendable {
 
 /// Builds the gateway application: routes, WebSocket upgrade and services. Tests call it too.
 public func buildApplication(configuration: GatewayConfiguration, logger: Logger) async throws -> Application<RouterResponder<GatewayRequestContext>> {
+    try await buildGateway(configuration: configuration, logger: logger).application
+}
+
+/// The application and the service that drains its sessions on shutdown.
+public struct GatewayNode: Sendable {
+    /// The HTTP/WebSocket application with the engine's services.
+    public var application: Application<RouterResponder<GatewayRequestContext>>
+    /// Closes every session with 1001 when a graceful shutdown starts, before the server stops.
+    public var drainer: any Service
+
+    /// Runs both until SIGTERM or SIGINT, draining sessions first.
+    public func run() async throws {
+        let group = ServiceGroup(configuration: .init(
+            services: [application, drainer],
+            gracefulShutdownSignals: [.sigterm, .sigint],
+            logger: application.logger
+        ))
+        try await group.run()
+    }
+}
+
+/// Builds a node: the application plus its session drainer.
+public func buildGateway(configuration: GatewayConfiguration, logger: Logger) async throws -> GatewayNode {
     let gateway = try await Gateway(configuration: configuration, logger: logger)
     let router = Router(context: GatewayRequestContext.self)
     router.add(middleware: APIErrorMiddleware())
@@ -71,5 +95,22 @@ public func buildApplication(configuration: GatewayConfiguration, logger: Logger
         logger: logger
     )
     for service in gateway.services { app.addServices(service) }
-    return app
+    return GatewayNode(application: app, drainer: SessionDrainer(hub: gateway.hub))
+}
+
+/// On graceful shutdown, closes every session with 1001 so clients reconnect to another node
+/// within the linger window, and waits (at most 5 s) until they are gone.
+struct SessionDrainer: Service {
+    let hub: SessionHub
+
+    func run() async throws {
+        try? await gracefulShutdown()
+        let sessions = hub.allSessions
+        hub.logger.info("shutting down: closing sessions with 1001", metadata: ["presence.sessions": "\(sessions.count)"])
+        for session in sessions { session.close(code: 1001, reason: "the node is shutting down") }
+        let deadline = ContinuousClock.now + .seconds(5)
+        while hub.sessionCount > 0, ContinuousClock.now < deadline {
+            try? await Task.sleep(for: .milliseconds(20))
+        }
+    }
 }

@@ -1,6 +1,5 @@
 import ArgumentParser
 import Foundation
-import Hummingbird
 import Logging
 import PresenceGateway
 
@@ -49,7 +48,6 @@ struct PresenceGatewayCommand: AsyncParsableCommand {
         var logger = Logger(label: "presence-gateway")
         logger.logLevel = configuration.logLevel
         logger[metadataKey: "presence.node_id"] = "\(configuration.nodeID)"
-        let app = try await buildApplication(configuration: configuration, logger: logger)
-        try await app.runService()
+        try await buildGateway(configuration: configuration, logger: logger).run()
     }
 }
