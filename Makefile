@@ -2,7 +2,7 @@
 SWIFT ?= swift
 BUILD_FLAGS ?=
 
-.PHONY: deps build build-tests test run bench-redis clean
+.PHONY: deps build build-tests test run bench bench-redis clean
 
 deps:
 	@scripts/install-deps
@@ -25,6 +25,11 @@ run: deps
 bench-redis: deps
 	$(SWIFT) build -c release --product redis-client-bench
 	scripts/with-redis .build/release/redis-client-bench
+
+# Engine and gateway numbers (connects/s, reaping, idle cost, cross-node latency at 1,000/s).
+bench: deps
+	$(SWIFT) build -c release --product presence-bench
+	scripts/with-redis sh -c '.build/release/presence-bench engine --devices 10000 --idle-seconds 60 && .build/release/presence-bench latency --rate 1000 --duration 20'
 
 clean:
 	rm -rf .build

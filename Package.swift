@@ -14,6 +14,7 @@ let package = Package(
         .library(name: "PresenceEngine", targets: ["PresenceEngine"]),
         .library(name: "PresenceGateway", targets: ["PresenceGateway"]),
         .executable(name: "presence-gateway", targets: ["presence-gateway"]),
+        .executable(name: "presence-bench", targets: ["presence-bench"]),
         .executable(name: "redis-client-bench", targets: ["redis-client-bench"]),
     ],
     dependencies: [
@@ -81,6 +82,19 @@ let package = Package(
             dependencies: [
                 "PresenceGateway",
                 .product(name: "ArgumentParser", package: "swift-argument-parser"),
+            ],
+            swiftSettings: swiftSettings
+        ),
+        .executableTarget(
+            name: "presence-bench",
+            dependencies: [
+                "PresenceGateway", "PresenceEngine", "RedisClient",
+                .product(name: "ArgumentParser", package: "swift-argument-parser"),
+                .product(name: "HummingbirdWSClient", package: "hummingbird-websocket"),
+                .product(name: "JWTKit", package: "jwt-kit"),
+                .product(name: "Logging", package: "swift-log"),
+                .product(name: "NIOConcurrencyHelpers", package: "swift-nio"),
+                .product(name: "ServiceLifecycle", package: "swift-service-lifecycle"),
             ],
             swiftSettings: swiftSettings
         ),

@@ -77,8 +77,13 @@ public struct GatewayNode: Sendable {
     }
 }
 
-/// Builds a node: the application plus its session drainer.
-public func buildGateway(configuration: GatewayConfiguration, logger: Logger) async throws -> GatewayNode {
+/// Builds a node: the application plus its session drainer. `onListening` gets the bound port
+/// (useful with port 0).
+public func buildGateway(
+    configuration: GatewayConfiguration,
+    logger: Logger,
+    onListening: @escaping @Sendable (Int) async -> Void = { _ in }
+) async throws -> GatewayNode {
     let gateway = try await Gateway(configuration: configuration, logger: logger)
     let router = Router(context: GatewayRequestContext.self)
     router.add(middleware: APIErrorMiddleware())
@@ -92,6 +97,7 @@ public func buildGateway(configuration: GatewayConfiguration, logger: Logger) as
             configuration: .init(ws: .init(maxFrameSize: configuration.maxFrameSize, autoPing: .enabled(timePeriod: configuration.pingInterval), closeTimeout: .seconds(3)))
         ),
         configuration: .init(address: .hostname(configuration.host, port: configuration.port), serverName: "presence-gateway"),
+        onServerRunning: { channel in await onListening(channel.localAddress?.port ?? 0) },
         logger: logger
     )
     for service in gateway.services { app.addServices(service) }

@@ -1,0 +1,136 @@
+import ArgumentParser
+import Foundation
+import Logging
+import PresenceEngine
+import RedisClient
+
+/// A clock running `offset` behind the system clock: a node that "died" that long ago.
+struct OffsetClock: PresenceClock {
+    let offset: Int64
+    func nowMilliseconds() -> Int64 { SystemPresenceClock().nowMilliseconds() - offset }
+}
+
+/// Connects and disconnects per second, reaping a dead node, and the idle Redis cost.
+struct EngineBench: AsyncParsableCommand {
+    static let configuration = CommandConfiguration(
+        commandName: "engine",
+        abstract: "Connects/s and disconnects/s through the engine, reaping a dead node, and Redis commands per idle device per minute."
+    )
+
+    @OptionGroup var common: CommonOptions
+    @Option(help: "Devices to connect.") var devices = 10_000
+    @Option(help: "Concurrent engine calls (pipelined on one connection).") var concurrency = 64
+    @Option(help: "Seconds to watch an idle node's Redis commands; 0 skips it.") var idleSeconds = 60
+
+    func run() async throws {
+        var logger = Logger(label: "presence-bench")
+        logger.logLevel = .warning
+        let prefix = "bench-\(UUID().uuidString.prefix(8).lowercased())"
+        let redisConfiguration = try RedisConfiguration(url: common.redisURL)
+        try await RedisClient.withClient(configuration: redisConfiguration, logger: logger) { redis in
+            let live = PresenceEngine(redis: redis, configuration: PresenceConfiguration(keyPrefix: prefix, nodeID: "live"), logger: logger)
+            try await live.registerNode()
+            let ids = (0..<devices).map { "user\($0)" }
+
+            let connectTime = try await timed("connect") { index in
+                _ = try await live.connect(user: ids[index], device: "phone", session: "s\(index)")
+            }
+            let disconnectTime = try await timed("disconnect") { index in
+                _ = try await live.disconnect(user: ids[index], device: "phone", session: "s\(index)", clean: true)
+            }
+
+            // A node whose clock is a minute behind registered its lease a minute ago: lapsed.
+            let dead = PresenceEngine(redis: redis, configuration: PresenceConfiguration(keyPrefix: prefix, nodeID: "dead"), clock: OffsetClock(offset: 60_000), logger: logger)
+            try await dead.registerNode()
+            _ = try await timed("connect on the dying node") { index in
+                _ = try await dead.connect(user: ids[index], device: "tablet", session: "d\(index)")
+            }
+            let reapStart = ContinuousClock.now
+            let report = try await live.reapOnce()
+            let reapTime = ContinuousClock.now - reapStart
+            let stillOnline = try await live.views(of: ids).filter { $0.real.status != .offline }.count
+
+            var idleRate: Double?
+            if idleSeconds > 0 {
+                _ = try await timed("connect for the idle test") { index in
+                    _ = try await live.connect(user: ids[index], device: "phone", session: "i\(index)")
+                }
+                idleRate = try await idleCost(redis: redis, engine: live)
+            }
+
+            print("")
+            print("presence engine, \(devices) devices, \(concurrency) concurrent calls on one Redis connection")
+            print(String(format: "  connect                 %10.0f devices/s", Double(devices) / seconds(connectTime)))
+            print(String(format: "  disconnect (clean)      %10.0f devices/s", Double(devices) / seconds(disconnectTime)))
+            print(String(format: "  reap a dead node        %10.3f s for %d devices, %d users changed, %d still online afterwards",
+                         seconds(reapTime), devices, report.changedUsers, stillOnline))
+            if let idleRate {
+                print(String(format: "  idle Redis cost         %10.4f commands per device per minute (%d s observed)", idleRate, idleSeconds))
+            }
+            try await cleanup(redis: redis, prefix: prefix)
+        }
+    }
+
+    private func timed(_ label: String, _ body: @escaping @Sendable (Int) async throws -> Void) async throws -> Duration {
+        let start = ContinuousClock.now
+        let counter = Counter()
+        try await withThrowingTaskGroup(of: Void.self) { group in
+            for worker in 0..<concurrency {
+                group.addTask {
+                    var index = worker
+                    while index < devices {
+                        try await body(index)
+                        if counter.increment() % 1000 == 0 { progress("\(label): \(counter.value)/\(devices)") }
+                        index += concurrency
+                    }
+                }
+            }
+            try await group.waitForAll()
+        }
+        endProgress()
+        return ContinuousClock.now - start
+    }
+
+    /// Commands Redis ran per idle device per minute while only the lease service ran.
+    private func idleCost(redis: RedisClient, engine: PresenceEngine) async throws -> Double {
+        let lease = PresenceLeaseService(engine: engine)
+        let before = try await totalCommands(redis)
+        let task = Task { try await lease.run() }
+        for elapsed in 0..<idleSeconds {
+            progress("idle: \(elapsed)/\(idleSeconds) s")
+            try await Task.sleep(for: .seconds(1))
+        }
+        task.cancel()
+        endProgress()
+        // Our own INFO calls are 2 commands; the rest is the lease (and anything else on this Redis).
+        let after = try await totalCommands(redis) - 2
+        return Double(after - before) / Double(devices) / (Double(idleSeconds) / 60)
+    }
+
+    private func totalCommands(_ redis: RedisClient) async throws -> Int {
+        let info = try await redis.send("INFO", "stats").string ?? ""
+        for line in info.split(whereSeparator: \.isNewline) where line.hasPrefix("total_commands_processed:") {
+            return Int(line.split(separator: ":")[1]) ?? 0
+        }
+        return 0
+    }
+
+    private func cleanup(redis: RedisClient, prefix: String) async throws {
+        var cursor = "0"
+        repeat {
+            let page = try await redis.send("SCAN", RedisArgument(cursor), "MATCH", RedisArgument(prefix + ":*"), "COUNT", "1000")
+            cursor = page.array?[0].string ?? "0"
+            let keys = page.array?[1].strings ?? []
+            if !keys.isEmpty { try await redis.send([RedisArgument("UNLINK")] + keys.map { RedisArgument($0) }) }
+        } while cursor != "0"
+    }
+}
+
+/// A thread-safe counter for progress lines.
+final class Counter: @unchecked Sendable {
+    // Safe: every access holds the lock.
+    private let lock = NSLock()
+    private var count = 0
+    func increment() -> Int { lock.withLock { count += 1; return count } }
+    var value: Int { lock.withLock { count } }
+}
