@@ -48,22 +48,22 @@ extension PresenceEngine {
     public func setMembers(of conversation: String, to members: [String]) async throws(PresenceError) -> MembershipEvent {
         let wanted = Set(members)
         let current = Set(try await self.members(of: conversation) ?? [])
-        return try await applyMembership(conversation, adding: wanted.subtracting(current), removing: current.subtracting(wanted), create: true)
+        return try await applyMembership(conversation, adding: wanted.subtracting(current), removing: current.subtracting(wanted), notifying: current.union(wanted), create: true)
     }
 
     /// Adds members to an existing conversation (creating it if it does not exist).
     @discardableResult
     public func addMembers(to conversation: String, _ users: [String]) async throws(PresenceError) -> MembershipEvent {
         let current = Set(try await self.members(of: conversation) ?? [])
-        return try await applyMembership(conversation, adding: Set(users).subtracting(current), removing: [], create: true)
+        return try await applyMembership(conversation, adding: Set(users).subtracting(current), removing: [], notifying: current.union(users), create: true)
     }
 
     /// Removes one member; `false` if they were not a member.
     @discardableResult
     public func removeMember(from conversation: String, _ user: String) async throws(PresenceError) -> Bool {
-        let isMember = try await run { try await self.redis.send("SISMEMBER", RedisArgument(keys.members(conversation)), RedisArgument(user)) }
-        guard isMember.int == 1 else { return false }
-        _ = try await applyMembership(conversation, adding: [], removing: [user], create: false)
+        let members = Set(try await self.members(of: conversation) ?? [])
+        guard members.contains(user) else { return false }
+        _ = try await applyMembership(conversation, adding: [], removing: [user], notifying: members, create: false)
         return true
     }
 
@@ -71,7 +71,7 @@ extension PresenceEngine {
     @discardableResult
     public func deleteConversation(_ conversation: String) async throws(PresenceError) -> Bool {
         guard let members = try await members(of: conversation) else { return false }
-        _ = try await applyMembership(conversation, adding: [], removing: Set(members), create: false)
+        _ = try await applyMembership(conversation, adding: [], removing: Set(members), notifying: Set(members), create: false)
         _ = try await run {
             try await self.redis.pipeline([
                 ["DEL", RedisArgument(keys.members(conversation))],
@@ -123,7 +123,10 @@ extension PresenceEngine {
         return union.strings.filter { $0 != viewer }.sorted()
     }
 
-    private func applyMembership(_ conversation: String, adding: Set<String>, removing: Set<String>, create: Bool) async throws(PresenceError) -> MembershipEvent {
+    /// Applies a change and publishes it on the conversation's channel and on the channel of
+    /// every user in `notifying` (members before and after): their sessions re-check whom they
+    /// may see, so new members become watched and removed ones stop producing events.
+    private func applyMembership(_ conversation: String, adding: Set<String>, removing: Set<String>, notifying: Set<String>, create: Bool) async throws(PresenceError) -> MembershipEvent {
         let event = MembershipEvent(conversationID: conversation, added: adding.sorted(), removed: removing.sorted())
         var commands: [[RedisArgument]] = []
         if create { commands.append(["SADD", RedisArgument(keys.conversations), RedisArgument(conversation)]) }
@@ -139,7 +142,7 @@ extension PresenceEngine {
         if !adding.isEmpty || !removing.isEmpty, let payload = try? JSONEncoder().encode(event) {
             let message = RedisArgument(bytes: Array(payload))
             commands.append(["PUBLISH", RedisArgument(keys.conversationChannel(conversation)), message])
-            for user in event.added + event.removed { commands.append(["PUBLISH", RedisArgument(keys.userChannel(user)), message]) }
+            for user in notifying.sorted() { commands.append(["PUBLISH", RedisArgument(keys.userChannel(user)), message]) }
         }
         for start in stride(from: 0, to: commands.count, by: 1000) {
             let results = try await run { try await self.redis.pipeline(Array(commands[start..<min(start + 1000, commands.count)])) }

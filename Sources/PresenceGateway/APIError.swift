@@ -14,6 +14,8 @@ public struct APIError: Error, HTTPResponseError, Sendable {
     public let status: HTTPResponse.Status
     /// Seconds to wait, for `rate_limited`.
     public var retryAfter: Int?
+    /// Whether a WebSocket frame that caused it counts towards the bad-frame limit.
+    var isBadFrame = true
 
     public static func unauthorized(_ message: String = "a valid bearer token is required") -> APIError { .init(code: "unauthorized", message: message, status: .unauthorized) }
     public static func forbidden(_ message: String) -> APIError { .init(code: "forbidden", message: message, status: .forbidden) }
@@ -24,6 +26,12 @@ public struct APIError: Error, HTTPResponseError, Sendable {
     }
     public static func unavailable(_ message: String = "the presence store is unreachable; try again shortly") -> APIError {
         .init(code: "unavailable", message: message, status: .serviceUnavailable)
+    }
+    /// A frame API.md defines but this node does not serve yet; not counted as a bad frame.
+    static func notAvailable(_ message: String) -> APIError {
+        var error = APIError(code: "invalid_request", message: message, status: .unprocessableContent)
+        error.isBadFrame = false
+        return error
     }
     public static func `internal`(_ message: String = "internal error") -> APIError { .init(code: "internal", message: message, status: .internalServerError) }
 

@@ -81,7 +81,7 @@ struct WebSocketSession {
             let apiError = APIError.from(error)
             session.send(Wire.error(apiError, id: id))
             GatewayMetrics.errors(apiError.code)
-            if apiError.code == "invalid_request" {
+            if apiError.code == "invalid_request", apiError.isBadFrame {
                 badFrames += 1
                 if badFrames > gateway.configuration.maxBadFrames {
                     session.close(code: 1008, reason: "too many bad frames in a row")
@@ -106,7 +106,7 @@ struct WebSocketSession {
             session.send(Wire.frame("ack", [:], id: id))
         case "subscribe", "unsubscribe":
             if data["conversation_id"] != nil {
-                throw APIError.invalid("conversation subscriptions are not available on this node yet")
+                throw APIError.notAvailable("conversation subscriptions are not available on this node yet")
             }
             let users = try userIDs(data)
             if type == "unsubscribe" {
@@ -128,7 +128,7 @@ struct WebSocketSession {
             for presence in presences { _ = session.remember(presence) }
             session.send(Wire.frame("initial_state", ["presences": presences.map { Wire.presence($0) }], id: id))
         case "typing":
-            throw APIError.invalid("typing is not available on this node yet")
+            throw APIError.notAvailable("typing is not available on this node yet")
         default:
             throw APIError.invalid("unknown frame type '\(type.prefix(64))'")
         }

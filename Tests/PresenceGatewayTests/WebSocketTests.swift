@@ -70,6 +70,24 @@ struct WebSocketTests {
         }
     }
 
+    @Test("membership changes apply to live sessions: new members become watched, removed ones go quiet")
+    func membershipChanges() async throws {
+        try await withNodes(2) { ports in
+            let alice = TestSocket(port: ports[0], token: try await token("alice"), device: "phone")
+            #expect(try await alice.next("initial_state").presences.isEmpty)
+            _ = try await call(ports[1], "PUT", "/api/admin/conversations/new", token: adminToken, body: #"{"member_ids":["alice","bob"]}"#)
+            let first = try await alice.next("presence_update")
+            #expect(first.userID == "bob" && first.status == "offline", "bob became visible and watched")
+            let bob = TestSocket(port: ports[1], token: try await token("bob"), device: "phone")
+            _ = try await bob.next("initial_state")
+            #expect(try await alice.next("presence_update").status == "online")
+            _ = try await call(ports[1], "DELETE", "/api/admin/conversations/new/members/bob", token: adminToken)
+            try await Task.sleep(for: .milliseconds(300))
+            bob.send("status", ["status": "away"])
+            #expect(await alice.staysQuiet(for: .milliseconds(600)), "a removed member's changes no longer reach alice")
+        }
+    }
+
     @Test("privacy: watchers see offline, the user's own other device sees the truth")
     func privacy() async throws {
         try await withNodes(2) { ports in
