@@ -1,4 +1,5 @@
 import Logging
+import Metrics
 import NIOCore
 import NIOPosix
 
@@ -84,6 +85,8 @@ public final class RedisConnection: Sendable {
     /// An error reply throws ``RedisError/Code/server`` and fails this command only.
     @discardableResult
     public func send(_ arguments: [RedisArgument]) async throws(RedisError) -> RESPValue {
+        let started = ContinuousClock.now
+        defer { Self.latency.recordNanoseconds(Backoff.nanoseconds(ContinuousClock.now - started)) }
         let reply = try await sendRaw(arguments, expectedReplies: 1)
         if case .error(let message) = reply { throw RedisError(.server, message) }
         return reply
@@ -151,6 +154,9 @@ public final class RedisConnection: Sendable {
     func closed() async {
         try? await channel.closeFuture.get()
     }
+
+    /// Time from sending a command to its reply, through swift-metrics (`/metrics` on a node).
+    static let latency = Metrics.Timer(label: "redis_command_duration_seconds")
 
     private static func redisError(_ error: any Error) -> RedisError {
         if let error = error as? RedisError { return error }

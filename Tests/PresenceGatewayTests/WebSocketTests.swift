@@ -1,4 +1,5 @@
 import Foundation
+import PresenceEngine
 import RedisTestSupport
 import Testing
 
@@ -137,6 +138,37 @@ struct WebSocketTests {
             #expect(try await socket.next("pong").id == "p", "the session still works")
             for _ in 0..<11 { socket.sendRaw("garbage") }
             #expect(await socket.closed() == 1008)
+        }
+    }
+
+    @Test("after Redis restarts empty, live sessions are registered again and watchers converge")
+    func redisRestart() async throws {
+        let server = try RedisServerProcess()
+        try await withNodes(2, configure: { $0.redisURL = server.url(); $0.visibility = .open }) { ports in
+            let bob = TestSocket(port: ports[1], token: try await token("bob"), device: "phone")
+            _ = try await bob.next("initial_state")
+            let alice = TestSocket(port: ports[0], token: try await token("alice"), device: "phone")
+            _ = try await alice.next("initial_state")
+            bob.send("subscribe", ["user_ids": ["alice"]], id: "s")
+            #expect(try await bob.next("initial_state").presences.first?["status"] as? String == "online")
+            server.stop()
+            try await Task.sleep(for: .milliseconds(300))
+            try server.start()
+            // The nodes find their leases gone and register their sessions again; bob's node
+            // re-reads alice after its pub/sub reconnect. Whatever bob saw meanwhile, he ends online.
+            var last = "online"
+            let deadline = ContinuousClock.now + .seconds(10)
+            var sawReRegistration = false
+            while ContinuousClock.now < deadline {
+                guard let update = try? await bob.next("presence_update", timeout: .milliseconds(500)) else {
+                    if sawReRegistration { break } else { continue }
+                }
+                last = update.status ?? last
+                if last == "online" { sawReRegistration = true }
+            }
+            #expect(last == "online")
+            let read = try await call(ports[1], "GET", "/api/presence/users/alice", token: try await token("bob"))
+            #expect((read.json as? [String: Any])?["status"] as? String == "online", "alice's session is in the new Redis")
         }
     }
 
