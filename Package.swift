@@ -14,6 +14,7 @@ let package = Package(
         .library(name: "PresenceEngine", targets: ["PresenceEngine"]),
         .library(name: "PresenceGateway", targets: ["PresenceGateway"]),
         .executable(name: "presence-gateway", targets: ["presence-gateway"]),
+        .executable(name: "presencectl", targets: ["presencectl"]),
         .executable(name: "presence-bench", targets: ["presence-bench"]),
         .executable(name: "redis-client-bench", targets: ["redis-client-bench"]),
     ],
@@ -83,6 +84,15 @@ let package = Package(
             dependencies: [
                 "PresenceGateway",
                 .product(name: "ArgumentParser", package: "swift-argument-parser"),
+            ],
+            swiftSettings: swiftSettings
+        ),
+        .executableTarget(
+            name: "presencectl",
+            dependencies: [
+                "PresenceEngine", "RedisClient",
+                .product(name: "ArgumentParser", package: "swift-argument-parser"),
+                .product(name: "Logging", package: "swift-log"),
             ],
             swiftSettings: swiftSettings
         ),

@@ -153,6 +153,14 @@ extension PresenceEngine {
         return event
     }
 
+    /// Asks every node to close the sessions of `user` (close code 4003); returns how many nodes
+    /// listened.
+    @discardableResult
+    public func requestDisconnect(user: String) async throws(PresenceError) -> Int {
+        let message = RedisArgument(bytes: Array(#"{"type":"disconnect_user","user_id":"\#(user)"}"#.utf8))
+        return try await run { try await self.redis.send("PUBLISH", RedisArgument(keys.broadcastChannel), message) }.int ?? 0
+    }
+
     /// Decodes a membership event published by a conversation change; `nil` for other messages.
     public func decodeMembership(_ payload: [UInt8]) -> MembershipEvent? {
         try? JSONDecoder().decode(MembershipEvent.self, from: Data(payload))

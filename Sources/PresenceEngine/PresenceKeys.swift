@@ -41,6 +41,21 @@ public struct PresenceKeys: Sendable {
     /// Set: every conversation id, for listing.
     public var conversations: String { "\(prefix):conversations" }
 
+    /// SCAN pattern of every user's devices hash (users with at least one device).
+    public var allDevicesPattern: String { "\(prefix):{u:*}:devices" }
+    /// SCAN pattern of every key under the prefix.
+    public var allKeysPattern: String { "\(prefix):*" }
+    /// PSUBSCRIBE pattern of every user's channel.
+    public var allUserChannelsPattern: String { "\(prefix):{u:*}:events" }
+
+    /// The user of a key or channel named `prefix:{u:ID}:suffix`.
+    public func user(fromKey key: String, suffix: String) -> String? {
+        let head = "\(prefix):{u:"
+        let tail = "}:\(suffix)"
+        guard key.hasPrefix(head), key.hasSuffix(tail), key.count > head.count + tail.count else { return nil }
+        return String(key.dropFirst(head.count).dropLast(tail.count))
+    }
+
     /// The member of `deadlines` / `nodeDevices` for a device.
     func deviceMember(user: String, device: String) -> String { "\(user)|\(device)" }
 

@@ -37,7 +37,7 @@ extension Gateway {
         router.post("/api/admin/users/{user_id}/disconnect") { request, context in
             try self.requireAdmin(request)
             let user = try Self.pathID(context, "user_id", "user id")
-            try await self.hub.disconnectEverywhere(user: user)
+            try await self.engine.requestDisconnect(user: user)
             return Self.json(["user_id": user])
         }
         router.get("/api/admin/nodes") { request, _ in

@@ -164,10 +164,7 @@ final class SessionHub: Service, Sendable {
     }
 
     private func userOf(channel: String) -> String? {
-        let head = engine.keys.prefix + ":{u:"
-        let tail = "}:events"
-        guard channel.hasPrefix(head), channel.hasSuffix(tail) else { return nil }
-        return String(channel.dropFirst(head.count).dropLast(tail.count))
+        engine.keys.user(fromKey: channel, suffix: "events")
     }
 
     private func handleControl(_ payload: [UInt8]) {
@@ -199,15 +196,5 @@ final class SessionHub: Service, Sendable {
     func closeRemote(node: String, session: String) async {
         let message = Wire.json(["type": "close_session", "session": session])
         _ = try? await engine.redis.send("PUBLISH", RedisArgument(engine.keys.nodeChannel(node)), RedisArgument(message))
-    }
-
-    /// Asks every node to close the sessions of `user`.
-    func disconnectEverywhere(user: String) async throws(PresenceError) {
-        let message = Wire.json(["type": "disconnect_user", "user_id": user])
-        do {
-            try await engine.redis.send("PUBLISH", RedisArgument(engine.keys.broadcastChannel), RedisArgument(message))
-        } catch {
-            throw PresenceError(.unavailable, "the presence store is unreachable", underlying: error)
-        }
     }
 }

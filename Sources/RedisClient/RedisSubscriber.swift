@@ -34,6 +34,7 @@ public final class RedisSubscriber: Service, Sendable {
 
     private struct State {
         var channels: Set<String> = []
+        var patterns: Set<String> = []
         var references: [String: Int] = [:]
         var connection: RedisConnection?
         var shutdown = false
@@ -158,6 +159,20 @@ public final class RedisSubscriber: Service, Sendable {
         if case .error(let message) = reply { throw RedisError(.server, message) }
     }
 
+    /// Subscribes to channels matching a glob `pattern` (PSUBSCRIBE), kept across reconnects.
+    public func subscribe(pattern: String) async throws(RedisError) {
+        let pending: EventLoopFuture<RESPValue>? = state.withLockedValue { state in
+            guard state.patterns.insert(pattern).inserted, let connection = state.connection, connection.isActive else { return nil }
+            return connection.enqueue(["PSUBSCRIBE", RedisArgument(pattern)], expectedReplies: 1, flush: true)
+        }
+        guard let pending else { return }
+        do {
+            _ = try await pending.get()
+        } catch {
+            throw RedisError(.connectionClosed, "the subscriber connection failed", underlying: error)
+        }
+    }
+
     /// Waits until the first connection is established (or fails after the connect timeout).
     public func waitUntilConnected() async throws {
         let deadline = ContinuousClock.now + configuration.connectTimeout + configuration.waitForConnection
@@ -217,12 +232,22 @@ public final class RedisSubscriber: Service, Sendable {
     /// Channels added while this runs are caught by the loop: the connection becomes visible to
     /// ``subscribe(_:)`` only once the set it subscribed equals the wanted set.
     private func resubscribe(on connection: RedisConnection) async throws(RedisError) {
+        let patterns = state.withLockedValue { Array($0.patterns) }
+        if !patterns.isEmpty {
+            let reply = try await connection.sendRaw(["PSUBSCRIBE"] + patterns.map { RedisArgument($0) }, expectedReplies: patterns.count)
+            if case .error(let message) = reply { throw RedisError(.server, message) }
+        }
         var done: Set<String> = []
         while true {
             let missing: [String]? = state.withLockedValue { state in
                 let missing = state.channels.subtracting(done)
                 if missing.isEmpty {
                     state.connection = connection
+                    // Released while this ran: unsubscribe them, in order with later changes.
+                    let stale = done.subtracting(state.channels)
+                    if !stale.isEmpty {
+                        _ = connection.enqueue(["UNSUBSCRIBE"] + stale.map { RedisArgument($0) }, expectedReplies: stale.count, flush: true)
+                    }
                     return nil
                 }
                 return Array(missing)

@@ -1,0 +1,64 @@
+import RedisClient
+
+/// Totals under the key prefix, for `presencectl stats`.
+public struct PresenceStats: Sendable, Codable, Equatable {
+    /// Users whose aggregate is online.
+    public var usersOnline = 0
+    /// Users whose aggregate is away.
+    public var usersAway = 0
+    /// Devices stored (live, lingering or REST).
+    public var devices = 0
+    /// Nodes with a live lease.
+    public var nodes = 0
+    /// Keys under the prefix.
+    public var keys = 0
+    /// Bytes those keys use, by `MEMORY USAGE`.
+    public var memoryBytes = 0
+}
+
+extension PresenceEngine {
+    /// One page of users that have at least one device, by SCAN; pass the returned cursor back
+    /// until it is "0".
+    public func usersWithDevices(cursor: String = "0", count: Int = 1000) async throws(PresenceError) -> (cursor: String, users: [String]) {
+        let page = try await run {
+            try await self.redis.send("SCAN", RedisArgument(cursor), "MATCH", RedisArgument(keys.allDevicesPattern), "COUNT", RedisArgument(count))
+        }
+        guard let parts = page.array, parts.count == 2, let next = parts[0].string else { return ("0", []) }
+        return (next, parts[1].strings.compactMap { keys.user(fromKey: $0, suffix: "devices") })
+    }
+
+    /// Counts users, devices, nodes, keys and memory under the prefix. Walks every key: for
+    /// operators, not for a hot path.
+    public func stats() async throws(PresenceError) -> PresenceStats {
+        var stats = PresenceStats()
+        var cursor = "0"
+        repeat {
+            let page = try await usersWithDevices(cursor: cursor)
+            cursor = page.cursor
+            let views = try await views(of: page.users)
+            stats.usersOnline += views.count { $0.real.status == .online }
+            stats.usersAway += views.count { $0.real.status == .away }
+            let lengths = try await run { try await self.redis.pipeline(page.users.map { ["HLEN", RedisArgument(keys.devices($0))] }) }
+            stats.devices += lengths.reduce(0) { $0 + ((try? $1.get())?.int ?? 0) }
+        } while cursor != "0"
+        stats.nodes = try await nodes().count { !$0.lapsed }
+        repeat {
+            let page = try await run {
+                try await self.redis.send("SCAN", RedisArgument(cursor), "MATCH", RedisArgument(keys.allKeysPattern), "COUNT", 1000)
+            }
+            guard let parts = page.array, parts.count == 2, let next = parts[0].string else { break }
+            cursor = next
+            let names = parts[1].strings
+            stats.keys += names.count
+            let sizes = try await run { try await self.redis.pipeline(names.map { ["MEMORY", "USAGE", RedisArgument($0)] }) }
+            stats.memoryBytes += sizes.reduce(0) { $0 + ((try? $1.get())?.int ?? 0) }
+        } while cursor != "0"
+        return stats
+    }
+
+    /// Whether Redis holds anything of this user (state or devices).
+    public func userExists(_ user: String) async throws(PresenceError) -> Bool {
+        let count = try await run { try await self.redis.send("EXISTS", RedisArgument(keys.state(user)), RedisArgument(keys.devices(user))) }
+        return (count.int ?? 0) > 0
+    }
+}

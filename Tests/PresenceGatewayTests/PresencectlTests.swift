@@ -1,0 +1,110 @@
+import Foundation
+import RedisTestSupport
+import Testing
+
+#if canImport(Glibc)
+import Glibc
+#endif
+
+/// Runs the built `presencectl` (from `swift build --build-tests`) and captures its output.
+struct CTL {
+    static var binary: URL {
+        var root = URL(fileURLWithPath: #filePath)
+        for _ in 0..<3 { root.deleteLastPathComponent() }
+        return root.appendingPathComponent(".build/debug/presencectl")
+    }
+
+    static func run(_ arguments: [String]) throws -> (status: Int32, out: String, err: String) {
+        let process = Process()
+        process.executableURL = binary
+        process.arguments = arguments
+        let out = Pipe(), err = Pipe()
+        process.standardOutput = out
+        process.standardError = err
+        try process.run()
+        let output = out.fileHandleForReading.readDataToEndOfFile()
+        let errors = err.fileHandleForReading.readDataToEndOfFile()
+        process.waitUntilExit()
+        return (process.terminationStatus, String(decoding: output, as: UTF8.self), String(decoding: errors, as: UTF8.self))
+    }
+
+    static func json(_ arguments: [String]) throws -> [String: Any] {
+        let result = try run(arguments + ["--json"])
+        return (try? JSONSerialization.jsonObject(with: Data(result.out.utf8))) as? [String: Any] ?? ["_raw": result.out + result.err]
+    }
+}
+
+@Suite("presencectl against Redis with a live node beside it")
+struct PresencectlTests {
+    @Test("user, online, nodes, conversation, stats, watch and disconnect see what the node does")
+    func commands() async throws {
+        let prefix = TestRedis.uniquePrefix("ctl")
+        try await withNodes(1, prefix: prefix) { ports in
+            let common = ["--redis-url", TestRedis.url, "--key-prefix", prefix]
+            let alice = TestSocket(port: ports[0], token: try await token("alice"), device: "phone")
+            _ = try await alice.next("initial_state")
+
+            let table = try CTL.run(["user", "alice"] + common)
+            #expect(table.status == 0)
+            #expect(table.out.contains("online") && table.out.contains("phone") && table.out.contains("node-0"), "\(table.out)")
+            let user = try CTL.json(["user", "alice"] + common)
+            #expect(user["status"] as? String == "online")
+            #expect((user["devices"] as? [[String: Any]])?.first?["node"] as? String == "node-0")
+
+            let online = try CTL.json(["online"] + common)
+            #expect(online["count"] as? Int == 1)
+            let nodes = try CTL.run(["nodes", "--json"] + common)
+            let nodeList = (try? JSONSerialization.jsonObject(with: Data(nodes.out.utf8))) as? [[String: Any]]
+            #expect(nodeList?.first?["node_id"] as? String == "node-0" && nodeList?.first?["state"] as? String == "live")
+
+            let set = try CTL.run(["set-members", "team", "alice", "bob"] + common)
+            #expect(set.status == 0 && set.out.contains("2 added"))
+            let update = try await alice.next("presence_update")
+            #expect(update.userID == "bob", "the node applies a membership change made by presencectl")
+            let conversation = try CTL.json(["conversation", "team"] + common)
+            #expect(conversation["total"] as? Int == 2 && conversation["online"] as? Int == 1)
+            let stats = try CTL.json(["stats"] + common)
+            #expect(stats["users_online"] as? Int == 1 && stats["nodes"] as? Int == 1 && (stats["keys"] as? Int ?? 0) > 0)
+
+            let watcher = Process()
+            watcher.executableURL = CTL.binary
+            watcher.arguments = ["watch", "--user", "alice", "--json"] + common
+            let pipe = Pipe()
+            watcher.standardOutput = pipe
+            watcher.standardError = FileHandle.nullDevice
+            try watcher.run()
+            try await Task.sleep(for: .milliseconds(700))
+            alice.send("status", ["status": "away"])
+            _ = try await alice.next("ack")
+            try await Task.sleep(for: .milliseconds(500))
+            kill(watcher.processIdentifier, SIGKILL)
+            watcher.waitUntilExit()
+            let tail = String(decoding: pipe.fileHandleForReading.readDataToEndOfFile(), as: UTF8.self)
+            #expect(tail.contains("\"away\"") && tail.contains("\"alice\""), "watch saw the gateway's event: \(tail)")
+
+            let disconnect = try CTL.run(["disconnect", "alice"] + common)
+            #expect(disconnect.status == 0)
+            #expect(await alice.closed() == 4003)
+        }
+    }
+
+    @Test("errors are one line on stderr and a non-zero exit")
+    func errors() async throws {
+        let prefix = TestRedis.uniquePrefix("ctl")
+        let common = ["--redis-url", TestRedis.url, "--key-prefix", prefix]
+        let unknownUser = try CTL.run(["user", "nobody"] + common)
+        #expect(unknownUser.status == 1 && unknownUser.err == "presencectl: no such user: nobody\n")
+        let unknownConversation = try CTL.run(["conversation", "none"] + common)
+        #expect(unknownConversation.status == 1 && unknownConversation.err.contains("no such conversation"))
+        let badID = try CTL.run(["user", "a b"] + common)
+        #expect(badID.status != 0 && badID.err.contains("is not an id"))
+
+        let server = try RedisServerProcess(arguments: ["--requirepass", "right"])
+        let wrong = try CTL.run(["stats", "--redis-url", server.url(credentials: ":wrong")])
+        #expect(wrong.status == 1 && wrong.err.contains("refused") && !wrong.err.contains("wrong"), "\(wrong.err)")
+        server.stop()
+        let down = try CTL.run(["stats", "--redis-url", server.url()])
+        #expect(down.status == 1)
+        #expect(down.err.hasPrefix("presencectl: cannot reach Redis at") && down.err.split(separator: "\n").count == 1, "\(down.err)")
+    }
+}
