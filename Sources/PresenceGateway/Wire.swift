@@ -5,15 +5,7 @@ import PresenceEngine
 enum Wire {
     /// `2026-11-21T12:00:00.123Z` for milliseconds since 1970.
     static func timestamp(_ milliseconds: Int64?) -> Any {
-        guard let milliseconds else { return NSNull() }
-        var seconds = time_t(milliseconds / 1000)
-        var parts = tm()
-        gmtime_r(&seconds, &parts)
-        return String(
-            format: "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ",
-            Int(parts.tm_year) + 1900, Int(parts.tm_mon) + 1, Int(parts.tm_mday),
-            Int(parts.tm_hour), Int(parts.tm_min), Int(parts.tm_sec), Int(milliseconds % 1000)
-        )
+        milliseconds.map { PresenceTimestamp.iso8601($0) } ?? NSNull()
     }
 
     /// `{"user_id","status","last_seen"}` plus `is_typing` when given.

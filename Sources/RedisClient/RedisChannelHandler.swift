@@ -35,7 +35,6 @@ final class RedisChannelHandler: ChannelDuplexHandler {
     private let commandTimeout: TimeAmount
     private let onPush: (@Sendable (RedisPush) -> Void)?
     private var pending = CircularBuffer<Pending>(initialCapacity: 64)
-    private var flushScheduled = false
     private var closed = false
     private var timeoutCheck: RepeatedTask?
 
@@ -74,17 +73,6 @@ final class RedisChannelHandler: ChannelDuplexHandler {
         let deadline = NIODeadline.now() + commandTimeout
         pending.append(Pending(promise: request.promise, remaining: request.expectedReplies, collected: [], deadline: deadline))
         context.write(wrapOutboundOut(request.encoded), promise: promise)
-    }
-
-    func flush(context: ChannelHandlerContext) {
-        // Commands written by many tasks in the same loop tick leave in one syscall: the flush
-        // runs after the writes already queued on the event loop.
-        guard !flushScheduled else { return }
-        flushScheduled = true
-        context.eventLoop.assumeIsolated().execute {
-            self.flushScheduled = false
-            context.flush()
-        }
     }
 
     func channelRead(context: ChannelHandlerContext, data: NIOAny) {

@@ -1,4 +1,5 @@
 import Logging
+import NIOConcurrencyHelpers
 import Metrics
 import NIOCore
 import NIOPosix
@@ -11,6 +12,12 @@ public final class RedisConnection: Sendable {
     let channel: any Channel
     let configuration: RedisConfiguration
     private let logger: Logger
+    private let outbox = NIOLockedValueBox(Outbox())
+
+    private struct Outbox {
+        var requests: [RedisRequest] = []
+        var scheduled = false
+    }
 
     private init(channel: any Channel, configuration: RedisConfiguration, logger: Logger) {
         self.channel = channel
@@ -94,8 +101,7 @@ public final class RedisConnection: Sendable {
 
     /// Sends several commands in one write and returns each one's outcome, in order.
     public func pipeline(_ commands: [[RedisArgument]]) async throws(RedisError) -> [Result<RESPValue, RedisError>] {
-        let futures = commands.map { enqueue($0, expectedReplies: 1, flush: false) }
-        channel.flush()
+        let futures = commands.map { enqueue($0, expectedReplies: 1) }
         var results: [Result<RESPValue, RedisError>] = []
         results.reserveCapacity(futures.count)
         for future in futures {
@@ -116,33 +122,52 @@ public final class RedisConnection: Sendable {
     /// Sends a command answered by `expectedReplies` replies; error replies come back as values.
     func sendRaw(_ arguments: [RedisArgument], expectedReplies: Int) async throws(RedisError) -> RESPValue {
         do {
-            return try await enqueue(arguments, expectedReplies: expectedReplies, flush: true).get()
+            return try await enqueue(arguments, expectedReplies: expectedReplies).get()
         } catch {
             throw Self.redisError(error)
         }
     }
 
-    func enqueue(_ arguments: [RedisArgument], expectedReplies: Int, flush: Bool) -> EventLoopFuture<RESPValue> {
+    /// Queues a command; the returned future completes with its reply (error replies included).
+    ///
+    /// Commands from every task go into one outbox; the first one into an empty outbox schedules
+    /// a single event-loop task that writes everything queued by then and flushes once. That is
+    /// the automatic pipelining: one loop hop and one syscall for a whole burst of commands.
+    func enqueue(_ arguments: [RedisArgument], expectedReplies: Int) -> EventLoopFuture<RESPValue> {
         var buffer = channel.allocator.buffer(capacity: 64)
         RESPEncoder.encode(arguments, into: &buffer)
         let promise = channel.eventLoop.makePromise(of: RESPValue.self)
         let request = RedisRequest(encoded: buffer, expectedReplies: expectedReplies, promise: promise)
-        // On a channel that is already closed the handler is gone and nobody would complete the
-        // reply promise; the write's own failure does it (a second completion is ignored).
-        let written = channel.eventLoop.makePromise(of: Void.self)
-        written.futureResult.whenFailure { error in
-            promise.fail(RedisError(.connectionClosed, "the connection to Redis is closed", underlying: error))
+        let schedule = outbox.withLockedValue { outbox -> Bool in
+            outbox.requests.append(request)
+            guard !outbox.scheduled else { return false }
+            outbox.scheduled = true
+            return true
         }
-        if flush {
-            channel.writeAndFlush(request, promise: written)
-        } else {
-            channel.write(request, promise: written)
+        if schedule {
+            channel.eventLoop.execute { self.drainOutbox() }
         }
         if logger.logLevel <= .trace {
             // Only the command name: arguments can hold secrets.
             logger.trace("redis command", metadata: ["redis.command": "\(arguments.first.map { String(decoding: $0.bytes, as: UTF8.self) } ?? "")"])
         }
         return promise.futureResult
+    }
+
+    /// Writes every queued command and flushes once; runs on the channel's event loop.
+    private func drainOutbox() {
+        let batch = outbox.withLockedValue { outbox -> [RedisRequest] in
+            let batch = outbox.requests
+            outbox.requests.removeAll(keepingCapacity: true)
+            outbox.scheduled = false
+            return batch
+        }
+        guard channel.isActive else {
+            for request in batch { request.promise.fail(RedisError(.connectionClosed, "the connection to Redis is closed")) }
+            return
+        }
+        for request in batch { channel.write(request, promise: nil) }
+        channel.flush()
     }
 
     /// Closes the connection; pending commands fail with ``RedisError/Code/connectionClosed``.

@@ -142,7 +142,7 @@ public final class RedisSubscriber: Service, Sendable {
             if command == "SUBSCRIBE" { state.channels.formUnion(effective) } else { state.channels.subtract(effective) }
             guard !effective.isEmpty else { return .some(nil) }
             guard let connection = state.connection, connection.isActive else { return nil }
-            return connection.enqueue([command] + effective.map { RedisArgument($0) }, expectedReplies: effective.count, flush: true)
+            return connection.enqueue([command] + effective.map { RedisArgument($0) }, expectedReplies: effective.count)
         }
         guard let pending else {
             throw RedisError(.unavailable, "the subscriber is not connected to Redis; the change applies on reconnect")
@@ -163,7 +163,7 @@ public final class RedisSubscriber: Service, Sendable {
     public func subscribe(pattern: String) async throws(RedisError) {
         let pending: EventLoopFuture<RESPValue>? = state.withLockedValue { state in
             guard state.patterns.insert(pattern).inserted, let connection = state.connection, connection.isActive else { return nil }
-            return connection.enqueue(["PSUBSCRIBE", RedisArgument(pattern)], expectedReplies: 1, flush: true)
+            return connection.enqueue(["PSUBSCRIBE", RedisArgument(pattern)], expectedReplies: 1)
         }
         guard let pending else { return }
         do {
@@ -246,7 +246,7 @@ public final class RedisSubscriber: Service, Sendable {
                     // Released while this ran: unsubscribe them, in order with later changes.
                     let stale = done.subtracting(state.channels)
                     if !stale.isEmpty {
-                        _ = connection.enqueue(["UNSUBSCRIBE"] + stale.map { RedisArgument($0) }, expectedReplies: stale.count, flush: true)
+                        _ = connection.enqueue(["UNSUBSCRIBE"] + stale.map { RedisArgument($0) }, expectedReplies: stale.count)
                     }
                     return nil
                 }

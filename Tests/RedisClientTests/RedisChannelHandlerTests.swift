@@ -17,10 +17,7 @@ struct RedisChannelHandlerTests {
         var buffer = ByteBuffer()
         RESPEncoder.encode(words, into: &buffer)
         let promise = channel.eventLoop.makePromise(of: RESPValue.self)
-        // The handler defers flushes to the end of the loop tick, so run the loop after writing
-        // instead of `writeOutbound`, which would wait for a flush that has not happened yet.
-        channel.writeAndFlush(RedisRequest(encoded: buffer, expectedReplies: replies, promise: promise), promise: nil)
-        channel.embeddedEventLoop.run()
+        try channel.writeOutbound(RedisRequest(encoded: buffer, expectedReplies: replies, promise: promise))
         #expect(try channel.readOutbound(as: ByteBuffer.self) == buffer)
         return promise.futureResult
     }
