@@ -74,7 +74,7 @@ extension PresenceEngine {
         _ = try await applyMembership(conversation, adding: [], removing: Set(members), notifying: Set(members), create: false)
         _ = try await run {
             try await self.redis.pipeline([
-                ["DEL", RedisArgument(keys.members(conversation))],
+                ["DEL", RedisArgument(keys.members(conversation)), RedisArgument(keys.typing(conversation))],
                 ["SREM", RedisArgument(keys.conversations), RedisArgument(conversation)],
             ])
         }
@@ -128,6 +128,9 @@ extension PresenceEngine {
     /// may see, so new members become watched and removed ones stop producing events.
     private func applyMembership(_ conversation: String, adding: Set<String>, removing: Set<String>, notifying: Set<String>, create: Bool) async throws(PresenceError) -> MembershipEvent {
         let event = MembershipEvent(conversationID: conversation, added: adding.sorted(), removed: removing.sorted())
+        // A removed member stops typing there.
+        let now = clock.nowMilliseconds()
+        for user in event.removed { _ = try await writeTyping(user: user, conversation: conversation, isTyping: false, now: now) }
         var commands: [[RedisArgument]] = []
         if create { commands.append(["SADD", RedisArgument(keys.conversations), RedisArgument(conversation)]) }
         if !adding.isEmpty {

@@ -24,6 +24,8 @@ public struct ReapReport: Sendable, Equatable {
     public var expiredDevices = 0
     /// Users whose aggregate changed.
     public var changedUsers = 0
+    /// Typing states that expired.
+    public var typingEnded = 0
 }
 
 extension PresenceEngine {
@@ -185,8 +187,10 @@ extension PresenceEngine {
             if let flag = values.first?.int, flag >= 0 {
                 report.expiredDevices += 1
                 if flag == 1 || values.count > 3 && values[3].int == 1 { report.changedUsers += 1 }
+                if let change = try? Self.change(from: values, user: user) { await settle(change) }
             }
         }
+        report.typingEnded = try await reapTyping(now: now, limit: limit)
         if !report.nodes.isEmpty || report.expiredDevices > 0 {
             logger.info("reaped", metadata: ["presence.nodes": "\(report.nodes)", "presence.devices": "\(report.expiredDevices)"])
         }
@@ -222,9 +226,10 @@ extension PresenceEngine {
                 _ = try await run { try await self.redis.send("SCRIPT", "LOAD", RedisArgument(PresenceScripts.reapNode.source)) }
                 results = try await run { try await self.redis.pipeline(commands) }
             }
-            for result in results {
+            for (user, result) in zip(batch, results) {
                 if case .success(let reply) = result, let values = reply.array, values.count >= 6, values[0].int == 1 || values[3].int == 1 {
                     changed += 1
+                    if let change = try? Self.change(from: values, user: user) { await settle(change) }
                 }
             }
         }

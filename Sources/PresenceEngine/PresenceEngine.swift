@@ -76,7 +76,9 @@ public final class PresenceEngine: Sendable {
             if devices[member]?.session == session { devices[member]?.status = status }
         }
         let reply = try await upsert(user: user, device: device, status: status, node: configuration.nodeID, session: session, deadline: 0, mode: "session")
-        return try Self.change(from: reply, user: user)
+        let change = try Self.change(from: reply, user: user)
+        await settle(change)
+        return change
     }
 
     /// Ends a session: `clean` (close code 1000, or an explicit sign-out) takes the device offline
@@ -108,7 +110,9 @@ public final class PresenceEngine: Sendable {
             _ = try? await redis.send("SREM", RedisArgument(keys.nodeDevices(configuration.nodeID)), RedisArgument(member))
         }
         guard let first = values.first?.int, first >= 0 else { return nil }
-        return try Self.change(from: values, user: user)
+        let change = try Self.change(from: values, user: user)
+        await settle(change)
+        return change
     }
 
     // MARK: REST devices
@@ -129,7 +133,9 @@ public final class PresenceEngine: Sendable {
             }
             _ = try? await redis.send("ZREM", RedisArgument(keys.deadlines), RedisArgument(member))
             if let values = reply.array, let first = values.first?.int, first >= 0 {
-                return try Self.change(from: values, user: user)
+                let change = try Self.change(from: values, user: user)
+                await settle(change)
+                return change
             }
             return PresenceChange(changed: false, shownChanged: false, views: try await views(of: user))
         }
@@ -274,6 +280,8 @@ public final class PresenceEngine: Sendable {
         switch error.code {
         case .server where error.serverErrorPrefix == "TOO_MANY_DEVICES":
             return PresenceError(.limitReached, String(error.message.drop { $0 != " " }.dropFirst()), underlying: error)
+        case .server where error.serverErrorPrefix == "FORBIDDEN":
+            return PresenceError(.forbidden, "not allowed", underlying: error)
         case .server, .protocolViolation:
             return PresenceError(.internal, "the presence store failed a command", underlying: error)
         default:

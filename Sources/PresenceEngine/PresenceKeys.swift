@@ -20,7 +20,9 @@ public struct PresenceKeys: Sendable {
 
     /// Set: a conversation's members.
     public func members(_ conversation: String) -> String { "\(prefix):{c:\(conversation)}:members" }
-    /// Channel of a conversation's events (membership changes; typing later).
+    /// Hash: user → `expiry|forwarded` (ms) of who is typing in a conversation.
+    public func typing(_ conversation: String) -> String { "\(prefix):{c:\(conversation)}:typing" }
+    /// Channel of a conversation's events (membership changes, typing).
     public func conversationChannel(_ conversation: String) -> String { "\(prefix):{c:\(conversation)}:events" }
 
     /// String with a TTL: the node's lease; its value is the last renewal (ms).
@@ -38,6 +40,8 @@ public struct PresenceKeys: Sendable {
     public var nodes: String { "\(prefix):nodes" }
     /// Sorted set: `user|device` scored by deadline (linger, REST heartbeat).
     public var deadlines: String { "\(prefix):deadlines" }
+    /// Sorted set: `conversation|user` scored by typing expiry (ms).
+    public var typingDeadlines: String { "\(prefix):typing_deadlines" }
     /// Set: every conversation id, for listing.
     public var conversations: String { "\(prefix):conversations" }
 
@@ -54,6 +58,14 @@ public struct PresenceKeys: Sendable {
         let tail = "}:\(suffix)"
         guard key.hasPrefix(head), key.hasSuffix(tail), key.count > head.count + tail.count else { return nil }
         return String(key.dropFirst(head.count).dropLast(tail.count))
+    }
+
+    /// The conversation of a channel made by ``conversationChannel(_:)``.
+    public func conversation(fromChannel channel: String) -> String? {
+        let head = "\(prefix):{c:"
+        let tail = "}:events"
+        guard channel.hasPrefix(head), channel.hasSuffix(tail), channel.count > head.count + tail.count else { return nil }
+        return String(channel.dropFirst(head.count).dropLast(tail.count))
     }
 
     /// The member of `deadlines` / `nodeDevices` for a device.

@@ -213,4 +213,52 @@ enum PresenceScripts {
     end
     return 0
     """)
+
+    /// Sets or clears a user's typing state in a conversation. KEYS: the conversation's typing
+    /// hash (user → `expiry|forwarded`). ARGV: now, conversation, user, is_typing (1/0), TTL ms,
+    /// coalescing window ms, channel. A start, or a refresh at least a window after the last
+    /// forwarded one, is published; other refreshes only extend the expiry. A stop is published
+    /// only if the user was typing. Returns 1 when something was published.
+    static let setTyping = RedisScript("""
+    local now, conversation, user = tonumber(ARGV[1]), ARGV[2], ARGV[3]
+    local ttl, window, channel = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7]
+    local raw = redis.call('HGET', KEYS[1], user)
+    local expiry, forwarded = 0, 0
+    if raw then
+      local e, f = string.match(raw, '^([^|]*)|([^|]*)$')
+      expiry, forwarded = tonumber(e), tonumber(f)
+    end
+    local active = expiry > now
+    if ARGV[4] == '1' then
+      local publish = (not active) or (now - forwarded >= window)
+      if publish then forwarded = now end
+      redis.call('HSET', KEYS[1], user, (now + ttl) .. '|' .. forwarded)
+      redis.call('PEXPIRE', KEYS[1], ttl * 10)
+      if publish then
+        redis.call('PUBLISH', channel, cjson.encode({type = 'typing', conversation_id = conversation, user_id = user, is_typing = true, at = now}))
+        return 1
+      end
+      return 0
+    end
+    if raw then redis.call('HDEL', KEYS[1], user) end
+    if active then
+      redis.call('PUBLISH', channel, cjson.encode({type = 'typing', conversation_id = conversation, user_id = user, is_typing = false, at = now}))
+      return 1
+    end
+    return 0
+    """)
+
+    /// Ends a typing state whose expiry passed. KEYS: the typing hash. ARGV: now, conversation,
+    /// user, channel. Returns 1 when it ended (and `is_typing: false` was published), the
+    /// expiry when it is still running, 0 when there is none.
+    static let expireTyping = RedisScript("""
+    local now, conversation, user, channel = tonumber(ARGV[1]), ARGV[2], ARGV[3], ARGV[4]
+    local raw = redis.call('HGET', KEYS[1], user)
+    if not raw then return 0 end
+    local expiry = tonumber(string.match(raw, '^([^|]*)|'))
+    if expiry > now then return expiry end
+    redis.call('HDEL', KEYS[1], user)
+    redis.call('PUBLISH', channel, cjson.encode({type = 'typing', conversation_id = conversation, user_id = user, is_typing = false, at = now}))
+    return 1
+    """)
 }

@@ -99,6 +99,8 @@ public struct PresenceError: Error, Sendable, CustomStringConvertible {
         case invalidRequest = "invalid_request"
         /// A per-user limit was reached (429).
         case limitReached = "limit_reached"
+        /// The caller is not allowed to do this (403), e.g. typing in a conversation they are not in.
+        case forbidden
         /// Something that should not happen (500).
         case `internal`
     }

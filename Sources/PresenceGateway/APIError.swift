@@ -52,6 +52,7 @@ public struct APIError: Error, HTTPResponseError, Sendable {
             case .unavailable: return .unavailable()
             case .invalidRequest: return .invalid(error.message)
             case .limitReached: return .rateLimited(error.message, retryAfter: 60)
+            case .forbidden: return .forbidden(error.message)
             case .internal: return .internal()
             }
         case let error as HTTPError where error.status == .notFound:

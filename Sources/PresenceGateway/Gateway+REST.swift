@@ -44,14 +44,20 @@ extension Gateway {
                 targets = try await self.engine.contacts(of: user.userID)
             }
             let views = try await self.engine.views(of: targets)
-            return Self.json(views.map { Wire.presence($0.seen(by: user.userID), isTyping: false) })
+            var objects: [[String: Any]] = []
+            for view in views {
+                let typing = try await self.engine.isTyping(view.real.userID, sharedWith: user.userID)
+                objects.append(Wire.presence(view.seen(by: user.userID), isTyping: typing))
+            }
+            return Self.json(objects)
         }
         router.get("/api/presence/users/{user_id}") { request, context in
             let user = try await self.authenticate(request)
             let target = try Self.pathID(context, "user_id", "user id")
             guard try await self.engine.canSee(viewer: user.userID, target: target) else { throw APIError.notFound("no such user") }
             let view = try await self.engine.views(of: target)
-            return Self.json(Wire.presence(view.seen(by: user.userID), isTyping: false))
+            let typing = try await self.engine.isTyping(target, sharedWith: user.userID)
+            return Self.json(Wire.presence(view.seen(by: user.userID), isTyping: typing))
         }
         router.put("/api/presence/privacy") { request, context in
             let user = try await self.authenticate(request)
@@ -65,19 +71,32 @@ extension Gateway {
             guard let members = try await self.engine.members(of: conversation) else { throw APIError.notFound("no such conversation") }
             guard members.contains(user.userID) else { throw APIError.forbidden("you are not a member of this conversation") }
             let presences = try await self.engine.views(of: members).map { $0.seen(by: user.userID) }
+            let typing = try await self.engine.typingUsers(in: conversation)
             return Self.json([
                 "conversation_id": conversation,
                 "total": presences.count,
                 "online": presences.count { $0.status == .online },
                 "away": presences.count { $0.status == .away },
-                "members": presences.map { Wire.presence($0, isTyping: false) },
+                "members": presences.map { Wire.presence($0, isTyping: typing.contains($0.userID)) },
             ])
+        }
+        router.post("/api/conversations/{conversation_id}/typing") { request, context in
+            let user = try await self.authenticate(request)
+            let conversation = try Self.pathID(context, "conversation_id", "conversation id")
+            let body = try await Self.decode(TypingBody.self, request, context)
+            if let wait = self.typingLimiter.take(user.userID) { throw APIError.rateLimited("too many typing posts", retryAfter: wait) }
+            try await self.engine.setTyping(user: user.userID, conversation: conversation, isTyping: body.is_typing)
+            return Self.json([String: Any]())
         }
     }
 
     struct StatusBody: Decodable {
         var status: String
         var device_id: String?
+    }
+
+    struct TypingBody: Decodable {
+        var is_typing: Bool
     }
 
     struct PrivacyBody: Decodable {

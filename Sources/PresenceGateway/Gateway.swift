@@ -17,6 +17,7 @@ public final class Gateway: Sendable {
     let hub: SessionHub
     let authenticator: Authenticator
     let restLimiter: RateLimiter
+    let typingLimiter: RateLimiter
     let logger: Logger
     /// The long-lived parts, in start order (stopped in reverse).
     let services: [any Service]
@@ -34,6 +35,7 @@ public final class Gateway: Sendable {
         hub = SessionHub(engine: engine, subscriber: subscriber, logger: logger)
         authenticator = try await Authenticator(configuration: configuration)
         restLimiter = RateLimiter(rate: configuration.statusRate)
+        typingLimiter = RateLimiter(rate: configuration.typingRate)
         services = [redis, subscriber, hub, PresenceLeaseService(engine: engine), PresenceReaperService(engine: engine)]
         GatewayMetrics.bootstrap()
     }

@@ -46,6 +46,8 @@ public struct GatewayConfiguration: Sendable {
     public var statusRate = 5.0
     /// Subscribes per second per session (burst twice).
     public var subscribeRate = 5.0
+    /// Typing frames or posts per second per session or REST user (burst twice).
+    public var typingRate = 10.0
     /// Frames queued for a session before it is closed as too slow.
     public var outboundQueueLimit = 1_024
     /// Bad frames in a row answered with `error` before the session is closed with 1008.

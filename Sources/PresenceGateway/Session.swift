@@ -27,6 +27,21 @@ final class Session: Sendable {
         var close: (code: UInt16, reason: String)?
         var status: PresenceStatus = .online
         var saidOffline = false
+        /// Subscribed conversations: their members and the counts last sent.
+        var conversations: [String: GroupView] = [:]
+    }
+
+    /// A subscribed conversation as this session knows it.
+    struct GroupView {
+        var members: Set<String>
+        var sent: GroupCounts?
+    }
+
+    /// "3 of 5 online".
+    struct GroupCounts: Equatable {
+        var total: Int
+        var online: Int
+        var away: Int
     }
 
     init(userID: String, deviceID: String, queueLimit: Int) {
@@ -95,6 +110,48 @@ final class Session: Sendable {
             state.watched[presence.userID] = presence
             return true
         }
+    }
+
+    /// Starts following a conversation with these members.
+    func follow(_ conversation: String, members: Set<String>) {
+        state.withLockedValue { $0.conversations[conversation] = GroupView(members: members, sent: nil) }
+    }
+
+    /// Stops following a conversation; `false` if it did not follow it.
+    func unfollow(_ conversation: String) -> Bool {
+        state.withLockedValue { $0.conversations.removeValue(forKey: conversation) != nil }
+    }
+
+    /// Replaces the members of a followed conversation.
+    func updateMembers(_ conversation: String, _ members: Set<String>) {
+        state.withLockedValue { $0.conversations[conversation]?.members = members }
+    }
+
+    var followed: [String] { state.withLockedValue { Array($0.conversations.keys) } }
+
+    func follows(_ conversation: String) -> Bool { state.withLockedValue { $0.conversations[conversation] != nil } }
+
+    /// Sends `group_presence` for each followed conversation (those containing `user`, or all)
+    /// whose counts, from what this session knows of its members, changed.
+    func sendGroupCounts(involving user: String? = nil, id: String? = nil) {
+        let frames: [String] = state.withLockedValue { state in
+            var frames: [String] = []
+            for (conversation, view) in state.conversations where user == nil || view.members.contains(user!) {
+                var counts = GroupCounts(total: view.members.count, online: 0, away: 0)
+                for member in view.members {
+                    switch state.watched[member]??.status {
+                    case .online: counts.online += 1
+                    case .away: counts.away += 1
+                    default: break
+                    }
+                }
+                guard counts != view.sent || id != nil else { continue }
+                state.conversations[conversation]?.sent = counts
+                frames.append(Wire.frame("group_presence", ["conversation_id": conversation, "total": counts.total, "online": counts.online, "away": counts.away], id: id))
+            }
+            return frames
+        }
+        for frame in frames { send(frame) }
     }
 
     /// The status this session's device has, and whether the client said `offline`.

@@ -19,6 +19,8 @@ final class SessionHub: Service, Sendable {
         var own: [String: Set<String>] = [:]
         /// User → ids of the sessions watching them.
         var watchers: [String: Set<String>] = [:]
+        /// Conversation → ids of the sessions subscribed to it.
+        var followers: [String: Set<String>] = [:]
     }
 
     init(engine: PresenceEngine, subscriber: RedisSubscriber, logger: Logger) {
@@ -43,6 +45,7 @@ final class SessionHub: Service, Sendable {
 
     /// Removes a session and everything it watched.
     func unregister(_ session: Session) async {
+        for conversation in session.followed { await unfollow(session, conversation) }
         let watched = session.removeWatched(Array(session.watched))
         let removed = state.withLockedValue { state -> Bool in
             guard state.sessions.removeValue(forKey: session.id) != nil else { return false }
@@ -88,6 +91,20 @@ final class SessionHub: Service, Sendable {
         if index[user]?.isEmpty == true { index[user] = nil }
     }
 
+    /// Subscribes `session` to a conversation: its typing, its counts, and its members' presence.
+    func follow(_ session: Session, _ conversation: String, members: [String]) async {
+        session.follow(conversation, members: Set(members))
+        state.withLockedValue { _ = $0.followers[conversation, default: []].insert(session.id) }
+        try? await subscriber.retain([engine.keys.conversationChannel(conversation)])
+    }
+
+    /// Ends a conversation subscription.
+    func unfollow(_ session: Session, _ conversation: String) async {
+        guard session.unfollow(conversation) else { return }
+        state.withLockedValue { state in Self.drop(session.id, from: conversation, in: &state.followers) }
+        try? await subscriber.release([engine.keys.conversationChannel(conversation)])
+    }
+
     /// Sends `session` the current presence of `users` it has not been told yet, as updates.
     func catchUp(_ session: Session, _ users: [String]) async {
         guard let views = try? await engine.views(of: users) else { return }
@@ -95,6 +112,7 @@ final class SessionHub: Service, Sendable {
             let presence = view.seen(by: session.userID)
             if session.remember(presence) {
                 session.send(Wire.frame("presence_update", Wire.presence(presence)))
+                session.sendGroupCounts(involving: presence.userID)
             }
         }
     }
@@ -149,17 +167,47 @@ final class SessionHub: Service, Sendable {
             handleControl(payload)
             return
         }
+        if let conversation = engine.keys.conversation(fromChannel: channel) {
+            await deliverConversation(conversation, payload: payload)
+            return
+        }
         guard let user = userOf(channel: channel) else { return }
         if let event = engine.decodeEvent(payload) {
             let watchers = state.withLockedValue { state in (state.watchers[user] ?? []).compactMap { state.sessions[$0] } }
             for session in watchers {
                 guard let update = event.update(for: session.userID), session.remember(update) else { continue }
                 session.send(Wire.frame("presence_update", Wire.presence(update)))
+                session.sendGroupCounts(involving: user)
                 GatewayMetrics.delivered(latencyMilliseconds: engine.clock.nowMilliseconds() - event.at)
             }
         } else if engine.decodeMembership(payload) != nil {
             let own = state.withLockedValue { state in (state.own[user] ?? []).compactMap { state.sessions[$0] } }
             for session in own { await refreshVisibility(session) }
+        }
+    }
+
+    /// Typing goes to the conversation's subscribers (not the typer's own sessions, nor a
+    /// session whose device said offline); a membership change refreshes their counts.
+    private func deliverConversation(_ conversation: String, payload: [UInt8]) async {
+        let followers = state.withLockedValue { state in (state.followers[conversation] ?? []).compactMap { state.sessions[$0] } }
+        if let typing = engine.decodeTyping(payload) {
+            let frame = Wire.frame("typing_update", ["user_id": typing.userID, "conversation_id": conversation, "is_typing": typing.isTyping])
+            for session in followers where session.userID != typing.userID && !session.deviceStatus.saidOffline {
+                session.send(frame)
+                GatewayMetrics.delivered(latencyMilliseconds: engine.clock.nowMilliseconds() - typing.at)
+            }
+        } else if let membership = engine.decodeMembership(payload) {
+            let members = (try? await engine.members(of: conversation)) ?? []
+            for session in followers {
+                if membership.removed.contains(session.userID) {
+                    await unfollow(session, conversation)
+                    continue
+                }
+                session.updateMembers(conversation, Set(members))
+                let added = await watch(session, membership.added)
+                await catchUp(session, added)
+                session.sendGroupCounts(involving: nil)
+            }
         }
     }
 

@@ -50,6 +50,7 @@ struct WebSocketSession {
     private var badFrames = 0
     private var statusBucket: TokenBucket
     private var subscribeBucket: TokenBucket
+    private var typingBucket: TokenBucket
 
     init(gateway: Gateway, session: Session, user: AuthenticatedUser, logger: Logger) {
         self.gateway = gateway
@@ -59,6 +60,7 @@ struct WebSocketSession {
         let configuration = gateway.configuration
         statusBucket = TokenBucket(rate: configuration.statusRate, burst: configuration.statusRate * 2)
         subscribeBucket = TokenBucket(rate: configuration.subscribeRate, burst: configuration.subscribeRate * 2)
+        typingBucket = TokenBucket(rate: configuration.typingRate, burst: configuration.typingRate * 2)
     }
 
     /// Handles one text message; returns `false` once the session must close.
@@ -105,8 +107,18 @@ struct WebSocketSession {
             _ = try await gateway.engine.setStatus(user: user.userID, device: session.deviceID, session: session.id, status: status)
             session.send(Wire.frame("ack", [:], id: id))
         case "subscribe", "unsubscribe":
-            if data["conversation_id"] != nil {
-                throw APIError.notAvailable("conversation subscriptions are not available on this node yet")
+            if let raw = data["conversation_id"] {
+                guard let conversation = raw as? String, PresenceID.isValid(conversation) else {
+                    throw APIError.invalid("conversation_id must be 1-128 characters of A-Z a-z 0-9 . _ : @ -")
+                }
+                if type == "unsubscribe" {
+                    await gateway.hub.unfollow(session, conversation)
+                    session.send(Wire.frame("ack", [:], id: id))
+                } else {
+                    if let wait = subscribeBucket.take() { throw APIError.rateLimited("too many subscribes", retryAfter: wait) }
+                    try await followConversation(conversation, id: id)
+                }
+                return
             }
             let users = try userIDs(data)
             if type == "unsubscribe" {
@@ -123,15 +135,40 @@ struct WebSocketSession {
                 visible.append(target)
             }
             let added = await gateway.hub.watch(session, visible)
-            let views = try await gateway.engine.views(of: added)
-            let presences = views.map { $0.seen(by: user.userID) }
+            let presences = try await gateway.engine.views(of: added).map { $0.seen(by: user.userID) }
             for presence in presences { _ = session.remember(presence) }
             session.send(Wire.frame("initial_state", ["presences": presences.map { Wire.presence($0) }], id: id))
         case "typing":
-            throw APIError.notAvailable("typing is not available on this node yet")
+            guard let raw = data["conversation_id"] as? String, PresenceID.isValid(raw) else {
+                throw APIError.invalid("conversation_id must be 1-128 characters of A-Z a-z 0-9 . _ : @ -")
+            }
+            guard let isTyping = data["is_typing"] as? Bool else { throw APIError.invalid("is_typing must be true or false") }
+            if let wait = typingBucket.take() { throw APIError.rateLimited("too many typing frames", retryAfter: wait) }
+            // A device that said offline sends no typing.
+            if !session.deviceStatus.saidOffline {
+                try await gateway.engine.setTyping(user: user.userID, conversation: raw, isTyping: isTyping)
+            }
+            session.send(Wire.frame("ack", [:], id: id))
         default:
             throw APIError.invalid("unknown frame type '\(type.prefix(64))'")
         }
+    }
+
+    /// `subscribe {conversation_id}`: `group_presence` (answering the frame), then an
+    /// `initial_state` of the members, who are watched from then on.
+    private func followConversation(_ conversation: String, id: String?) async throws {
+        guard let members = try await gateway.engine.members(of: conversation), members.contains(user.userID) else {
+            throw APIError.forbidden("you are not a member of this conversation")
+        }
+        guard session.watchedCount + members.count <= gateway.configuration.maxWatchedUsers else {
+            throw APIError.invalid("a session may watch at most \(gateway.configuration.maxWatchedUsers) users")
+        }
+        await gateway.hub.follow(session, conversation, members: members)
+        _ = await gateway.hub.watch(session, members)
+        let presences = try await gateway.engine.views(of: members).map { $0.seen(by: user.userID) }
+        for presence in presences { _ = session.remember(presence) }
+        session.sendGroupCounts(involving: nil, id: id)
+        session.send(Wire.frame("initial_state", ["presences": presences.map { Wire.presence($0) }], id: id))
     }
 
     private func userIDs(_ data: [String: Any]) throws(APIError) -> [String] {

@@ -1,0 +1,140 @@
+import Foundation
+import RedisClient
+
+/// A typing change published on a conversation's channel.
+public struct TypingEvent: Sendable, Equatable, Decodable {
+    /// The conversation.
+    public var conversationID: String
+    /// Who is (or stopped) typing.
+    public var userID: String
+    /// Whether they are typing now.
+    public var isTyping: Bool
+    /// When it happened (ms since 1970).
+    public var at: Int64
+
+    enum CodingKeys: String, CodingKey {
+        case type, conversationID = "conversation_id", userID = "user_id", isTyping = "is_typing", at
+    }
+
+    public init(from decoder: any Decoder) throws {
+        let container = try decoder.container(keyedBy: CodingKeys.self)
+        guard try container.decode(String.self, forKey: .type) == "typing" else {
+            throw DecodingError.dataCorruptedError(forKey: .type, in: container, debugDescription: "not a typing event")
+        }
+        conversationID = try container.decode(String.self, forKey: .conversationID)
+        userID = try container.decode(String.self, forKey: .userID)
+        isTyping = try container.decode(Bool.self, forKey: .isTyping)
+        at = try container.decode(Int64.self, forKey: .at)
+    }
+}
+
+extension PresenceEngine {
+    /// Repeated `is_typing: true` from one user in one conversation within this window is
+    /// forwarded once; each refresh still extends the expiry.
+    public static let typingCoalescingMilliseconds: Int64 = 2000
+
+    /// Sets whether `user` is typing in `conversation`. Only members may; a user who is offline
+    /// is never shown typing (a start is ignored). Returns whether watchers were told.
+    @discardableResult
+    public func setTyping(user: String, conversation: String, isTyping: Bool) async throws(PresenceError) -> Bool {
+        let member = try await run { try await self.redis.send("SISMEMBER", RedisArgument(keys.members(conversation)), RedisArgument(user)) }
+        guard member.int == 1 else { throw PresenceError(.forbidden, "you are not a member of this conversation") }
+        if isTyping, try await views(of: user).real.status == .offline { return false }
+        let now = clock.nowMilliseconds()
+        let ttl = configuration.typingTTL.milliseconds
+        if isTyping {
+            // Indexed before it exists, so a crash leaves at most an entry the reaper drops.
+            try await run {
+                try await self.redis.send("ZADD", RedisArgument(keys.typingDeadlines), RedisArgument(Int(now + ttl)), RedisArgument("\(conversation)|\(user)"))
+            }
+        }
+        return try await writeTyping(user: user, conversation: conversation, isTyping: isTyping, now: now) == 1
+    }
+
+    func writeTyping(user: String, conversation: String, isTyping: Bool, now: Int64) async throws(PresenceError) -> Int {
+        let reply = try await run {
+            try await self.redis.evaluate(
+                PresenceScripts.setTyping, keys: [keys.typing(conversation)],
+                arguments: [RedisArgument(Int(now)), RedisArgument(conversation), RedisArgument(user), isTyping ? "1" : "0",
+                            RedisArgument(Int(configuration.typingTTL.milliseconds)), RedisArgument(Int(Self.typingCoalescingMilliseconds)),
+                            RedisArgument(keys.conversationChannel(conversation))]
+            )
+        }
+        return reply.int ?? 0
+    }
+
+    /// Ends every typing state of `user`, as when they go offline.
+    public func clearTyping(user: String) async throws(PresenceError) {
+        let now = clock.nowMilliseconds()
+        for conversation in try await conversations(of: user) {
+            _ = try await writeTyping(user: user, conversation: conversation, isTyping: false, now: now)
+        }
+    }
+
+    /// Who is typing in a conversation now.
+    public func typingUsers(in conversation: String) async throws(PresenceError) -> Set<String> {
+        let all = try await run { try await self.redis.send("HGETALL", RedisArgument(keys.typing(conversation))) }.strings
+        let now = clock.nowMilliseconds()
+        var users = Set<String>()
+        for index in stride(from: 0, to: all.count - 1, by: 2) {
+            if let expiry = Int64(all[index + 1].prefix { $0 != "|" }), expiry > now { users.insert(all[index]) }
+        }
+        return users
+    }
+
+    /// Whether `user` is typing in a conversation shared with `viewer`.
+    public func isTyping(_ user: String, sharedWith viewer: String) async throws(PresenceError) -> Bool {
+        let shared = try await run {
+            try await self.redis.send("SINTER", RedisArgument(keys.conversationsOf(viewer)), RedisArgument(keys.conversationsOf(user)))
+        }.strings
+        guard !shared.isEmpty else { return false }
+        let replies = try await run { try await self.redis.pipeline(shared.map { ["HGET", RedisArgument(keys.typing($0)), RedisArgument(user)] }) }
+        let now = clock.nowMilliseconds()
+        return replies.contains { result in
+            guard let raw = (try? result.get())?.string, let expiry = Int64(raw.prefix { $0 != "|" }) else { return false }
+            return expiry > now
+        }
+    }
+
+    /// Ends typing states whose expiry passed; part of every reaper pass.
+    func reapTyping(now: Int64, limit: Int) async throws(PresenceError) -> Int {
+        let retry = RedisArgument(Int(now + Self.claimMilliseconds))
+        let due = try await run {
+            try await self.redis.evaluate(PresenceScripts.claimDue, keys: [keys.typingDeadlines], arguments: [RedisArgument(Int(now)), retry, RedisArgument(limit)])
+        }
+        var ended = 0
+        let values = due.array ?? []
+        for index in stride(from: 0, to: values.count - 1, by: 2) {
+            guard let member = values[index].string else { continue }
+            let parts = member.split(separator: "|", maxSplits: 1).map(String.init)
+            var reply = RESPValue.integer(0)
+            if parts.count == 2 {
+                reply = try await run {
+                    try await self.redis.evaluate(
+                        PresenceScripts.expireTyping, keys: [keys.typing(parts[0])],
+                        arguments: [RedisArgument(Int(now)), RedisArgument(parts[0]), RedisArgument(parts[1]), RedisArgument(keys.conversationChannel(parts[0]))]
+                    )
+                }
+            }
+            if let expiry = reply.int, expiry > 1 {
+                // Refreshed since it was indexed: keep it at its real expiry.
+                _ = try await run { try await self.redis.send("ZADD", RedisArgument(keys.typingDeadlines), RedisArgument(expiry), RedisArgument(member)) }
+                continue
+            }
+            _ = try await run { try await self.redis.evaluate(PresenceScripts.removeIfScore, keys: [keys.typingDeadlines], arguments: [RedisArgument(member), retry]) }
+            if reply.int == 1 { ended += 1 }
+        }
+        return ended
+    }
+
+    /// Decodes a typing event; `nil` for other messages.
+    public func decodeTyping(_ payload: [UInt8]) -> TypingEvent? {
+        try? JSONDecoder().decode(TypingEvent.self, from: Data(payload))
+    }
+
+    /// After a change: a user who went offline stops typing everywhere.
+    func settle(_ change: PresenceChange) async {
+        guard change.changed, change.views.real.status == .offline else { return }
+        try? await clearTyping(user: change.views.real.userID)
+    }
+}

@@ -1,0 +1,99 @@
+import Foundation
+import RedisTestSupport
+import Testing
+
+@testable import PresenceGateway
+
+@Suite("Typing and group presence across two live nodes")
+struct ConversationTests {
+    static func setUp(_ port: Int, _ members: [String], conversation: String = "room") async throws {
+        let body = #"{"member_ids":["# + members.map { "\"\($0)\"" }.joined(separator: ",") + "]}"
+        #expect(try await call(port, "PUT", "/api/admin/conversations/\(conversation)", token: adminToken, body: body).status == 200)
+    }
+
+    @Test("typing reaches the conversation's subscribers on the other node once per 2 s, and stops")
+    func typing() async throws {
+        try await withNodes(2, configure: { $0.typingTTL = 2 }) { ports in
+            try await Self.setUp(ports[0], ["alice", "bob", "carol"])
+            let bob = TestSocket(port: ports[1], token: try await token("bob"), device: "phone")
+            _ = try await bob.next("initial_state")
+            bob.send("subscribe", ["conversation_id": "room"], id: "c")
+            let group = try await bob.next("group_presence")
+            #expect(group.id == "c" && group.data["total"] as? Int == 3 && group.data["online"] as? Int == 1)
+            _ = try await bob.next("initial_state")
+
+            let alice = TestSocket(port: ports[0], token: try await token("alice"), device: "phone")
+            _ = try await alice.next("initial_state")
+            let online = try await bob.next("group_presence")
+            #expect(online.data["online"] as? Int == 2, "alice came online: 2 of 3")
+
+            alice.send("typing", ["conversation_id": "room", "is_typing": true], id: "t1")
+            #expect(try await alice.next("ack").id == "t1")
+            let started = try await bob.next("typing_update")
+            #expect(started.userID == "alice" && started.data["is_typing"] as? Bool == true && started.data["conversation_id"] as? String == "room")
+            let read = try await call(ports[1], "GET", "/api/presence/users/alice", token: try await token("bob"))
+            #expect((read.json as? [String: Any])?["is_typing"] as? Bool == true)
+            alice.send("typing", ["conversation_id": "room", "is_typing": true])
+            alice.send("typing", ["conversation_id": "room", "is_typing": true])
+            #expect(await bob.staysQuiet(for: .milliseconds(500)), "refreshes within 2 s are coalesced")
+            alice.send("typing", ["conversation_id": "room", "is_typing": false])
+            let stopped = try await bob.next("typing_update")
+            #expect(stopped.data["is_typing"] as? Bool == false)
+
+            alice.send("status", ["status": "away"])
+            let away = try await bob.next("group_presence")
+            #expect(away.data["online"] as? Int == 1 && away.data["away"] as? Int == 1)
+
+            bob.send("unsubscribe", ["conversation_id": "room"], id: "u")
+            #expect(try await bob.next("ack").id == "u")
+            alice.send("typing", ["conversation_id": "room", "is_typing": true])
+            #expect(await bob.staysQuiet(for: .milliseconds(500)), "no typing after unsubscribing")
+        }
+    }
+
+    @Test("a typing state expires by itself; going offline clears it; offline users never type")
+    func expiryAndOffline() async throws {
+        try await withNodes(2, configure: { $0.typingTTL = 1 }) { ports in
+            try await Self.setUp(ports[0], ["alice", "bob"])
+            let bob = TestSocket(port: ports[1], token: try await token("bob"), device: "phone")
+            _ = try await bob.next("initial_state")
+            bob.send("subscribe", ["conversation_id": "room"], id: "c")
+            _ = try await bob.next("initial_state")
+            let aliceToken = try await token("alice")
+
+            let offline = try await call(ports[0], "POST", "/api/conversations/room/typing", token: aliceToken, body: #"{"is_typing":true}"#)
+            #expect(offline.status == 200)
+            #expect(await bob.staysQuiet(for: .milliseconds(500)), "alice has no live device: never shown typing")
+
+            _ = try await call(ports[0], "POST", "/api/presence/status", token: aliceToken, body: #"{"status":"online","device_id":"web"}"#)
+            _ = try await call(ports[0], "POST", "/api/conversations/room/typing", token: aliceToken, body: #"{"is_typing":true}"#)
+            #expect(try await bob.next("typing_update").data["is_typing"] as? Bool == true)
+            let expired = try await bob.next("typing_update", timeout: .seconds(4))
+            #expect(expired.data["is_typing"] as? Bool == false, "no refresh: it ends after the typing TTL")
+
+            _ = try await call(ports[0], "POST", "/api/conversations/room/typing", token: aliceToken, body: #"{"is_typing":true}"#)
+            #expect(try await bob.next("typing_update").data["is_typing"] as? Bool == true)
+            _ = try await call(ports[0], "POST", "/api/presence/status", token: aliceToken, body: #"{"status":"offline","device_id":"web"}"#)
+            let cleared = try await bob.next("typing_update", timeout: .milliseconds(800))
+            #expect(cleared.data["is_typing"] as? Bool == false, "going offline clears typing at once")
+        }
+    }
+
+    @Test("only members may type or subscribe to a conversation")
+    func membersOnly() async throws {
+        try await withNodes(1) { ports in
+            try await Self.setUp(ports[0], ["alice", "bob"])
+            let mallory = try await token("mallory")
+            let rest = try await call(ports[0], "POST", "/api/conversations/room/typing", token: mallory, body: #"{"is_typing":true}"#)
+            #expect(rest.status == 403 && RESTTests.errorCode(rest.json) == "forbidden")
+            #expect(try await call(ports[0], "POST", "/api/conversations/room/typing", token: mallory, body: #"{"is_typing":"yes"}"#).status == 422)
+            let socket = TestSocket(port: ports[0], token: mallory, device: "d")
+            _ = try await socket.next("initial_state")
+            socket.send("subscribe", ["conversation_id": "room"], id: "s")
+            let refused = try await socket.next("error")
+            #expect(refused.id == "s" && refused.data["code"] as? String == "forbidden")
+            socket.send("typing", ["conversation_id": "room", "is_typing": true], id: "t")
+            #expect(try await socket.next("error").data["code"] as? String == "forbidden")
+        }
+    }
+}
