@@ -27,14 +27,41 @@ final class Session: Sendable {
         var close: (code: UInt16, reason: String)?
         var status: PresenceStatus = .online
         var saidOffline = false
-        /// Subscribed conversations: their members and the counts last sent.
+        /// Subscribed conversations: their members and counts.
         var conversations: [String: GroupView] = [:]
+        /// User → the followed conversations they are a member of.
+        var memberOf: [String: Set<String>] = [:]
+        /// Users watched only for a large group's counts: no `presence_update` for them.
+        var quiet: Set<String> = []
+
+        /// Counts a conversation's members from what is known of them (on follow and membership
+        /// changes only; presence changes adjust the counts in O(1)).
+        mutating func recount(_ conversation: String) {
+            guard var view = conversations[conversation] else { return }
+            view.online = 0
+            view.away = 0
+            for member in view.members { view.count(watched[member]??.status ?? .offline, +1) }
+            conversations[conversation] = view
+        }
     }
+
+    /// Above this many members a conversation subscription gets counts and typing only.
+    static let largeGroup = 1_000
 
     /// A subscribed conversation as this session knows it.
     struct GroupView {
         var members: Set<String>
+        var online = 0
+        var away = 0
         var sent: GroupCounts?
+
+        mutating func count(_ status: PresenceStatus, _ delta: Int) {
+            switch status {
+            case .online: online += delta
+            case .away: away += delta
+            case .offline: break
+            }
+        }
     }
 
     /// "3 of 5 online".
@@ -98,53 +125,95 @@ final class Session: Sendable {
         state.withLockedValue { state in users.filter { state.watched.removeValue(forKey: $0) != nil } }
     }
 
-    /// Records what the client was told of `presence.userID`; `false` if nothing it should be
-    /// told changed: the status, or `last_seen` of an offline user (an online user's `last_seen`
-    /// moves all the time and is not news).
-    func remember(_ presence: Presence) -> Bool {
+    /// What a newly known presence means for this session.
+    struct Remembered {
+        /// Send the client a `presence_update`.
+        var tell: Bool
+        /// The status changed: group counts may have moved.
+        var statusChanged: Bool
+    }
+
+    /// Records the latest presence of a watched user. The client is told when the status changes,
+    /// or an offline user's `last_seen` does (an online user's `last_seen` moves all the time and
+    /// is not news), unless the user is watched only for a large group's counts.
+    func remember(_ presence: Presence) -> Remembered {
         state.withLockedValue { state in
-            guard let entry = state.watched[presence.userID] else { return false }
+            guard let entry = state.watched[presence.userID] else { return Remembered(tell: false, statusChanged: false) }
+            let old = entry?.status ?? .offline
             if let known = entry, known.status == presence.status, known.status != .offline || known.lastSeen == presence.lastSeen {
-                return false
+                return Remembered(tell: false, statusChanged: false)
             }
             state.watched[presence.userID] = presence
-            return true
+            let changed = old != presence.status
+            if changed {
+                for conversation in state.memberOf[presence.userID] ?? [] {
+                    state.conversations[conversation]?.count(old, -1)
+                    state.conversations[conversation]?.count(presence.status, +1)
+                }
+            }
+            return Remembered(tell: !state.quiet.contains(presence.userID), statusChanged: changed)
         }
     }
 
-    /// Starts following a conversation with these members.
-    func follow(_ conversation: String, members: Set<String>) {
-        state.withLockedValue { $0.conversations[conversation] = GroupView(members: members, sent: nil) }
+    /// Starts following a conversation. Members of a large one are watched for its counts only
+    /// (`quiet`): the client gets `group_presence`, not each member's updates.
+    func follow(_ conversation: String, members: Set<String>, large: Bool, quiet newlyWatched: [String]) {
+        state.withLockedValue { state in
+            if large { state.quiet.formUnion(newlyWatched) }
+            state.conversations[conversation] = GroupView(members: members)
+            for member in members { state.memberOf[member, default: []].insert(conversation) }
+            state.recount(conversation)
+        }
     }
 
-    /// Stops following a conversation; `false` if it did not follow it.
-    func unfollow(_ conversation: String) -> Bool {
-        state.withLockedValue { $0.conversations.removeValue(forKey: conversation) != nil }
+    /// Stops following a conversation; returns the quiet members no other followed conversation
+    /// needs (to stop watching), or `nil` if it did not follow it.
+    func unfollow(_ conversation: String) -> [String]? {
+        state.withLockedValue { state in
+            guard let view = state.conversations.removeValue(forKey: conversation) else { return nil }
+            var unneeded: [String] = []
+            for member in view.members {
+                state.memberOf[member]?.remove(conversation)
+                if state.memberOf[member]?.isEmpty == true {
+                    state.memberOf[member] = nil
+                    if state.quiet.remove(member) != nil { unneeded.append(member) }
+                }
+            }
+            return unneeded
+        }
     }
 
-    /// Replaces the members of a followed conversation.
-    func updateMembers(_ conversation: String, _ members: Set<String>) {
-        state.withLockedValue { $0.conversations[conversation]?.members = members }
+    /// Replaces the members of a followed conversation (after a membership change).
+    func updateMembers(_ conversation: String, _ members: Set<String>, quiet newlyWatched: [String]) {
+        state.withLockedValue { state in
+            guard let old = state.conversations[conversation]?.members else { return }
+            for member in old.subtracting(members) { state.memberOf[member]?.remove(conversation) }
+            for member in members.subtracting(old) { state.memberOf[member, default: []].insert(conversation) }
+            if members.count > Session.largeGroup { state.quiet.formUnion(newlyWatched) }
+            state.conversations[conversation]?.members = members
+            state.recount(conversation)
+        }
     }
+
+    /// Users watched only for counts are no longer quiet once subscribed to explicitly.
+    func unquiet(_ users: [String]) {
+        state.withLockedValue { state in for user in users { state.quiet.remove(user) } }
+    }
+
+    /// Whether `user` is watched only for a large group's counts.
+    func isQuiet(_ user: String) -> Bool { state.withLockedValue { $0.quiet.contains(user) } }
 
     var followed: [String] { state.withLockedValue { Array($0.conversations.keys) } }
 
-    func follows(_ conversation: String) -> Bool { state.withLockedValue { $0.conversations[conversation] != nil } }
-
     /// Sends `group_presence` for each followed conversation (those containing `user`, or all)
-    /// whose counts, from what this session knows of its members, changed.
+    /// whose counts changed since last sent; with an `id`, sends them regardless (an answer).
     func sendGroupCounts(involving user: String? = nil, id: String? = nil) {
         let frames: [String] = state.withLockedValue { state in
+            let conversations = user.map { state.memberOf[$0].map(Array.init) ?? [] } ?? Array(state.conversations.keys)
             var frames: [String] = []
-            for (conversation, view) in state.conversations where user == nil || view.members.contains(user!) {
-                var counts = GroupCounts(total: view.members.count, online: 0, away: 0)
-                for member in view.members {
-                    switch state.watched[member]??.status {
-                    case .online: counts.online += 1
-                    case .away: counts.away += 1
-                    default: break
-                    }
-                }
+            for conversation in conversations {
+                guard let view = state.conversations[conversation] else { continue }
+                let counts = GroupCounts(total: view.members.count, online: view.online, away: view.away)
                 guard counts != view.sent || id != nil else { continue }
                 state.conversations[conversation]?.sent = counts
                 frames.append(Wire.frame("group_presence", ["conversation_id": conversation, "total": counts.total, "online": counts.online, "away": counts.away], id: id))

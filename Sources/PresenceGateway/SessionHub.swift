@@ -93,14 +93,16 @@ final class SessionHub: Service, Sendable {
 
     /// Subscribes `session` to a conversation: its typing, its counts, and its members' presence.
     func follow(_ session: Session, _ conversation: String, members: [String]) async {
-        session.follow(conversation, members: Set(members))
+        let added = await watch(session, members)
+        session.follow(conversation, members: Set(members), large: members.count > Session.largeGroup, quiet: added)
         state.withLockedValue { _ = $0.followers[conversation, default: []].insert(session.id) }
         try? await subscriber.retain([engine.keys.conversationChannel(conversation)])
     }
 
     /// Ends a conversation subscription.
     func unfollow(_ session: Session, _ conversation: String) async {
-        guard session.unfollow(conversation) else { return }
+        guard let unneeded = session.unfollow(conversation) else { return }
+        await unwatch(session, unneeded)
         state.withLockedValue { state in Self.drop(session.id, from: conversation, in: &state.followers) }
         try? await subscriber.release([engine.keys.conversationChannel(conversation)])
     }
@@ -110,10 +112,9 @@ final class SessionHub: Service, Sendable {
         guard let views = try? await engine.views(of: users) else { return }
         for view in views {
             let presence = view.seen(by: session.userID)
-            if session.remember(presence) {
-                session.send(Wire.frame("presence_update", Wire.presence(presence)))
-                session.sendGroupCounts(involving: presence.userID)
-            }
+            let remembered = session.remember(presence)
+            if remembered.tell { session.send(Wire.frame("presence_update", Wire.presence(presence))) }
+            if remembered.statusChanged { session.sendGroupCounts(involving: presence.userID) }
         }
     }
 
@@ -175,10 +176,13 @@ final class SessionHub: Service, Sendable {
         if let event = engine.decodeEvent(payload) {
             let watchers = state.withLockedValue { state in (state.watchers[user] ?? []).compactMap { state.sessions[$0] } }
             for session in watchers {
-                guard let update = event.update(for: session.userID), session.remember(update) else { continue }
-                session.send(Wire.frame("presence_update", Wire.presence(update)))
-                session.sendGroupCounts(involving: user)
-                GatewayMetrics.delivered(latencyMilliseconds: engine.clock.nowMilliseconds() - event.at)
+                guard let update = event.update(for: session.userID) else { continue }
+                let remembered = session.remember(update)
+                if remembered.tell {
+                    session.send(Wire.frame("presence_update", Wire.presence(update)))
+                    GatewayMetrics.delivered(latencyMilliseconds: engine.clock.nowMilliseconds() - event.at)
+                }
+                if remembered.statusChanged { session.sendGroupCounts(involving: user) }
             }
         } else if engine.decodeMembership(payload) != nil {
             let own = state.withLockedValue { state in (state.own[user] ?? []).compactMap { state.sessions[$0] } }
@@ -203,8 +207,8 @@ final class SessionHub: Service, Sendable {
                     await unfollow(session, conversation)
                     continue
                 }
-                session.updateMembers(conversation, Set(members))
                 let added = await watch(session, membership.added)
+                session.updateMembers(conversation, Set(members), quiet: added)
                 await catchUp(session, added)
                 session.sendGroupCounts(involving: nil)
             }

@@ -134,7 +134,10 @@ struct WebSocketSession {
             for target in users where try await gateway.engine.canSee(viewer: user.userID, target: target) {
                 visible.append(target)
             }
-            let added = await gateway.hub.watch(session, visible)
+            // Users watched so far only for a large group's counts become fully watched.
+            let promoted = visible.filter { session.isQuiet($0) }
+            session.unquiet(promoted)
+            let added = await gateway.hub.watch(session, visible) + promoted
             let presences = try await gateway.engine.views(of: added).map { $0.seen(by: user.userID) }
             for presence in presences { _ = session.remember(presence) }
             session.send(Wire.frame("initial_state", ["presences": presences.map { Wire.presence($0) }], id: id))
@@ -164,11 +167,13 @@ struct WebSocketSession {
             throw APIError.invalid("a session may watch at most \(gateway.configuration.maxWatchedUsers) users")
         }
         await gateway.hub.follow(session, conversation, members: members)
-        _ = await gateway.hub.watch(session, members)
+        // One pipelined read of every member, here only; later changes adjust the counts.
         let presences = try await gateway.engine.views(of: members).map { $0.seen(by: user.userID) }
         for presence in presences { _ = session.remember(presence) }
         session.sendGroupCounts(involving: nil, id: id)
-        session.send(Wire.frame("initial_state", ["presences": presences.map { Wire.presence($0) }], id: id))
+        // A large group gets counts and typing only, not every member's presence.
+        let shown = members.count > Session.largeGroup ? [] : presences
+        session.send(Wire.frame("initial_state", ["presences": shown.map { Wire.presence($0) }], id: id))
     }
 
     private func userIDs(_ data: [String: Any]) throws(APIError) -> [String] {

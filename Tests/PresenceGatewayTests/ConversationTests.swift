@@ -1,4 +1,5 @@
 import Foundation
+import PresenceEngine
 import RedisTestSupport
 import Testing
 
@@ -76,6 +77,28 @@ struct ConversationTests {
             _ = try await call(ports[0], "POST", "/api/presence/status", token: aliceToken, body: #"{"status":"offline","device_id":"web"}"#)
             let cleared = try await bob.next("typing_update", timeout: .milliseconds(800))
             #expect(cleared.data["is_typing"] as? Bool == false, "going offline clears typing at once")
+        }
+    }
+
+    @Test("a large group's subscription gets counts and typing, not every member's update")
+    func largeGroup() async throws {
+        try await withNodes(2, configure: { $0.visibility = .open }) { ports in
+            let members = ["bob"] + (0...1000).map { "m\($0)" }
+            try await Self.setUp(ports[0], members, conversation: "big")
+            let bob = TestSocket(port: ports[1], token: try await token("bob"), device: "phone")
+            _ = try await bob.next("initial_state")
+            bob.send("subscribe", ["conversation_id": "big"], id: "big")
+            let counts = try await bob.next("group_presence")
+            #expect(counts.data["total"] as? Int == 1002 && counts.data["online"] as? Int == 1)
+            #expect(try await bob.next("initial_state").presences.isEmpty, "no member list for a large group")
+            _ = try await call(ports[0], "POST", "/api/presence/status", token: try await token("m7"), body: #"{"status":"online"}"#)
+            let more = try await bob.next()
+            #expect(more.type == "group_presence" && more.data["online"] as? Int == 2, "\(more)")
+            #expect(await bob.staysQuiet(for: .milliseconds(300)), "no presence_update for a member of a large group")
+            bob.send("subscribe", ["user_ids": ["m7"]], id: "m7")
+            #expect(try await bob.next("initial_state").presences.first?["status"] as? String == "online")
+            _ = try await call(ports[0], "POST", "/api/presence/status", token: try await token("m7"), body: #"{"status":"away"}"#)
+            #expect(try await bob.next("presence_update").status == "away", "explicitly watched now")
         }
     }
 
