@@ -8,7 +8,7 @@ struct PresenceBench: AsyncParsableCommand {
         commandName: "presence-bench",
         abstract: "Measures the presence engine and the gateway against a running Redis.",
         discussion: "Example: presence-bench engine --devices 10000 --idle-seconds 60",
-        subcommands: [EngineBench.self, LatencyBench.self]
+        subcommands: [EngineBench.self, LatencyBench.self, GroupBench.self]
     )
 }
 
