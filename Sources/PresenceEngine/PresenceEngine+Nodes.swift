@@ -74,6 +74,7 @@ extension PresenceEngine {
                 ["PEXPIRE", RedisArgument(keys.nodeDevices(node)), keep],
                 ["PEXPIRE", RedisArgument(keys.nodes), keep],
                 ["PEXPIRE", RedisArgument(keys.deadlines), keep],
+                ["PEXPIRE", RedisArgument(keys.typingDeadlines), keep],
             ])
         }
         return true

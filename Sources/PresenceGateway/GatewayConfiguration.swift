@@ -40,6 +40,8 @@ public struct GatewayConfiguration: Sendable {
     public var maxDevicesPerUser = 32
     /// Most users one session may watch.
     public var maxWatchedUsers = 5_000
+    /// Most members of a conversation a session may follow (counts and typing only above 1,000).
+    public var maxGroupMembers = 100_000
     /// Most ids in one `subscribe` / `unsubscribe` or `user_ids` query.
     public var maxIDsPerRequest = 500
     /// Status changes per second per session or REST user (token bucket rate; burst is twice).

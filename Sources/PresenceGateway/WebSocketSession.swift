@@ -163,7 +163,13 @@ struct WebSocketSession {
         guard let members = try await gateway.engine.members(of: conversation), members.contains(user.userID) else {
             throw APIError.forbidden("you are not a member of this conversation")
         }
-        guard session.watchedCount + members.count <= gateway.configuration.maxWatchedUsers else {
+        // A large group's members are watched for its counts only; they do not count towards the
+        // session's watch limit, but a group has a size limit of its own.
+        if members.count > Session.largeGroup {
+            guard members.count <= gateway.configuration.maxGroupMembers else {
+                throw APIError.invalid("conversations over \(gateway.configuration.maxGroupMembers) members cannot be followed")
+            }
+        } else if session.watchedCount + members.count > gateway.configuration.maxWatchedUsers {
             throw APIError.invalid("a session may watch at most \(gateway.configuration.maxWatchedUsers) users")
         }
         await gateway.hub.follow(session, conversation, members: members)

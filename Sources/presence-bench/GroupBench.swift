@@ -45,7 +45,12 @@ struct GroupBench: AsyncParsableCommand {
         let latencies = NIOLockedValueBox<[Double]>([])
         let followed = NIOLockedValueBox(false)
         let (watcher, task) = try await nodes.connect(node: 1, user: "bench-watcher", device: "w") { text in
-            guard let (type, _) = decodeFrame(text), type == "group_presence" else { return }
+            guard let (type, data) = decodeFrame(text) else { return }
+            if type == "error" {
+                FileHandle.standardError.write(Data("the node refused: \(data)\n".utf8))
+                Foundation.exit(1)
+            }
+            guard type == "group_presence" else { return }
             if !followed.withLockedValue({ $0 }) {
                 followed.withLockedValue { $0 = true }
                 return

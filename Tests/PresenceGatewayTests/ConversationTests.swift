@@ -3,6 +3,10 @@ import PresenceEngine
 import RedisTestSupport
 import Testing
 
+#if canImport(Glibc)
+import Glibc
+#endif
+
 @testable import PresenceGateway
 
 @Suite("Typing and group presence across two live nodes")
@@ -117,6 +121,50 @@ struct ConversationTests {
             #expect(refused.id == "s" && refused.data["code"] as? String == "forbidden")
             socket.send("typing", ["conversation_id": "room", "is_typing": true], id: "t")
             #expect(try await socket.next("error").data["code"] as? String == "forbidden")
+        }
+    }
+}
+
+@Suite("A gateway process killed with SIGKILL")
+struct NodeDeathTests {
+    @Test("its typing states expire and its devices go offline within the lease, seen from another node")
+    func killedNode() async throws {
+        let prefix = TestRedis.uniquePrefix("kill")
+        try await withNodes(1, prefix: prefix, configure: { $0.typingTTL = 1 }) { ports in
+            try await ConversationTests.setUp(ports[0], ["alice", "bob"])
+            let port = try RedisServerProcess.freePort()
+            let process = Process()
+            process.executableURL = CTL.binary.deletingLastPathComponent().appendingPathComponent("presence-gateway")
+            process.arguments = ["--port", "\(port)", "--redis-url", TestRedis.url, "--key-prefix", prefix, "--node-id", "doomed",
+                                 "--jwt-secret", testSecret, "--lease-ttl", "2", "--typing-ttl", "1", "--log-level", "error"]
+            process.standardOutput = FileHandle.nullDevice
+            process.standardError = FileHandle.nullDevice
+            try process.run()
+            defer { if process.isRunning { kill(process.processIdentifier, SIGKILL) } }
+            let listening = await eventually { (try? await call(port, "GET", "/healthz").status) == 200 }
+            #expect(listening)
+
+            let bob = TestSocket(port: ports[0], token: try await token("bob"), device: "phone")
+            _ = try await bob.next("initial_state")
+            bob.send("subscribe", ["conversation_id": "room"], id: "c")
+            _ = try await bob.next("initial_state")
+            let alice = TestSocket(port: port, token: try await token("alice"), device: "phone")
+            _ = try await alice.next("initial_state")
+            #expect(try await bob.next("presence_update").status == "online")
+            alice.send("typing", ["conversation_id": "room", "is_typing": true])
+            #expect(try await bob.next("typing_update").data["is_typing"] as? Bool == true)
+
+            let killedAt = ContinuousClock.now
+            kill(process.processIdentifier, SIGKILL)
+            process.waitUntilExit()
+            let stopped = try await bob.next("typing_update", timeout: .seconds(4))
+            #expect(stopped.data["is_typing"] as? Bool == false, "the typing state ends though its node is dead")
+            let offline = try await bob.next("presence_update", timeout: .seconds(6))
+            #expect(offline.status == "offline")
+            // Lease 2 s plus a reaper period (0.5 s), with slack for a loaded machine.
+            #expect(ContinuousClock.now - killedAt < .seconds(5), "offline within the lease plus one reaper period")
+            let nodes = try await call(ports[0], "GET", "/api/admin/nodes", token: adminToken)
+            #expect((nodes.json as? [[String: Any]])?.contains { $0["node_id"] as? String == "doomed" } == false)
         }
     }
 }

@@ -107,7 +107,7 @@ public final class RedisServerProcess: @unchecked Sendable {
     }
 
     /// A port the kernel just handed out, so nothing else is on it.
-    static func freePort() throws -> Int {
+    public static func freePort() throws -> Int {
         let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
         guard fd >= 0 else { throw RedisError(.unavailable, "socket() failed") }
         defer { close(fd) }
