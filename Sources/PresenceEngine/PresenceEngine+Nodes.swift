@@ -135,16 +135,22 @@ extension PresenceEngine {
         for index in stride(from: 0, to: values.count - 1, by: 2) {
             if let node = values[index].string, let score = values[index + 1].double { pairs.append((node, Int64(score))) }
         }
-        let infos = try await run { try await self.redis.pipeline(pairs.map { ["HMGET", RedisArgument(keys.nodeInfo($0.0)), "sessions", "renewed_at"] }) }
-        return zip(pairs, infos).map { pair, info in
-            let fields = (try? info.get())?.array ?? []
+        let commands: [[RedisArgument]] = pairs.flatMap { pair -> [[RedisArgument]] in
+            [["HMGET", RedisArgument(keys.nodeInfo(pair.0)), "sessions", "renewed_at"], ["EXISTS", RedisArgument(keys.lease(pair.0))]]
+        }
+        let replies = try await run { try await self.redis.pipeline(commands) }
+        return pairs.enumerated().map { index, pair in
+            let fields = (try? replies[2 * index].get())?.array ?? []
+            let leaseExists = (try? replies[2 * index + 1].get())?.int == 1
             let renewed = fields.count == 2 ? Self.timestamp(fields[1]) : nil
+            // A node being reaped has its registry score moved forward by the claim, but its
+            // lease key has expired: it is lapsed either way.
             return NodeRecord(
                 nodeID: pair.0,
                 sessions: fields.first?.int ?? 0,
-                leaseExpiresAt: pair.1,
+                leaseExpiresAt: leaseExists ? pair.1 : min(pair.1, (renewed ?? now) + configuration.leaseTTL.milliseconds),
                 renewedAt: renewed,
-                lapsed: pair.1 <= now
+                lapsed: pair.1 <= now || !leaseExists
             )
         }
     }

@@ -136,12 +136,12 @@ struct NodeDeathTests {
             let process = Process()
             process.executableURL = CTL.binary.deletingLastPathComponent().appendingPathComponent("presence-gateway")
             process.arguments = ["--port", "\(port)", "--redis-url", TestRedis.url, "--key-prefix", prefix, "--node-id", "doomed",
-                                 "--jwt-secret", testSecret, "--lease-ttl", "2", "--typing-ttl", "1", "--log-level", "error"]
+                                 "--jwt-secret", testSecret, "--lease-ttl", "3", "--typing-ttl", "1", "--log-level", "error"]
             process.standardOutput = FileHandle.nullDevice
             process.standardError = FileHandle.nullDevice
             try process.run()
             defer { if process.isRunning { kill(process.processIdentifier, SIGKILL) } }
-            let listening = await eventually { (try? await call(port, "GET", "/healthz").status) == 200 }
+            let listening = await eventually(timeout: .seconds(20)) { (try? await call(port, "GET", "/healthz").status) == 200 }
             #expect(listening)
 
             let bob = TestSocket(port: ports[0], token: try await token("bob"), device: "phone")
@@ -159,12 +159,12 @@ struct NodeDeathTests {
             process.waitUntilExit()
             let stopped = try await bob.next("typing_update", timeout: .seconds(4))
             #expect(stopped.data["is_typing"] as? Bool == false, "the typing state ends though its node is dead")
-            let offline = try await bob.next("presence_update", timeout: .seconds(6))
+            let offline = try await bob.next("presence_update", timeout: .seconds(8))
             #expect(offline.status == "offline")
-            // Lease 2 s plus a reaper period (0.5 s), with slack for a loaded machine.
-            #expect(ContinuousClock.now - killedAt < .seconds(5), "offline within the lease plus one reaper period")
+            // Lease 3 s plus a reaper period (0.5 s), with slack for a loaded machine.
+            #expect(ContinuousClock.now - killedAt < .seconds(6), "offline within the lease plus one reaper period")
             let nodes = try await call(ports[0], "GET", "/api/admin/nodes", token: adminToken)
-            #expect((nodes.json as? [[String: Any]])?.contains { $0["node_id"] as? String == "doomed" } == false)
+            #expect((nodes.json as? [[String: Any]])?.contains { $0["node_id"] as? String == "doomed" } == false, "the dead node is not listed")
         }
     }
 }
