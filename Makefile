@@ -14,8 +14,9 @@ build-tests: deps
 	$(SWIFT) build --build-tests $(BUILD_FLAGS)
 
 # Builds once, then runs every test against a throwaway redis-server on a free loopback port.
+# Bounded: a run that hangs fails after 15 minutes instead of holding CI.
 test: build-tests
-	scripts/with-redis $(SWIFT) test --skip-build $(BUILD_FLAGS)
+	scripts/with-redis timeout --kill-after=10 900 $(SWIFT) test --skip-build $(BUILD_FLAGS)
 
 # Starts a gateway node on 127.0.0.1:8080 (see README).
 run: deps

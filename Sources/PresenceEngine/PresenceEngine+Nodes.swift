@@ -90,7 +90,12 @@ extension PresenceEngine {
             // A session that closed meanwhile is no longer in `local`; skip it.
             let stillOpen = local.withLockedValue { $0[keys.deviceMember(user: device.user, device: device.device)]?.session == device.session }
             guard stillOpen else { continue }
-            _ = try await connect(user: device.user, device: device.device, session: device.session, status: device.status)
+            _ = try await register(user: device.user, device: device.device, session: device.session, status: device.status)
+            // The session may have closed while this ran: its close must win.
+            let closedMeanwhile = local.withLockedValue { $0[keys.deviceMember(user: device.user, device: device.device)]?.session != device.session }
+            if closedMeanwhile {
+                _ = try? await disconnect(user: device.user, device: device.device, session: device.session, clean: false)
+            }
         }
         logger.info("re-registered this node's sessions", metadata: ["presence.node_id": "\(configuration.nodeID)", "presence.devices": "\(devices.count)"])
         return devices.count
@@ -106,18 +111,16 @@ extension PresenceEngine {
         }
     }
 
-    /// Gives up the lease on a graceful shutdown; devices whose sessions were closed are already
-    /// lingering and do not depend on it.
+    /// Gives up the lease on a graceful shutdown. The node stays in the registry as lapsed, so
+    /// that a reaper takes offline any device a session still held (one whose close Redis did not
+    /// take); devices whose sessions closed are lingering already and do not depend on it.
     public func deregisterNode() async throws(PresenceError) {
         let node = configuration.nodeID
         _ = try await run {
             try await self.redis.pipeline([
-                ["DEL", RedisArgument(keys.lease(node)), RedisArgument(keys.nodeInfo(node))],
-                ["ZREM", RedisArgument(keys.nodes), RedisArgument(node)],
+                ["DEL", RedisArgument(keys.lease(node))],
+                ["ZADD", RedisArgument(keys.nodes), RedisArgument(Int(clock.nowMilliseconds())), RedisArgument(node)],
             ])
-        }
-        if localDeviceCount == 0 {
-            _ = try await run { try await self.redis.send("DEL", RedisArgument(keys.nodeDevices(node))) }
         }
     }
 

@@ -39,7 +39,11 @@ extension PresenceEngine {
     public func setTyping(user: String, conversation: String, isTyping: Bool) async throws(PresenceError) -> Bool {
         let member = try await run { try await self.redis.send("SISMEMBER", RedisArgument(keys.members(conversation)), RedisArgument(user)) }
         guard member.int == 1 else { throw PresenceError(.forbidden, "you are not a member of this conversation") }
-        if isTyping, try await views(of: user).real.status == .offline { return false }
+        // Offline users are never shown typing, nor are hidden ones: it would show them active.
+        if isTyping {
+            let views = try await views(of: user)
+            if views.real.status == .offline || views.hidden { return false }
+        }
         let now = clock.nowMilliseconds()
         let ttl = configuration.typingTTL.milliseconds
         if isTyping {

@@ -19,6 +19,15 @@ public final class PresenceEngine: Sendable {
     public let clock: any PresenceClock
     let logger: Logger
     let local = NIOLockedValueBox([String: LocalDevice]())
+    let pendingReleases = NIOLockedValueBox([String: PendingRelease]())
+
+    /// A disconnect Redis could not take yet.
+    struct PendingRelease: Sendable {
+        var user: String
+        var device: String
+        var session: String
+        var clean: Bool
+    }
 
     /// A device held by one of this node's sessions.
     struct LocalDevice: Sendable {
@@ -53,14 +62,7 @@ public final class PresenceEngine: Sendable {
         let member = keys.deviceMember(user: user, device: device)
         local.withLockedValue { $0[member] = LocalDevice(user: user, device: device, session: session, status: status) }
         do {
-            // The node's device index is written first: if the script then fails, a stale entry
-            // costs the reaper one no-op; the other order could leave a device nobody reaps.
-            try await run { try await self.redis.send("SADD", RedisArgument(self.keys.nodeDevices(self.configuration.nodeID)), RedisArgument(member)) }
-            let reply = try await upsert(user: user, device: device, status: status, node: configuration.nodeID, session: session, deadline: 0, mode: "session")
-            let previousSession = reply.count > 7 ? reply[6].string ?? "" : ""
-            let previousNode = reply.count > 7 ? reply[7].string ?? "" : ""
-            let replaced = !previousSession.isEmpty && previousSession != session ? (previousNode, previousSession) : nil
-            return SessionOpened(change: try Self.change(from: reply, user: user), replaced: replaced)
+            return try await register(user: user, device: device, session: session, status: status)
         } catch {
             local.withLockedValue { devices in
                 if devices[member]?.session == session { devices[member] = nil }
@@ -69,13 +71,30 @@ public final class PresenceEngine: Sendable {
         }
     }
 
+    /// Writes a device held by a session of this node: the node's index, then the device.
+    func register(user: String, device: String, session: String, status: PresenceStatus) async throws(PresenceError) -> SessionOpened {
+        let member = keys.deviceMember(user: user, device: device)
+        // The node's device index is written first: if the script then fails, a stale entry
+        // costs the reaper one no-op; the other order could leave a device nobody reaps.
+        try await run { try await self.redis.send("SADD", RedisArgument(self.keys.nodeDevices(self.configuration.nodeID)), RedisArgument(member)) }
+        let reply = try await upsert(user: user, device: device, status: status, node: configuration.nodeID, session: session, deadline: 0, mode: "session")
+        let previousSession = reply.count > 7 ? reply[6].string ?? "" : ""
+        let previousNode = reply.count > 7 ? reply[7].string ?? "" : ""
+        let replaced = !previousSession.isEmpty && previousSession != session ? (previousNode, previousSession) : nil
+        return SessionOpened(change: try Self.change(from: reply, user: user), replaced: replaced)
+    }
+
     /// Changes the status of a device held by a live session of this node.
     public func setStatus(user: String, device: String, session: String, status: PresenceStatus) async throws(PresenceError) -> PresenceChange {
         let member = keys.deviceMember(user: user, device: device)
         local.withLockedValue { devices in
             if devices[member]?.session == session { devices[member]?.status = status }
         }
-        let reply = try await upsert(user: user, device: device, status: status, node: configuration.nodeID, session: session, deadline: 0, mode: "session")
+        let reply = try await upsert(user: user, device: device, status: status, node: configuration.nodeID, session: session, deadline: 0, mode: "status")
+        guard reply.first?.int != -3 else {
+            // Another session took the device over; this one is about to be closed.
+            return PresenceChange(changed: false, shownChanged: false, views: try await views(of: user))
+        }
         let change = try Self.change(from: reply, user: user)
         await settle(change)
         return change
@@ -90,6 +109,34 @@ public final class PresenceEngine: Sendable {
         local.withLockedValue { devices in
             if devices[member]?.session == session { devices[member] = nil }
         }
+        do {
+            let change = try await release(user: user, device: device, session: session, clean: clean)
+            pendingReleases.withLockedValue { $0[member] = nil }
+            return change
+        } catch {
+            // Redis did not take it: retried on every lease tick, or the device would stay held
+            // by this live node for good.
+            pendingReleases.withLockedValue { $0[member] = PendingRelease(user: user, device: device, session: session, clean: clean) }
+            throw error
+        }
+    }
+
+    /// Retries the disconnects Redis could not take; called on every lease tick.
+    public func retryPendingReleases() async {
+        let pending = pendingReleases.withLockedValue { Array($0.values) }
+        for release in pending {
+            let member = keys.deviceMember(user: release.user, device: release.device)
+            do {
+                _ = try await self.release(user: release.user, device: release.device, session: release.session, clean: release.clean)
+                pendingReleases.withLockedValue { $0[member] = nil }
+            } catch {
+                return
+            }
+        }
+    }
+
+    private func release(user: String, device: String, session: String, clean: Bool) async throws(PresenceError) -> PresenceChange? {
+        let member = keys.deviceMember(user: user, device: device)
         let now = clock.nowMilliseconds()
         let lingerDeadline = now + configuration.linger.milliseconds
         if !clean {
@@ -108,6 +155,10 @@ public final class PresenceEngine: Sendable {
             // Not held by this session any more; unless another session took it over (possibly
             // on this very node), drop it from the node's index.
             _ = try? await redis.send("SREM", RedisArgument(keys.nodeDevices(configuration.nodeID)), RedisArgument(member))
+            // A new session of the same device on this node may have indexed it meanwhile.
+            if local.withLockedValue({ $0[member] != nil }) {
+                _ = try? await redis.send("SADD", RedisArgument(keys.nodeDevices(configuration.nodeID)), RedisArgument(member))
+            }
         }
         guard let first = values.first?.int, first >= 0 else { return nil }
         let change = try Self.change(from: values, user: user)

@@ -61,9 +61,10 @@ enum PresenceScripts {
     """
 
     /// Adds or updates a device. KEYS: devices, state. ARGV: now, user, device, status, node,
-    /// session, deadline, max devices, channel, mode (`session` or `rest`), device TTL.
-    /// Returns finish()'s array plus the previous session and its node, or an error reply
-    /// `TOO_MANY_DEVICES`.
+    /// session, deadline, max devices, channel, mode (`session` to open a session, `status` for a
+    /// change from a session, `rest`), device TTL. Returns finish()'s array plus the previous
+    /// session and its node; {-3} when a `status` comes from a session that lost the device; or
+    /// an error reply `TOO_MANY_DEVICES`.
     static let upsertDevice = RedisScript(prelude + """
 
     local now = tonumber(ARGV[1])
@@ -72,10 +73,14 @@ enum PresenceScripts {
     local raw = redis.call('HGET', KEYS[1], device)
     local prevSession, prevNode = '', ''
     local since = now
+    local wentOffline = 0
     if raw then
       local d = parse(raw)
+      -- A status change from a session that no longer holds the device changes nothing.
+      if mode == 'status' and d.session ~= '' and d.session ~= session then return {-3} end
       prevSession, prevNode = d.session, d.node
       if d.status == status then since = d.since end
+      if status == 'offline' and d.status ~= 'offline' then wentOffline = now end
       if mode == 'rest' and d.deadline == 0 and d.node ~= '' then
         -- A REST post for a device that a live session holds changes its status only.
         node, session, deadline = d.node, d.session, 0
@@ -84,7 +89,8 @@ enum PresenceScripts {
       return redis.error_reply('TOO_MANY_DEVICES the user has ' .. maxDevices .. ' devices already')
     end
     redis.call('HSET', KEYS[1], device, encode({status = status, node = node, session = session, since = since, deadline = deadline, alive = now}))
-    local result = finish(KEYS[2], KEYS[1], channel, now, 0, user)
+    -- A device that says offline was alive until now: that is the user's last_seen if it was the last.
+    local result = finish(KEYS[2], KEYS[1], channel, now, wentOffline, user)
     table.insert(result, prevSession)
     table.insert(result, prevNode)
     return result
@@ -109,7 +115,9 @@ enum PresenceScripts {
       redis.call('HSET', KEYS[1], device, encode(d))
       return {-1, tostring(lingerDeadline)}
     end
+    -- A device that already said offline was last alive when it said so.
     local alive = now
+    if d.status == 'offline' then alive = d.alive end
     if mode == 'expire' then
       if d.deadline == 0 or d.deadline > now then return {-1, tostring(d.deadline)} end
       alive = d.alive
@@ -228,8 +236,8 @@ enum PresenceScripts {
       local e, f = string.match(raw, '^([^|]*)|([^|]*)$')
       expiry, forwarded = tonumber(e), tonumber(f)
     end
-    local active = expiry > now
     if ARGV[4] == '1' then
+      local active = expiry > now
       local publish = (not active) or (now - forwarded >= window)
       if publish then forwarded = now end
       redis.call('HSET', KEYS[1], user, (now + ttl) .. '|' .. forwarded)
@@ -240,8 +248,10 @@ enum PresenceScripts {
       end
       return 0
     end
-    if raw then redis.call('HDEL', KEYS[1], user) end
-    if active then
+    -- An entry still here has not had its stop published (the reaper publishes when it removes
+    -- one), even if its expiry has just passed: publish it now.
+    if raw then
+      redis.call('HDEL', KEYS[1], user)
       redis.call('PUBLISH', channel, cjson.encode({type = 'typing', conversation_id = conversation, user_id = user, is_typing = false, at = now}))
       return 1
     end

@@ -24,6 +24,7 @@ public struct PresenceLeaseService: Service {
                     engine.logger.warning("this node's lease was gone; registering its sessions again", metadata: ["presence.node_id": "\(engine.configuration.nodeID)"])
                     try await engine.reregister()
                 }
+                await engine.retryPendingReleases()
                 tick += 1
                 if tick % refreshEvery == 0 { try await engine.refreshDeviceKeys() }
             } catch {

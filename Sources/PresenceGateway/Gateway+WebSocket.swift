@@ -70,7 +70,8 @@ extension Gateway {
     /// Runs a session until it closes: a writer draining its queue, a timer for the token's
     /// expiry, and the reader handling frames. Returns the error that ended reading, if any.
     private func run(_ session: Session, user: AuthenticatedUser, inbound: WebSocketInboundStream, outbound: WebSocketOutboundWriter, logger: Logger) async -> (any Error)? {
-        let expiry = max(0, user.expiresAt.timeIntervalSinceNow)
+        // Clamped: a far-future `exp` must not overflow the conversion to milliseconds.
+        let expiry = min(max(0, user.expiresAt.timeIntervalSinceNow), 366 * 86_400)
         return await withTaskGroup(of: Void.self) { group in
             group.addTask {
                 for await frame in session.outbound {

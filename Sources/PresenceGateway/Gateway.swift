@@ -29,6 +29,8 @@ public final class Gateway: Sendable {
         self.logger = logger
         var redisConfiguration = try RedisConfiguration(url: configuration.redisURL)
         redisConfiguration.clientName = "presence-gateway:\(configuration.nodeID)"
+        // REST answers 503 within a second while Redis is unreachable: wait little for a connection.
+        redisConfiguration.waitForConnection = .milliseconds(300)
         let redis = RedisClient(configuration: redisConfiguration, logger: logger)
         let subscriber = RedisSubscriber(configuration: redisConfiguration, logger: logger)
         engine = PresenceEngine(redis: redis, configuration: configuration.engineConfiguration, logger: logger)
@@ -117,7 +119,8 @@ struct SessionDrainer: Service {
         hub.logger.info("shutting down: closing sessions with 1001", metadata: ["presence.sessions": "\(sessions.count)"])
         for session in sessions { session.close(code: 1001, reason: "the node is shutting down") }
         let deadline = ContinuousClock.now + .seconds(5)
-        while hub.sessionCount > 0, ContinuousClock.now < deadline {
+        // Until every session is gone and Redis has taken every device's close (lingering).
+        while hub.sessionCount > 0 || hub.engine.localDeviceCount > 0, ContinuousClock.now < deadline {
             try? await Task.sleep(for: .milliseconds(20))
         }
     }

@@ -200,6 +200,14 @@ final class Session: Sendable {
         state.withLockedValue { state in for user in users { state.quiet.remove(user) } }
     }
 
+    /// Whether `user` is a member of a conversation this session follows.
+    func isMemberOfFollowed(_ user: String) -> Bool { state.withLockedValue { $0.memberOf[user] != nil } }
+
+    /// Keeps watching `users` for group counts only.
+    func markQuiet(_ users: [String]) {
+        state.withLockedValue { state in state.quiet.formUnion(users.filter { state.watched[$0] != nil }) }
+    }
+
     /// Whether `user` is watched only for a large group's counts.
     func isQuiet(_ user: String) -> Bool { state.withLockedValue { $0.quiet.contains(user) } }
 

@@ -62,6 +62,8 @@ final class SessionHub: Service, Sendable {
     /// Starts delivering the presence of `users` to `session`; returns the users newly watched.
     @discardableResult
     func watch(_ session: Session, _ users: [String]) async -> [String] {
+        // A session unregistered while its caller awaited Redis must not watch anything again.
+        guard state.withLockedValue({ $0.sessions[session.id] != nil }) else { return [] }
         let added = session.addWatched(users)
         guard !added.isEmpty else { return [] }
         state.withLockedValue { state in
@@ -95,8 +97,8 @@ final class SessionHub: Service, Sendable {
     func follow(_ session: Session, _ conversation: String, members: [String]) async {
         let added = await watch(session, members)
         session.follow(conversation, members: Set(members), large: members.count > Session.largeGroup, quiet: added)
-        state.withLockedValue { _ = $0.followers[conversation, default: []].insert(session.id) }
-        try? await subscriber.retain([engine.keys.conversationChannel(conversation)])
+        let first = state.withLockedValue { $0.followers[conversation, default: []].insert(session.id).inserted }
+        if first { try? await subscriber.retain([engine.keys.conversationChannel(conversation)]) }
     }
 
     /// Ends a conversation subscription.

@@ -122,7 +122,10 @@ struct WebSocketSession {
             }
             let users = try userIDs(data)
             if type == "unsubscribe" {
-                await gateway.hub.unwatch(session, users)
+                // Members of a followed conversation stay watched for its counts, without updates.
+                let members = users.filter { session.isMemberOfFollowed($0) }
+                session.markQuiet(members)
+                await gateway.hub.unwatch(session, users.filter { !members.contains($0) })
                 session.send(Wire.frame("ack", [:], id: id))
                 return
             }

@@ -49,10 +49,20 @@ struct ConversationTests {
             let away = try await bob.next("group_presence")
             #expect(away.data["online"] as? Int == 1 && away.data["away"] as? Int == 1)
 
+            bob.send("status", ["status": "offline"], id: "off")
+            _ = try await bob.next("ack")
+            alice.send("typing", ["conversation_id": "room", "is_typing": true])
+            let whileOffline = await bob.drain(for: .milliseconds(600))
+            #expect(!whileOffline.contains { $0.type == "typing_update" }, "a watcher whose own device is offline gets no typing: \(whileOffline)")
+            bob.send("status", ["status": "online"], id: "on")
+            _ = try await bob.next("ack")
+
             bob.send("unsubscribe", ["conversation_id": "room"], id: "u")
             #expect(try await bob.next("ack").id == "u")
-            alice.send("typing", ["conversation_id": "room", "is_typing": true])
-            #expect(await bob.staysQuiet(for: .milliseconds(500)), "no typing after unsubscribing")
+            // alice is still typing: this stop is published, but bob no longer follows the room.
+            alice.send("typing", ["conversation_id": "room", "is_typing": false])
+            let afterUnsubscribe = await bob.drain(for: .milliseconds(500))
+            #expect(!afterUnsubscribe.contains { $0.type == "typing_update" || $0.type == "group_presence" }, "no typing after unsubscribing: \(afterUnsubscribe)")
         }
     }
 

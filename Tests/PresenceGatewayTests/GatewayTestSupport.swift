@@ -161,6 +161,16 @@ final class TestSocket: Sendable {
         }
     }
 
+    /// Every frame that arrives within `window`.
+    func drain(for window: Duration) async -> [Frame] {
+        let deadline = ContinuousClock.now + window
+        var frames: [Frame] = []
+        while ContinuousClock.now < deadline, let frame = try? await next(timeout: deadline - ContinuousClock.now) {
+            frames.append(frame)
+        }
+        return frames
+    }
+
     /// Whether no frame arrives within `window`.
     func staysQuiet(for window: Duration) async -> Bool {
         (try? await next(timeout: window)) == nil

@@ -14,18 +14,33 @@ struct CTL {
         return root.appendingPathComponent(".build/debug/presencectl")
     }
 
+    /// Output goes to files, not pipes: a pipe's end can be inherited by a long-lived child
+    /// another test starts at the same moment, and reading it to the end would then wait for that
+    /// child.
     static func run(_ arguments: [String]) throws -> (status: Int32, out: String, err: String) {
+        let (process, out, err) = try start(arguments)
+        process.waitUntilExit()
+        return (process.terminationStatus, read(out), read(err))
+    }
+
+    static func start(_ arguments: [String]) throws -> (Process, URL, URL) {
+        let directory = FileManager.default.temporaryDirectory
+        let out = directory.appendingPathComponent("presencectl-\(UUID().uuidString).out")
+        let err = directory.appendingPathComponent("presencectl-\(UUID().uuidString).err")
+        FileManager.default.createFile(atPath: out.path, contents: nil)
+        FileManager.default.createFile(atPath: err.path, contents: nil)
         let process = Process()
         process.executableURL = binary
         process.arguments = arguments
-        let out = Pipe(), err = Pipe()
-        process.standardOutput = out
-        process.standardError = err
+        process.standardOutput = try FileHandle(forWritingTo: out)
+        process.standardError = try FileHandle(forWritingTo: err)
         try process.run()
-        let output = out.fileHandleForReading.readDataToEndOfFile()
-        let errors = err.fileHandleForReading.readDataToEndOfFile()
-        process.waitUntilExit()
-        return (process.terminationStatus, String(decoding: output, as: UTF8.self), String(decoding: errors, as: UTF8.self))
+        return (process, out, err)
+    }
+
+    static func read(_ url: URL) -> String {
+        defer { try? FileManager.default.removeItem(at: url) }
+        return (try? String(contentsOf: url, encoding: .utf8)) ?? ""
     }
 
     static func json(_ arguments: [String]) throws -> [String: Any] {
@@ -53,6 +68,10 @@ struct PresencectlTests {
 
             let online = try CTL.json(["online"] + common)
             #expect(online["count"] as? Int == 1)
+            let onlineTable = try CTL.run(["online"] + common).out
+            #expect(onlineTable.contains("USER") && onlineTable.contains("alice") && onlineTable.contains("1 user(s) present: 1 online"), "\(onlineTable)")
+            let nodesTable = try CTL.run(["nodes"] + common).out
+            #expect(nodesTable.contains("node-0") && nodesTable.contains("live") && nodesTable.contains("1 live node(s)"), "\(nodesTable)")
             let nodes = try CTL.run(["nodes", "--json"] + common)
             let nodeList = (try? JSONSerialization.jsonObject(with: Data(nodes.out.utf8))) as? [[String: Any]]
             #expect(nodeList?.first?["node_id"] as? String == "node-0" && nodeList?.first?["state"] as? String == "live")
@@ -63,28 +82,36 @@ struct PresencectlTests {
             #expect(update.userID == "bob", "the node applies a membership change made by presencectl")
             let conversation = try CTL.json(["conversation", "team"] + common)
             #expect(conversation["total"] as? Int == 2 && conversation["online"] as? Int == 1)
+            let conversationTable = try CTL.run(["conversation", "team"] + common).out
+            #expect(conversationTable.contains("bob") && conversationTable.contains("1 of 2 online"), "\(conversationTable)")
             let stats = try CTL.json(["stats"] + common)
             #expect(stats["users_online"] as? Int == 1 && stats["nodes"] as? Int == 1 && (stats["keys"] as? Int ?? 0) > 0)
+            let statsTable = try CTL.run(["stats"] + common).out
+            #expect(statsTable.contains("users online  1") && statsTable.contains("live nodes    1"), "\(statsTable)")
+            let add = try CTL.json(["add-members", "team", "carol"] + common)
+            #expect(add["added"] as? [String] == ["carol"])
+            let remove = try CTL.run(["remove-member", "team", "carol"] + common)
+            #expect(remove.status == 0 && remove.out.contains("removed carol"))
+            let help = try CTL.run(["user", "--help"])
+            #expect(help.out.contains("Example: presencectl user alice"))
 
-            let watcher = Process()
-            watcher.executableURL = CTL.binary
-            watcher.arguments = ["watch", "--user", "alice", "--json"] + common
-            let pipe = Pipe()
-            watcher.standardOutput = pipe
-            watcher.standardError = FileHandle.nullDevice
-            try watcher.run()
+            let (watcher, watchOut, watchErr) = try CTL.start(["watch", "--user", "alice", "--json"] + common)
             try await Task.sleep(for: .milliseconds(700))
             alice.send("status", ["status": "away"])
             _ = try await alice.next("ack")
             try await Task.sleep(for: .milliseconds(500))
             kill(watcher.processIdentifier, SIGKILL)
             watcher.waitUntilExit()
-            let tail = String(decoding: pipe.fileHandleForReading.readDataToEndOfFile(), as: UTF8.self)
+            let tail = CTL.read(watchOut)
+            _ = CTL.read(watchErr)
             #expect(tail.contains("\"away\"") && tail.contains("\"alice\""), "watch saw the gateway's event: \(tail)")
 
             let disconnect = try CTL.run(["disconnect", "alice"] + common)
-            #expect(disconnect.status == 0)
+            #expect(disconnect.status == 0 && disconnect.out.contains("asked 1 node(s)"))
             #expect(await alice.closed() == 4003)
+            let deleted = try CTL.run(["delete-conversation", "team"] + common)
+            #expect(deleted.status == 0 && deleted.out == "deleted team\n")
+            #expect(try CTL.run(["delete-conversation", "team"] + common).status == 1)
         }
     }
 
@@ -102,8 +129,8 @@ struct PresencectlTests {
         let server = try RedisServerProcess(arguments: ["--requirepass", "right"])
         let wrong = try CTL.run(["stats", "--redis-url", server.url(credentials: ":wrong")])
         #expect(wrong.status == 1 && wrong.err.contains("refused") && !wrong.err.contains("wrong"), "\(wrong.err)")
-        server.stop()
-        let down = try CTL.run(["stats", "--redis-url", server.url()])
+        let refusing = try RefusingPort()
+        let down = try CTL.run(["stats", "--redis-url", "redis://127.0.0.1:\(refusing.port)/0"])
         #expect(down.status == 1)
         #expect(down.err.hasPrefix("presencectl: cannot reach Redis at") && down.err.split(separator: "\n").count == 1, "\(down.err)")
     }

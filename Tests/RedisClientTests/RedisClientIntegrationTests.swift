@@ -151,14 +151,13 @@ struct RedisClientIntegrationTests {
 
     @Test("connecting to a port where nothing listens fails with a clear error")
     func unreachable() async throws {
-        let server = try RedisServerProcess()
-        server.stop()
+        let refusing = try RefusingPort()
         do {
-            _ = try await RedisClient.withClient(configuration: RedisConfiguration(url: server.url()), logger: logger) { _ in }
+            _ = try await RedisClient.withClient(configuration: RedisConfiguration(url: "redis://127.0.0.1:\(refusing.port)/0"), logger: logger) { _ in }
             Issue.record("connect must fail")
         } catch let error as RedisError {
             #expect(error.code == .unavailable)
-            #expect(error.message.contains("127.0.0.1:\(server.port)"))
+            #expect(error.message.contains("127.0.0.1:\(refusing.port)"))
         }
     }
 }

@@ -146,6 +146,31 @@ public final class RedisServerProcess: @unchecked Sendable {
     }
 }
 
+/// A loopback port that refuses connections for as long as this value lives: a socket is bound
+/// to it but never listens, so no other test can take the port meanwhile.
+public final class RefusingPort: @unchecked Sendable {
+    // Safe: the descriptor is only closed once, in deinit.
+    public let port: Int
+    private let fd: Int32
+
+    public init() throws {
+        let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
+        self.fd = fd
+        var address = sockaddr_in()
+        address.sin_family = sa_family_t(AF_INET)
+        address.sin_addr.s_addr = inet_addr("127.0.0.1")
+        address.sin_port = 0
+        var length = socklen_t(MemoryLayout<sockaddr_in>.size)
+        let bound = withUnsafeMutablePointer(to: &address) { pointer in
+            pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) { bind(fd, $0, length) == 0 && getsockname(fd, $0, &length) == 0 }
+        }
+        guard fd >= 0, bound else { throw RedisError(.unavailable, "could not reserve a port") }
+        port = Int(UInt16(bigEndian: address.sin_port))
+    }
+
+    deinit { close(fd) }
+}
+
 /// Polls `condition` until it holds or `timeout` passes; returns whether it held.
 public func eventually(timeout: Duration = .seconds(5), poll: Duration = .milliseconds(20), _ condition: () async throws -> Bool) async rethrows -> Bool {
     let deadline = ContinuousClock.now + timeout
