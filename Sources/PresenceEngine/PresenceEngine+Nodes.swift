@@ -226,16 +226,12 @@ extension PresenceEngine {
         let users = Array(byUser.keys)
         for start in stride(from: 0, to: users.count, by: 200) {
             let batch = users[start..<min(start + 200, users.count)]
-            let commands: [[RedisArgument]] = batch.map { user in
-                ["EVALSHA", RedisArgument(PresenceScripts.reapNode.sha1), 2, RedisArgument(keys.devices(user)), RedisArgument(keys.state(user)),
-                 RedisArgument(Int(now)), RedisArgument(user), RedisArgument(node), RedisArgument(Int(renewed)),
-                 RedisArgument(keys.userChannel(user)), deviceTTLArgument]
+            let calls = batch.map { user in
+                (keys: [keys.devices(user), keys.state(user)],
+                 arguments: [RedisArgument(Int(now)), RedisArgument(user), RedisArgument(node), RedisArgument(Int(renewed)),
+                             RedisArgument(keys.userChannel(user)), deviceTTLArgument])
             }
-            var results = try await run { try await self.redis.pipeline(commands) }
-            if results.contains(where: { if case .failure(let error) = $0 { error.serverErrorPrefix == "NOSCRIPT" } else { false } }) {
-                _ = try await run { try await self.redis.send("SCRIPT", "LOAD", RedisArgument(PresenceScripts.reapNode.source)) }
-                results = try await run { try await self.redis.pipeline(commands) }
-            }
+            let results = try await run { try await self.redis.evaluate(PresenceScripts.reapNode, calls: calls) }
             for (user, result) in zip(batch, results) {
                 if case .success(let reply) = result, let values = reply.array, values.count >= 6, values[0].int == 1 || values[3].int == 1 {
                     changed += 1

@@ -224,14 +224,8 @@ public final class PresenceEngine: Sendable {
     public func views(of users: [String]) async throws(PresenceError) -> [PresenceViews] {
         guard !users.isEmpty else { return [] }
         let now = RedisArgument(Int(clock.nowMilliseconds()))
-        let commands: [[RedisArgument]] = users.map { user in
-            ["EVALSHA", RedisArgument(PresenceScripts.read.sha1), 2, RedisArgument(keys.devices(user)), RedisArgument(keys.state(user)), now]
-        }
-        var results = try await run { try await self.redis.pipeline(commands) }
-        if results.contains(where: { if case .failure(let error) = $0 { error.serverErrorPrefix == "NOSCRIPT" } else { false } }) {
-            _ = try await run { try await self.redis.send("SCRIPT", "LOAD", RedisArgument(PresenceScripts.read.source)) }
-            results = try await run { try await self.redis.pipeline(commands) }
-        }
+        let calls = users.map { user in (keys: [keys.devices(user), keys.state(user)], arguments: [now]) }
+        let results = try await run { try await self.redis.evaluate(PresenceScripts.read, calls: calls) }
         let nowMilliseconds = clock.nowMilliseconds()
         return try zip(users, results).map { (user, result) throws(PresenceError) in
             let reply: RESPValue

@@ -28,4 +28,20 @@ extension RedisClient {
             return try await send([RedisArgument("EVAL"), RedisArgument(script.source)] + tail)
         }
     }
+
+    /// Runs `script` once per call, all in one pipeline, each result in order. If Redis does not
+    /// know the script, it is loaded once and the pipeline sent again.
+    public func evaluate(_ script: RedisScript, calls: [(keys: [String], arguments: [RedisArgument])]) async throws(RedisError) -> [Result<RESPValue, RedisError>] {
+        let commands: [[RedisArgument]] = calls.map { call in
+            [RedisArgument("EVALSHA"), RedisArgument(script.sha1), RedisArgument(call.keys.count)] + call.keys.map { RedisArgument($0) } + call.arguments
+        }
+        let results = try await pipeline(commands)
+        let missing = results.contains { result in
+            if case .failure(let error) = result { return error.serverErrorPrefix == "NOSCRIPT" }
+            return false
+        }
+        guard missing else { return results }
+        try await send("SCRIPT", "LOAD", RedisArgument(script.source))
+        return try await pipeline(commands)
+    }
 }

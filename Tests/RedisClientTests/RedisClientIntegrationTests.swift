@@ -115,6 +115,9 @@ struct RedisClientIntegrationTests {
             #expect(exists == .array([.integer(1)]))
             try await client.send("SCRIPT", "FLUSH")
             #expect(try await client.evaluate(script, keys: ["n"], arguments: ["2"]) == .integer(7))
+            try await client.send("SCRIPT", "FLUSH")
+            let many = try await client.evaluate(script, calls: [(keys: ["a"], arguments: ["1"]), (keys: ["b"], arguments: ["2"]), (keys: ["a"], arguments: ["3"])])
+            #expect(try many.map { try $0.get() } == [.integer(1), .integer(2), .integer(4)], "a pipeline of scripts survives SCRIPT FLUSH too")
             let failing = RedisScript("return redis.error_reply('CUSTOM nope')")
             await #expect(throws: RedisError.self) { try await client.evaluate(failing, keys: []) }
         }

@@ -108,19 +108,7 @@ public final class RedisServerProcess: @unchecked Sendable {
 
     /// A port the kernel just handed out, so nothing else is on it.
     public static func freePort() throws -> Int {
-        let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
-        guard fd >= 0 else { throw RedisError(.unavailable, "socket() failed") }
-        defer { close(fd) }
-        var address = sockaddr_in()
-        address.sin_family = sa_family_t(AF_INET)
-        address.sin_addr.s_addr = inet_addr("127.0.0.1")
-        address.sin_port = 0
-        var length = socklen_t(MemoryLayout<sockaddr_in>.size)
-        let bound = withUnsafeMutablePointer(to: &address) { pointer in
-            pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) { bind(fd, $0, length) == 0 && getsockname(fd, $0, &length) == 0 }
-        }
-        guard bound else { throw RedisError(.unavailable, "bind() failed") }
-        return Int(UInt16(bigEndian: address.sin_port))
+        try RefusingPort().port
     }
 
     /// Whether a server on `port` answers PING (with PONG, or with NOAUTH when it wants a password).
