@@ -13,8 +13,10 @@ let package = Package(
         .library(name: "RedisClient", targets: ["RedisClient"]),
         .library(name: "PresenceEngine", targets: ["PresenceEngine"]),
         .library(name: "PresenceGateway", targets: ["PresenceGateway"]),
+        .library(name: "PresenceClient", targets: ["PresenceClient"]),
         .executable(name: "presence-gateway", targets: ["presence-gateway"]),
         .executable(name: "presencectl", targets: ["presencectl"]),
+        .executable(name: "presence-client", targets: ["presence-client"]),
         .executable(name: "presence-bench", targets: ["presence-bench"]),
         .executable(name: "redis-client-bench", targets: ["redis-client-bench"]),
     ],
@@ -79,6 +81,25 @@ let package = Package(
             ],
             swiftSettings: swiftSettings
         ),
+        .target(
+            name: "PresenceClient",
+            dependencies: [
+                .product(name: "HummingbirdWSClient", package: "hummingbird-websocket"),
+                .product(name: "Logging", package: "swift-log"),
+                .product(name: "NIOConcurrencyHelpers", package: "swift-nio"),
+                .product(name: "NIOWebSocket", package: "swift-nio"),
+            ],
+            swiftSettings: swiftSettings
+        ),
+        .executableTarget(
+            name: "presence-client",
+            dependencies: [
+                "PresenceClient",
+                .product(name: "ArgumentParser", package: "swift-argument-parser"),
+                .product(name: "Logging", package: "swift-log"),
+            ],
+            swiftSettings: swiftSettings
+        ),
         .executableTarget(
             name: "presence-gateway",
             dependencies: [
@@ -138,6 +159,18 @@ let package = Package(
                 .product(name: "HummingbirdTesting", package: "hummingbird"),
                 .product(name: "HummingbirdWSClient", package: "hummingbird-websocket"),
                 .product(name: "NIOWebSocket", package: "swift-nio"),
+            ],
+            swiftSettings: swiftSettings
+        ),
+        .testTarget(
+            name: "PresenceClientTests",
+            dependencies: [
+                "PresenceClient", "PresenceGateway", "PresenceEngine", "RedisClient", "RedisTestSupport",
+                .product(name: "Hummingbird", package: "hummingbird"),
+                .product(name: "HummingbirdTesting", package: "hummingbird"),
+                .product(name: "JWTKit", package: "jwt-kit"),
+                .product(name: "Logging", package: "swift-log"),
+                .product(name: "NIOConcurrencyHelpers", package: "swift-nio"),
             ],
             swiftSettings: swiftSettings
         ),

@@ -12,6 +12,7 @@ extension Gateway {
         router.ws("/api/presence/subscribe", shouldUpgrade: { request, _ in
             _ = try await self.authenticate(request, allowQuery: true)
             _ = try Self.deviceID(request)
+            _ = try Self.openingStatus(request)
             return .upgrade([:])
         }, onUpgrade: { inbound, outbound, context in
             try await self.serve(inbound: inbound, outbound: outbound, request: context.request, channel: context.requestContext.channel)
@@ -26,8 +27,20 @@ extension Gateway {
         return device
     }
 
+    /// The status a session opens with: `online` unless the upgrade says `status=away` or
+    /// `status=offline`, so that a client reconnecting while away (or appearing offline) is never
+    /// shown online for a moment.
+    static func openingStatus(_ request: Request) throws(APIError) -> PresenceStatus {
+        guard let raw = request.uri.queryParameters.get("status") else { return .online }
+        guard let status = PresenceStatus(rawValue: String(raw)) else {
+            throw .invalid("status must be one of online, away, offline")
+        }
+        return status
+    }
+
     private func serve(inbound: WebSocketInboundStream, outbound: WebSocketOutboundWriter, request: Request, channel: any Channel) async throws {
-        guard let user = try? await authenticate(request, allowQuery: true), let device = try? Self.deviceID(request) else {
+        guard let user = try? await authenticate(request, allowQuery: true), let device = try? Self.deviceID(request),
+              let status = try? Self.openingStatus(request) else {
             try? await outbound.close(.unknown(4001), reason: "unauthorized")
             return
         }
@@ -36,9 +49,10 @@ extension Gateway {
         var logger = self.logger
         logger[metadataKey: "presence.user_id"] = "\(user.userID)"
         logger[metadataKey: "presence.device_id"] = "\(device)"
+        session.setDeviceStatus(status)
         await hub.register(session)
         do {
-            let opened = try await engine.connect(user: user.userID, device: device, session: session.id)
+            let opened = try await engine.connect(user: user.userID, device: device, session: session.id, status: status)
             if opened.change.changed { GatewayMetrics.transition() }
             if let replaced = opened.replaced { await hub.closeRemote(node: replaced.node, session: replaced.session) }
             try await sendInitialState(to: session, user: user.userID)

@@ -27,8 +27,8 @@ struct CTL {
         let directory = FileManager.default.temporaryDirectory
         let out = directory.appendingPathComponent("presencectl-\(UUID().uuidString).out")
         let err = directory.appendingPathComponent("presencectl-\(UUID().uuidString).err")
-        FileManager.default.createFile(atPath: out.path, contents: nil)
-        FileManager.default.createFile(atPath: err.path, contents: nil)
+        _ = FileManager.default.createFile(atPath: out.path, contents: nil)
+        _ = FileManager.default.createFile(atPath: err.path, contents: nil)
         let process = Process()
         process.executableURL = binary
         process.arguments = arguments

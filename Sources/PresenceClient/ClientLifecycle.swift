@@ -1,0 +1,155 @@
+import Foundation
+
+/// The decisions of a client, apart from any I/O: which status the device should have, whether
+/// to be connected, what to do after a close, and which status change is still owed to the
+/// gateway (the offline queue: latest wins, sent once).
+public struct ClientLifecycle: Sendable {
+    /// Where the app is.
+    public enum Phase: Sendable, Hashable {
+        /// In the foreground.
+        case active
+        /// In the background: shown as away.
+        case background
+        /// Terminating: offline, connection closed cleanly.
+        case terminated
+        /// Signed out: offline, connection closed cleanly, for good.
+        case signedOut
+    }
+
+    /// What to do once a session has ended.
+    public enum AfterClose: Sendable, Hashable {
+        /// Open a new session at once (another node is up; a new token may be needed).
+        case reconnectNow(newToken: Bool)
+        /// Wait for the backoff, then open a new session.
+        case reconnectAfterBackoff(newToken: Bool)
+        /// Do not reconnect.
+        case stop(StopReason)
+    }
+
+    /// Where the app is.
+    public private(set) var phase = Phase.active
+    /// Whether the device has a network path.
+    public private(set) var networkAvailable = true
+    /// The status the person chose for when the app is active.
+    public private(set) var chosenStatus = PresenceStatus.online
+    /// Set once the client must not reconnect.
+    public private(set) var stopReason: StopReason?
+    /// The status the open session has on the gateway (opened with, or last sent); `nil` when
+    /// there is no session or a change was refused.
+    public private(set) var sessionStatus: PresenceStatus?
+    /// Whether a session is open.
+    public private(set) var inSession = false
+    /// Not before this moment may a refused status change be sent again.
+    public private(set) var statusRetryAt: Date?
+    private var quickRetryUsed = false
+
+    /// A client in the foreground, online, with a network.
+    public init() {}
+
+    /// The status the device should have now.
+    public var desiredStatus: PresenceStatus {
+        switch phase {
+        case .active: chosenStatus
+        case .background: chosenStatus == .online ? .away : chosenStatus
+        case .terminated, .signedOut: .offline
+        }
+    }
+
+    /// Whether a session should be open.
+    public var shouldConnect: Bool {
+        stopReason == nil && networkAvailable && (phase == .active || phase == .background)
+    }
+
+    /// Whether the device may send typing and be shown others' typing.
+    public var canType: Bool { inSession && desiredStatus != .offline }
+
+    // MARK: - Inputs from the app
+
+    /// The app came to the foreground. Ignored after a sign-out or termination.
+    public mutating func didBecomeActive() {
+        if phase == .background { phase = .active }
+    }
+
+    /// The app went to the background.
+    public mutating func didEnterBackground() {
+        if phase == .active { phase = .background }
+    }
+
+    /// The app is terminating.
+    public mutating func willTerminate() {
+        if phase != .signedOut { phase = .terminated }
+    }
+
+    /// The person signed out: offline now, and no reconnect.
+    public mutating func signOut() {
+        phase = .signedOut
+        stopReason = stopReason ?? .signedOut
+    }
+
+    /// The network path went away or came back.
+    public mutating func networkChanged(available: Bool) {
+        networkAvailable = available
+        if available { quickRetryUsed = false }
+    }
+
+    /// The person chose a status (`offline` appears offline while staying connected).
+    public mutating func choose(_ status: PresenceStatus) {
+        chosenStatus = status
+    }
+
+    // MARK: - Inputs from the connection
+
+    /// The status to open the next session with: the latest wanted, so changes made while
+    /// disconnected reach the gateway with the connection itself.
+    public var openingStatus: PresenceStatus { desiredStatus }
+
+    /// A session opened with `status` and caught up.
+    public mutating func opened(with status: PresenceStatus) {
+        inSession = true
+        sessionStatus = status
+        statusRetryAt = nil
+        quickRetryUsed = false
+    }
+
+    /// The status frame owed to the gateway at `now`, if any; it counts as sent.
+    public mutating func statusToSend(at now: Date) -> PresenceStatus? {
+        guard inSession, sessionStatus != desiredStatus else { return nil }
+        if let retry = statusRetryAt, now < retry { return nil }
+        statusRetryAt = nil
+        sessionStatus = desiredStatus
+        return desiredStatus
+    }
+
+    /// The gateway refused the last status frame: send the wanted status again at `retryAt`.
+    public mutating func statusRefused(retryAt: Date) {
+        sessionStatus = nil
+        statusRetryAt = retryAt
+    }
+
+    /// The session ended with the server's close `code` (`nil`: no close frame, the connection
+    /// dropped), or the upgrade was refused. Says what to do next.
+    public mutating func closed(code: UInt16?, upgradeRefused: Bool = false) -> AfterClose {
+        inSession = false
+        sessionStatus = nil
+        statusRetryAt = nil
+        if let stopReason { return .stop(stopReason) }
+        switch code {
+        case 4003:
+            stopReason = .disconnectedByAdmin
+            return .stop(.disconnectedByAdmin)
+        case 4009:
+            stopReason = .replaced
+            return .stop(.replaced)
+        case 1001, 4001:
+            // One quick retry: the node is draining (another takes over) or the token just
+            // expired. A second in a row without a successful session backs off.
+            let newToken = code == 4001
+            if quickRetryUsed { return .reconnectAfterBackoff(newToken: newToken) }
+            quickRetryUsed = true
+            return .reconnectNow(newToken: newToken)
+        default:
+            // A refused upgrade is most often a token the gateway no longer accepts.
+            return .reconnectAfterBackoff(newToken: upgradeRefused)
+        }
+    }
+}

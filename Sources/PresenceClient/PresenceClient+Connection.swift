@@ -1,0 +1,240 @@
+import Foundation
+import Logging
+
+extension PresenceClient {
+    /// Keeps a session open while the app wants one, until `signOut()`, `willTerminate()`, a
+    /// close that says not to come back (4003, 4009), or cancellation. Call it once.
+    public func run() async {
+        guard !running else {
+            logger.warning("PresenceClient.run() called while already running")
+            return
+        }
+        running = true
+        defer { running = false }
+        await withTaskGroup(of: Void.self) { group in
+            group.addTask { await self.connectionLoop() }
+            group.addTask { await self.timerLoop() }
+            await group.next()
+            group.cancelAll()
+        }
+        for observer in observers.values { observer.finish() }
+        observers = [:]
+    }
+
+    private func connectionLoop() async {
+        while !Task.isCancelled {
+            if let reason = lifecycle.stopReason {
+                setState(.stopped(reason))
+                return
+            }
+            if lifecycle.phase == .terminated {
+                setState(.idle)
+                return
+            }
+            let seen = wake.generation
+            guard lifecycle.shouldConnect else {
+                setState(.idle)
+                await wake.wait(after: seen)
+                continue
+            }
+            setState(.connecting)
+            let token: String
+            do {
+                token = try await tokenProvider(needsNewToken)
+                needsNewToken = false
+            } catch {
+                logger.warning("the token provider failed", metadata: ["error": "\(error)"])
+                emit([.error(code: "unauthorized", message: "the token provider failed: \(error)")])
+                await pause(backoff.nextDelay())
+                continue
+            }
+            // The app may have changed its mind while the token was fetched.
+            guard lifecycle.shouldConnect else { continue }
+            await runSession(token: token)
+            guard lifecycle.shouldConnect || lifecycle.stopReason != nil else { continue }
+        }
+    }
+
+    /// One session, from the upgrade to the close, then the decision of what comes next.
+    private func runSession(token: String) async {
+        let base = configuration.gatewayURLs[urlIndex % configuration.gatewayURLs.count]
+        openedWith = lifecycle.openingStatus
+        let url = configuration.sessionURL(base: base, token: token, status: openedWith)
+        let (stream, continuation) = AsyncStream.makeStream(of: OutgoingFrame.self)
+        serial += 1
+        let current = serial
+        outbox = continuation
+        pending = [:]
+        catchUp = []
+        retries = []
+        awaitingInitialState = true
+        cache.beginCatchUp()
+        var code: UInt16?
+        var refused = false
+        do {
+            code = try await transport.session(url: url, outgoing: stream) { text in
+                await self.receive(text, serial: current)
+            }
+        } catch PresenceTransportError.upgradeRefused {
+            refused = true
+        } catch {
+            logger.debug("session failed", metadata: ["error": "\(error)", "presence.gateway": "\(base.absoluteString)"])
+        }
+        continuation.finish()
+        outbox = nil
+        awaitingInitialState = false
+        pending = [:]
+        retries = []
+        debouncer.forget()
+        emit(cache.clearTyping())
+        sessionEnded.signal()
+        logger.info("session ended", metadata: ["presence.close_code": "\(code.map(String.init) ?? "none")", "presence.refused": "\(refused)"])
+        guard lifecycle.shouldConnect else {
+            _ = lifecycle.closed(code: code, upgradeRefused: refused)
+            return
+        }
+        switch lifecycle.closed(code: code, upgradeRefused: refused) {
+        case .stop(let reason):
+            setState(.stopped(reason))
+        case .reconnectNow(let newToken):
+            needsNewToken = newToken
+            urlIndex += 1
+        case .reconnectAfterBackoff(let newToken):
+            needsNewToken = newToken
+            urlIndex += 1
+            await pause(backoff.nextDelay())
+        }
+    }
+
+    /// Waits `seconds`, or less if the app asks for a session now (foreground, network back).
+    private func pause(_ seconds: TimeInterval) async {
+        let retryAt = clock.now.addingTimeInterval(seconds)
+        setState(.waiting(retryAt: retryAt))
+        let seen = wake.generation
+        let attempts = backoff.attempts
+        while clock.now < retryAt, !Task.isCancelled {
+            await wake.wait(after: seen, until: retryAt, clock: clock)
+            // Only a reset backoff (didBecomeActive, network back) or a stop cuts the wait short.
+            if backoff.attempts < attempts || !lifecycle.shouldConnect { return }
+            if wake.generation != seen { return await pause(retryAt.timeIntervalSince(clock.now)) }
+        }
+    }
+
+    /// Runs the timed work: typing that went idle, typing indicators that ran out, refused
+    /// requests due again.
+    private func timerLoop() async {
+        while !Task.isCancelled {
+            let seen = timers.generation
+            let deadlines = [debouncer.nextDeadline, cache.nextTypingExpiry, retries.map(\.due).min(), lifecycle.statusRetryAt].compactMap { $0 }
+            await timers.wait(after: seen, until: deadlines.min(), clock: clock)
+            fireTimers()
+        }
+    }
+
+    private func fireTimers() {
+        let now = clock.now
+        for send in debouncer.expire(at: now) {
+            self.send("typing", ["conversation_id": send.conversationID, "is_typing": false], request: .typing)
+        }
+        emit(cache.expireTyping(at: now))
+        let due = retries.filter { $0.due <= now }
+        retries.removeAll { $0.due <= now }
+        for retry in due {
+            if let id = send(retry.type, retry.data, request: retry.request), retry.catchingUp { catchUp.insert(id) }
+        }
+        sendOwedStatus()
+    }
+
+    // MARK: - Frames from the gateway
+
+    func receive(_ text: String, serial current: Int) {
+        guard current == serial else { return }
+        guard let frame = ClientWire.decode(text) else {
+            logger.warning("an unreadable frame from the gateway", metadata: ["presence.frame": "\(text.prefix(200))"])
+            return
+        }
+        switch frame {
+        case .initialState(let presences, let id):
+            if awaitingInitialState, id == nil {
+                awaitingInitialState = false
+                emit(presences.flatMap { cache.apply($0) })
+                sessionOpened()
+            } else if let id, let request = pending.removeValue(forKey: id) {
+                if case .users(let requested) = request {
+                    emit(cache.applySnapshot(presences, requested: requested))
+                } else {
+                    emit(presences.flatMap { cache.apply($0) })
+                }
+                answered(id)
+            } else {
+                emit(presences.flatMap { cache.apply($0) })
+            }
+        case .presenceUpdate(let presence):
+            emit(cache.apply(presence))
+        case .typingUpdate(let user, let conversation, let isTyping):
+            // Others' typing is not shown while this device appears offline.
+            guard lifecycle.canType || !isTyping else { return }
+            emit(cache.setTyping(user, in: conversation, isTyping, expiresAt: clock.now.addingTimeInterval(configuration.typingDisplayTimeout)))
+            timers.signal()
+        case .groupPresence(let group, _):
+            emit(cache.apply(group))
+        case .ack(let id):
+            if let id, pending.removeValue(forKey: id) != nil { answered(id) }
+        case .pong:
+            break
+        case .error(let code, let message, let id):
+            refused(id: id, code: code, message: message)
+        case .unknown(let type):
+            logger.debug("a frame type this client does not know", metadata: ["presence.type": "\(type)"])
+        }
+    }
+
+    private func refused(id: String?, code: String, message: String) {
+        logger.info("the gateway refused a request", metadata: ["presence.code": "\(code)", "presence.message": "\(message)"])
+        guard let id, let request = pending.removeValue(forKey: id) else {
+            emit([.error(code: code, message: message)])
+            return
+        }
+        let retryAt = clock.now.addingTimeInterval(configuration.retryDelay)
+        switch request {
+        case .status:
+            lifecycle.statusRefused(retryAt: retryAt)
+            timers.signal()
+        case .users(let users) where code == "rate_limited":
+            retries.append((retryAt, "subscribe", ["user_ids": users], request, catchUp.remove(id) != nil))
+            timers.signal()
+            return
+        case .conversation(let conversation) where code == "rate_limited":
+            retries.append((retryAt, "subscribe", ["conversation_id": conversation], request, catchUp.remove(id) != nil))
+            timers.signal()
+            return
+        case .conversation(let conversation):
+            // Not a member (any more), or too large: following it cannot succeed.
+            joinedConversations.remove(conversation)
+            emit(cache.removeConversation(conversation))
+        default:
+            break
+        }
+        answered(id)
+        emit([.error(code: code, message: message)])
+    }
+
+    /// The session's first `initial_state` arrived: the device is live. Ask again for what the
+    /// app follows, and send a status owed since the session opened.
+    private func sessionOpened() {
+        lifecycle.opened(with: openedWith)
+        backoff.reset()
+        subscribe(users: Array(watchedUsers), catchingUp: true)
+        for conversation in joinedConversations.sorted() { subscribe(conversation: conversation, catchingUp: true) }
+        sendOwedStatus()
+        answered(nil)
+    }
+
+    /// A request of the catch-up was answered; when the last one is, the cache is current.
+    private func answered(_ id: String?) {
+        if let id { catchUp.remove(id) }
+        guard catchUp.isEmpty, !retries.contains(where: \.catchingUp), !awaitingInitialState, connectionState != .connected else { return }
+        emit(cache.endCatchUp())
+        setState(.connected)
+    }
+}

@@ -1,0 +1,286 @@
+import Foundation
+import Logging
+
+/// A device's link to the presence gateway: it keeps a session open (reconnecting with backoff,
+/// catching up after each reconnect), tells the gateway the status the app's lifecycle calls
+/// for, debounces typing, and keeps a cache of what it hears with a stream of changes.
+///
+/// Call `run()` once (for example in a `Task` owned by the app's session) and feed it the app's
+/// lifecycle: `didBecomeActive()`, `didEnterBackground()`, `willTerminate()`, `signOut()`,
+/// `networkChanged(available:)`.
+public actor PresenceClient {
+    /// Returns a token for the gateway; `refresh` is true when the last one was refused or has
+    /// expired, so a cached token must not be returned again.
+    public typealias TokenProvider = @Sendable (_ refresh: Bool) async throws -> String
+
+    /// What the client sends or asked for, by frame id, until the gateway answers.
+    enum Request: Sendable {
+        case status
+        case users([String])
+        case conversation(String)
+        case typing
+        case other
+    }
+
+    let configuration: PresenceClientConfiguration
+    let tokenProvider: TokenProvider
+    let clock: any PresenceClientClock
+    let transport: any PresenceTransport
+    let logger: Logger
+
+    var lifecycle = ClientLifecycle()
+    var backoff: ReconnectBackoff
+    var debouncer: TypingDebouncer
+    /// Everything known of others.
+    public internal(set) var cache = PresenceCache()
+    /// The link to the gateway.
+    public internal(set) var connectionState = ConnectionState.idle
+    /// Users watched explicitly (besides those the gateway watches for the session).
+    public internal(set) var watchedUsers: Set<String> = []
+    /// Conversations followed.
+    public internal(set) var joinedConversations: Set<String> = []
+
+    var outbox: AsyncStream<OutgoingFrame>.Continuation?
+    var serial = 0
+    var nextFrameID = 0
+    var pending: [String: Request] = [:]
+    var catchUp: Set<String> = []
+    var awaitingInitialState = false
+    var openedWith = PresenceStatus.online
+    var retries: [(due: Date, type: String, data: [String: any Sendable], request: Request, catchingUp: Bool)] = []
+    var needsNewToken = false
+    var urlIndex = 0
+    var running = false
+    var observers: [UInt64: AsyncStream<PresenceClientEvent>.Continuation] = [:]
+    var nextObserver: UInt64 = 0
+    /// Lifecycle changes that may start or end a session.
+    let wake = AsyncSignal()
+    /// Deadlines of the timer loop moved.
+    let timers = AsyncSignal()
+    /// A session ended.
+    let sessionEnded = AsyncSignal()
+
+    /// A client. `transport` defaults to SwiftNIO WebSockets; `clock` to the system clock.
+    public init(
+        configuration: PresenceClientConfiguration,
+        tokenProvider: @escaping TokenProvider,
+        clock: any PresenceClientClock = SystemPresenceClock(),
+        transport: (any PresenceTransport)? = nil,
+        logger: Logger
+    ) {
+        self.configuration = configuration
+        self.tokenProvider = tokenProvider
+        self.clock = clock
+        self.transport = transport ?? WebSocketTransport(logger: logger)
+        self.logger = logger
+        self.backoff = configuration.backoff
+        self.debouncer = TypingDebouncer(refreshInterval: configuration.typingRefreshInterval, idleTimeout: configuration.typingIdleTimeout)
+    }
+
+    // MARK: - Observing
+
+    /// A stream of every change from now on. Each call makes a new stream; it ends when the
+    /// consumer stops iterating or the client stops.
+    public func events() -> AsyncStream<PresenceClientEvent> {
+        let (stream, continuation) = AsyncStream.makeStream(of: PresenceClientEvent.self, bufferingPolicy: .bufferingNewest(10_000))
+        nextObserver += 1
+        let id = nextObserver
+        observers[id] = continuation
+        continuation.onTermination = { _ in Task { await self.removeObserver(id) } }
+        return stream
+    }
+
+    private func removeObserver(_ id: UInt64) { observers[id] = nil }
+
+    func emit(_ events: [PresenceClientEvent]) {
+        for event in events {
+            for observer in observers.values { observer.yield(event) }
+        }
+    }
+
+    func setState(_ state: ConnectionState) {
+        guard state != connectionState else { return }
+        connectionState = state
+        logger.debug("connection state", metadata: ["presence.state": "\(state)"])
+        emit([.connection(state)])
+    }
+
+    // MARK: - Reading the cache
+
+    /// The presence of `user`, if known.
+    public func presence(of user: String) -> PresenceSnapshot? { cache.presences[user] }
+
+    /// Every known presence.
+    public var presences: [PresenceSnapshot] { cache.presences.values.sorted { $0.userID < $1.userID } }
+
+    /// The counts of a followed conversation.
+    public func group(_ conversation: String) -> GroupPresence? { cache.groups[conversation] }
+
+    /// Who is typing in `conversation`; nobody while this device is disconnected or offline.
+    public func typingUsers(in conversation: String) -> [String] {
+        lifecycle.canType ? cache.typingUsers(in: conversation) : []
+    }
+
+    /// The status this device is meant to have now.
+    public var status: PresenceStatus { lifecycle.desiredStatus }
+
+    // MARK: - App lifecycle
+
+    /// The app came to the foreground: the chosen status (online unless chosen otherwise), and a
+    /// reconnect now if the session was down.
+    public func didBecomeActive() {
+        lifecycle.didBecomeActive()
+        backoff.reset()
+        statusChanged()
+    }
+
+    /// The app went to the background: away (the session stays while the system lets it).
+    public func didEnterBackground() {
+        lifecycle.didEnterBackground()
+        statusChanged()
+    }
+
+    /// The network path went away or came back. Going away ends the session (the device
+    /// lingers on the gateway, so a quick return shows no offline); coming back reconnects now.
+    public func networkChanged(available: Bool) {
+        lifecycle.networkChanged(available: available)
+        if available {
+            backoff.reset()
+        } else {
+            outbox?.yield(.close(code: 1001))
+        }
+        wake.signal()
+    }
+
+    /// The app is terminating: offline at once, with a clean close; `run()` returns.
+    public func willTerminate() async {
+        lifecycle.willTerminate()
+        await closeCleanly()
+    }
+
+    /// The person signed out: offline at once, with a clean close; `run()` returns and the client
+    /// does not connect again.
+    public func signOut() async {
+        lifecycle.signOut()
+        await closeCleanly()
+    }
+
+    /// Chooses the status shown while the app is active: `away`, or `offline` to appear offline
+    /// while still hearing others. Changes made while disconnected are sent on reconnect (the
+    /// latest wins).
+    public func setStatus(_ status: PresenceStatus) {
+        lifecycle.choose(status)
+        statusChanged()
+    }
+
+    private func statusChanged() {
+        if lifecycle.desiredStatus == .offline {
+            for send in debouncer.stopAll() { sendTyping(send) }
+            emit(cache.clearTyping())
+        }
+        sendOwedStatus()
+        wake.signal()
+    }
+
+    private func closeCleanly() async {
+        for send in debouncer.stopAll() { sendTyping(send) }
+        let seen = sessionEnded.generation
+        if let outbox {
+            outbox.yield(.close(code: 1000))
+            await sessionEnded.wait(after: seen, until: clock.now.addingTimeInterval(configuration.closeTimeout), clock: clock)
+        }
+        wake.signal()
+    }
+
+    // MARK: - Watching
+
+    /// Watches users besides those the gateway watches for the session (with
+    /// `PRESENCE_VISIBILITY=open`, the only way to hear of anyone). Users the caller may not
+    /// see are left out silently, as the gateway does.
+    public func watch(_ users: [String]) throws(PresenceClientError) {
+        try ClientID.check(users, "user id")
+        let new = users.filter { watchedUsers.insert($0).inserted }
+        if outbox != nil, !awaitingInitialState { subscribe(users: new, catchingUp: false) }
+    }
+
+    /// Stops watching users.
+    public func unwatch(_ users: [String]) throws(PresenceClientError) {
+        try ClientID.check(users, "user id")
+        let removed = users.filter { watchedUsers.remove($0) != nil }
+        guard !removed.isEmpty else { return }
+        for chunk in removed.chunks(of: 500) { send("unsubscribe", ["user_ids": chunk], request: .other) }
+        emit(cache.remove(removed))
+    }
+
+    /// Follows a conversation: its counts, its typing, and its members' presence.
+    public func join(conversation: String) throws(PresenceClientError) {
+        try ClientID.check([conversation], "conversation id")
+        guard joinedConversations.insert(conversation).inserted else { return }
+        if outbox != nil, !awaitingInitialState { subscribe(conversation: conversation, catchingUp: false) }
+    }
+
+    /// Stops following a conversation, and stops typing in it.
+    public func leave(conversation: String) throws(PresenceClientError) {
+        try ClientID.check([conversation], "conversation id")
+        if let send = debouncer.stop(in: conversation) { sendTyping(send) }
+        guard joinedConversations.remove(conversation) != nil else { return }
+        send("unsubscribe", ["conversation_id": conversation], request: .other)
+        emit(cache.removeConversation(conversation))
+    }
+
+    // MARK: - Typing
+
+    /// A keystroke in `conversation`'s composer. Nothing is sent while disconnected or offline.
+    public func userTyped(in conversation: String) throws(PresenceClientError) {
+        try ClientID.check([conversation], "conversation id")
+        let wasIdle = debouncer.nextDeadline == nil
+        if let send = debouncer.keystroke(in: conversation, at: clock.now, canSend: lifecycle.canType) { sendTyping(send) }
+        if wasIdle { timers.signal() }
+    }
+
+    /// The message was sent (or the draft cleared): typing stops now.
+    public func messageSent(in conversation: String) throws(PresenceClientError) {
+        try ClientID.check([conversation], "conversation id")
+        if let send = debouncer.stop(in: conversation) { sendTyping(send) }
+    }
+
+    private func sendTyping(_ typing: TypingDebouncer.Send) {
+        send("typing", ["conversation_id": typing.conversationID, "is_typing": typing.isTyping], request: .typing)
+    }
+
+    // MARK: - Sending
+
+    /// Writes a frame with a fresh id if a session is open; returns the id.
+    @discardableResult
+    func send(_ type: String, _ data: [String: any Sendable], request: Request) -> String? {
+        guard let outbox else { return nil }
+        nextFrameID += 1
+        let id = "\(serial).\(nextFrameID)"
+        pending[id] = request
+        outbox.yield(.text(ClientWire.frame(type, data, id: id)))
+        return id
+    }
+
+    func sendOwedStatus() {
+        guard outbox != nil, !awaitingInitialState, let status = lifecycle.statusToSend(at: clock.now) else { return }
+        send("status", ["status": status.rawValue], request: .status)
+    }
+
+    func subscribe(users: [String], catchingUp: Bool) {
+        for chunk in users.sorted().chunks(of: 500) {
+            if let id = send("subscribe", ["user_ids": chunk], request: .users(chunk)), catchingUp { catchUp.insert(id) }
+        }
+    }
+
+    func subscribe(conversation: String, catchingUp: Bool) {
+        if let id = send("subscribe", ["conversation_id": conversation], request: .conversation(conversation)), catchingUp {
+            catchUp.insert(id)
+        }
+    }
+}
+
+extension Array {
+    func chunks(of size: Int) -> [[Element]] {
+        stride(from: 0, to: count, by: size).map { Array(self[$0..<Swift.min($0 + size, count)]) }
+    }
+}

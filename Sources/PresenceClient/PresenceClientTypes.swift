@@ -1,0 +1,123 @@
+import Foundation
+
+/// A presence status: exactly one of `online`, `away`, `offline`.
+public enum PresenceStatus: String, Sendable, Hashable, Codable, CaseIterable {
+    case online, away, offline
+}
+
+/// What is known of one user: their aggregate status and when they were last seen live.
+public struct PresenceSnapshot: Sendable, Hashable {
+    /// The user.
+    public var userID: String
+    /// Their aggregate status over every device.
+    public var status: PresenceStatus
+    /// The last moment they were online or away; `nil` if never seen.
+    public var lastSeen: Date?
+
+    /// A snapshot.
+    public init(userID: String, status: PresenceStatus, lastSeen: Date?) {
+        self.userID = userID
+        self.status = status
+        self.lastSeen = lastSeen
+    }
+}
+
+/// The counts of a conversation: "3 of 5 online".
+public struct GroupPresence: Sendable, Hashable {
+    /// The conversation.
+    public var conversationID: String
+    /// Its members.
+    public var total: Int
+    /// Members online.
+    public var online: Int
+    /// Members away.
+    public var away: Int
+
+    /// Counts of a conversation.
+    public init(conversationID: String, total: Int, online: Int, away: Int) {
+        self.conversationID = conversationID
+        self.total = total
+        self.online = online
+        self.away = away
+    }
+}
+
+/// The client's link to the gateway.
+public enum ConnectionState: Sendable, Hashable {
+    /// Not connected, and not trying: the app is signed out, terminated, or has no network.
+    case idle
+    /// Opening a session.
+    case connecting
+    /// The session is open and the cache has caught up.
+    case connected
+    /// The session dropped; the next attempt is at `retryAt`.
+    case waiting(retryAt: Date)
+    /// The client stopped for good and will not reconnect.
+    case stopped(StopReason)
+}
+
+/// Why the client stopped reconnecting.
+public enum StopReason: Sendable, Hashable {
+    /// The app signed out or terminated.
+    case signedOut
+    /// An admin disconnected the user (close code 4003).
+    case disconnectedByAdmin
+    /// Another session took this device over (close code 4009): the same `device_id` is in use
+    /// elsewhere, and reconnecting would only take it back.
+    case replaced
+}
+
+/// A change the client observed; every cache change is announced as one.
+public enum PresenceClientEvent: Sendable, Hashable {
+    /// The connection state changed.
+    case connection(ConnectionState)
+    /// A user's presence changed, or was learned.
+    case presence(PresenceSnapshot)
+    /// A user is no longer visible (or no longer watched).
+    case removed(userID: String)
+    /// A user started or stopped typing in a conversation.
+    case typing(conversationID: String, userID: String, isTyping: Bool)
+    /// A conversation's counts changed.
+    case group(GroupPresence)
+    /// The gateway answered a request with an error (`code` as in the API: `forbidden`,
+    /// `invalid_request`, `rate_limited`, ...).
+    case error(code: String, message: String)
+}
+
+/// An error of the client library.
+public struct PresenceClientError: Error, Sendable, CustomStringConvertible {
+    /// A machine-readable code.
+    public var code: String
+    /// A human message.
+    public var message: String
+
+    /// An error.
+    public init(code: String, message: String) {
+        self.code = code
+        self.message = message
+    }
+
+    public var description: String { "\(code): \(message)" }
+
+    static func invalid(_ message: String) -> Self { .init(code: "invalid_request", message: message) }
+}
+
+/// Ids as the gateway accepts them: 1–128 characters of `[A-Za-z0-9._:@-]`.
+enum ClientID {
+    static func isValid(_ id: String) -> Bool {
+        guard (1...128).contains(id.utf8.count) else { return false }
+        return id.utf8.allSatisfy { byte in
+            switch byte {
+            case UInt8(ascii: "a")...UInt8(ascii: "z"), UInt8(ascii: "A")...UInt8(ascii: "Z"), UInt8(ascii: "0")...UInt8(ascii: "9"): true
+            case UInt8(ascii: "."), UInt8(ascii: "_"), UInt8(ascii: ":"), UInt8(ascii: "@"), UInt8(ascii: "-"): true
+            default: false
+            }
+        }
+    }
+
+    static func check(_ ids: [String], _ what: String) throws(PresenceClientError) {
+        for id in ids where !isValid(id) {
+            throw .invalid("\(what) \(id.debugDescription) is not 1-128 characters of A-Z a-z 0-9 . _ : @ -")
+        }
+    }
+}

@@ -1,0 +1,79 @@
+import Foundation
+import HummingbirdWSClient
+import Logging
+import NIOWebSocket
+
+/// A frame the client writes.
+public enum OutgoingFrame: Sendable, Hashable {
+    /// A text frame.
+    case text(String)
+    /// A close frame with this code; the session ends once the gateway answers it.
+    case close(code: UInt16)
+}
+
+/// How the gateway failed a session before it opened.
+public enum PresenceTransportError: Error, Sendable {
+    /// The HTTP upgrade was refused (a bad token, a bad parameter, or a node not serving).
+    case upgradeRefused
+}
+
+/// Opens WebSocket sessions: the seam between the client's logic and the network.
+public protocol PresenceTransport: Sendable {
+    /// Runs one session with `url`: writes every frame of `outgoing` in order and hands every
+    /// text frame received to `received`, until the gateway closes, `outgoing` closes it, or
+    /// the connection drops. Cancelling the calling task aborts the session. Returns the close
+    /// code the gateway sent, or `nil` when the connection ended without one.
+    func session(url: URL, outgoing: AsyncStream<OutgoingFrame>, received: @escaping @Sendable (String) async -> Void) async throws -> UInt16?
+}
+
+/// The transport of apps: SwiftNIO WebSockets (`ws://` and `wss://`), with pings that notice a
+/// dead connection.
+public struct WebSocketTransport: PresenceTransport {
+    /// Largest frame accepted from the gateway (an `initial_state` of thousands of users).
+    public var maxFrameSize: Int
+    /// How often to ping; a ping without a pong by the next one drops the connection.
+    public var pingInterval: Duration
+    /// How long to wait for the gateway's answer to a close before dropping the connection.
+    public var closeTimeout: Duration
+    private let logger: Logger
+
+    /// A transport; `logger` gets connection-level detail at `debug` and below.
+    public init(maxFrameSize: Int = 4 << 20, pingInterval: Duration = .seconds(15), closeTimeout: Duration = .seconds(2), logger: Logger) {
+        self.maxFrameSize = maxFrameSize
+        self.pingInterval = pingInterval
+        self.closeTimeout = closeTimeout
+        self.logger = logger
+    }
+
+    public func session(url: URL, outgoing: AsyncStream<OutgoingFrame>, received: @escaping @Sendable (String) async -> Void) async throws -> UInt16? {
+        let configuration = WebSocketClientConfiguration(
+            maxFrameSize: maxFrameSize, closeTimeout: closeTimeout, autoPing: .enabled(timePeriod: pingInterval)
+        )
+        let maxFrameSize = self.maxFrameSize
+        let close: WebSocketCloseFrame?
+        do {
+            close = try await WebSocketClient.connect(url: url.absoluteString, configuration: configuration, logger: logger) { inbound, outbound, _ in
+                try await withThrowingTaskGroup(of: Void.self) { group in
+                    group.addTask {
+                        for await frame in outgoing {
+                            switch frame {
+                            case .text(let text):
+                                try await outbound.writeTextMessage(text)
+                            case .close(let code):
+                                try await outbound.close(.init(codeNumber: Int(code)), reason: nil)
+                                return
+                            }
+                        }
+                    }
+                    for try await message in inbound.messages(maxSize: maxFrameSize) {
+                        if case .text(let text) = message { await received(text) }
+                    }
+                    group.cancelAll()
+                }
+            }
+        } catch let error as WebSocketClientError where error == .webSocketUpgradeFailed {
+            throw PresenceTransportError.upgradeRefused
+        }
+        return close.map { UInt16(webSocketErrorCode: $0.closeCode) }
+    }
+}

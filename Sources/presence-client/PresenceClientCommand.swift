@@ -1,0 +1,209 @@
+import ArgumentParser
+import Foundation
+import Logging
+import PresenceClient
+
+/// A terminal client on the SDK: connects as one user, prints what it hears, and takes commands.
+@main
+struct PresenceClientCommand: AsyncParsableCommand {
+    static let configuration = CommandConfiguration(
+        commandName: "presence-client",
+        abstract: "Connect to a presence gateway as a user and watch presence live.",
+        discussion: """
+        Type commands on standard input: online, away, offline, watch USER..., unwatch USER...,
+        join CONVERSATION, leave CONVERSATION, type CONVERSATION, send CONVERSATION, list,
+        background, foreground, help, quit. End of input signs out cleanly.
+
+        Example, with a gateway from `make run`:
+          presence-client --url ws://127.0.0.1:8080 --token-command 'scripts/token alice' --device laptop
+        """
+    )
+
+    @Option(name: .customLong("url"), help: "Gateway base URL; repeat for several nodes, tried in turn.")
+    var urls: [String] = ["ws://127.0.0.1:8080"]
+
+    @Option(help: "A token (or PRESENCE_TOKEN). It cannot be refreshed: prefer --token-command.")
+    var token: String?
+
+    @Option(help: "A shell command that prints a fresh token; run again when the token expires.")
+    var tokenCommand: String?
+
+    @Option(help: "This device's id (stable across runs).")
+    var device: String = "terminal"
+
+    @Option(help: "Users to watch from the start, comma-separated.")
+    var watch: String?
+
+    @Option(help: "A conversation to follow from the start.")
+    var join: String?
+
+    @Option(help: "Log level of the client library (trace, debug, info, warning, error).")
+    var logLevel: String = "warning"
+
+    mutating func run() async throws {
+        let gatewayURLs = try urls.map { text in
+            guard let url = URL(string: text) else { throw ValidationError("--url \(text) is not a URL") }
+            return url
+        }
+        let provider = try tokenProvider()
+        let configuration: PresenceClientConfiguration
+        do {
+            configuration = try PresenceClientConfiguration(gatewayURLs: gatewayURLs, deviceID: device)
+        } catch {
+            throw ValidationError(error.message)
+        }
+        guard let level = Logger.Level(rawValue: logLevel) else { throw ValidationError("--log-level \(logLevel) is not a log level") }
+        var logger = Logger(label: "presence-client")
+        logger.logLevel = level
+        let client = PresenceClient(configuration: configuration, tokenProvider: provider, logger: logger)
+        let display = Display()
+        if let watch {
+            try await display.apply(client, "watch " + watch.split(separator: ",").joined(separator: " "))
+        }
+        if let join { try await display.apply(client, "join \(join)") }
+        let events = await client.events()
+        print("connecting to \(urls.joined(separator: ", ")) as device \(device); type help for commands")
+        await withTaskGroup(of: Void.self) { group in
+            group.addTask { await client.run() }
+            group.addTask {
+                for await event in events { await display.show(event, client: client) }
+            }
+            group.addTask {
+                for await line in Self.standardInputLines() {
+                    do {
+                        if try await display.apply(client, line) == false { break }
+                    } catch {
+                        print("! \(error)")
+                    }
+                }
+                await client.signOut()
+            }
+            await group.next()
+            group.cancelAll()
+        }
+    }
+
+    private func tokenProvider() throws -> PresenceClient.TokenProvider {
+        if let tokenCommand {
+            return { _ in try Self.runTokenCommand(tokenCommand) }
+        }
+        guard let fixed = token ?? ProcessInfo.processInfo.environment["PRESENCE_TOKEN"] else {
+            throw ValidationError("give --token-command (preferred), --token or PRESENCE_TOKEN")
+        }
+        return { refresh in
+            if refresh { print("! the token was refused or has expired; restart with a new one, or use --token-command") }
+            return fixed
+        }
+    }
+
+    private static func runTokenCommand(_ command: String) throws -> String {
+        let process = Process()
+        process.executableURL = URL(fileURLWithPath: "/bin/sh")
+        process.arguments = ["-c", command]
+        let output = Pipe()
+        process.standardOutput = output
+        try process.run()
+        let data = output.fileHandleForReading.readDataToEndOfFile()
+        process.waitUntilExit()
+        let token = String(decoding: data, as: UTF8.self).trimmingCharacters(in: .whitespacesAndNewlines)
+        guard process.terminationStatus == 0, !token.isEmpty else {
+            throw ValidationError("--token-command exited with \(process.terminationStatus) and printed no token")
+        }
+        return token
+    }
+
+    /// Lines of standard input, read on a thread of their own so the event loop never blocks.
+    private static func standardInputLines() -> AsyncStream<String> {
+        AsyncStream { continuation in
+            let thread = Thread {
+                while let line = readLine() { continuation.yield(line) }
+                continuation.finish()
+            }
+            thread.start()
+        }
+    }
+}
+
+/// Prints events and runs typed commands.
+actor Display {
+
+    private func stamp() -> String {
+        let time = Date().formatted(Date.ISO8601FormatStyle(timeZone: .current).time(includingFractionalSeconds: false))
+        return time
+    }
+
+    func show(_ event: PresenceClientEvent, client: PresenceClient) async {
+        switch event {
+        case .connection(let state):
+            print("\(stamp()) [\(Self.describe(state))]")
+        case .presence(let presence):
+            print("\(stamp()) \(presence.userID): \(PresenceText.status(presence, now: Date()))")
+        case .removed(let user):
+            print("\(stamp()) \(user): no longer visible")
+        case .typing(let conversation, let user, let isTyping):
+            print("\(stamp()) \(conversation): \(isTyping ? PresenceText.typing([user]) : "\(user) stopped typing")")
+        case .group(let group):
+            print("\(stamp()) \(group.conversationID): \(PresenceText.group(group))")
+        case .error(let code, let message):
+            print("\(stamp()) ! \(code): \(message)")
+        }
+    }
+
+    static func describe(_ state: ConnectionState) -> String {
+        switch state {
+        case .idle: "idle"
+        case .connecting: "connecting"
+        case .connected: "connected"
+        case .waiting(let retryAt): "disconnected; retrying in \(max(0, Int(retryAt.timeIntervalSinceNow.rounded(.up)))) s"
+        case .stopped(.signedOut): "signed out"
+        case .stopped(.disconnectedByAdmin): "disconnected by an admin"
+        case .stopped(.replaced): "this device connected elsewhere"
+        }
+    }
+
+    /// Runs one command line; returns false for `quit`.
+    @discardableResult
+    func apply(_ client: PresenceClient, _ line: String) async throws -> Bool {
+        let words = line.split(separator: " ").map(String.init)
+        guard let command = words.first else { return true }
+        let arguments = Array(words.dropFirst())
+        func one() throws -> String {
+            guard arguments.count == 1 else { throw ValidationError("\(command) takes one conversation id") }
+            return arguments[0]
+        }
+        switch command {
+        case "online", "away", "offline":
+            await client.setStatus(PresenceStatus(rawValue: command)!)
+        case "watch": try await client.watch(arguments)
+        case "unwatch": try await client.unwatch(arguments)
+        case "join": try await client.join(conversation: try one())
+        case "leave": try await client.leave(conversation: try one())
+        case "type": try await client.userTyped(in: try one())
+        case "send": try await client.messageSent(in: try one())
+        case "background": await client.didEnterBackground()
+        case "foreground": await client.didBecomeActive()
+        case "list": await list(client)
+        case "quit", "exit": return false
+        case "help": print(PresenceClientCommand.configuration.discussion)
+        default: print("! unknown command \(command); type help")
+        }
+        return true
+    }
+
+    private func list(_ client: PresenceClient) async {
+        let presences = await client.presences
+        let now = Date()
+        print("\(presences.count) users; this device is \(await client.status.rawValue), \(Self.describe(await client.connectionState))")
+        let width = max(4, presences.map(\.userID.count).max() ?? 0)
+        for presence in presences {
+            let typing = await client.cache.isTyping(presence.userID) ? "  typing…" : ""
+            print("  \(presence.userID.padding(toLength: width, withPad: " ", startingAt: 0))  \(PresenceText.status(presence, now: now))\(typing)")
+        }
+        for conversation in await client.joinedConversations.sorted() {
+            if let group = await client.group(conversation) {
+                let typing = PresenceText.typing(await client.typingUsers(in: conversation))
+                print("  #\(conversation): \(PresenceText.group(group))\(typing.isEmpty ? "" : "; " + typing)")
+            }
+        }
+    }
+}

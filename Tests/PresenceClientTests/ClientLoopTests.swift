@@ -1,0 +1,183 @@
+import Foundation
+import Logging
+import NIOConcurrencyHelpers
+import Testing
+
+@testable import PresenceClient
+
+/// An in-memory gateway for the client's own loop: each attempt is refused or opens with an
+/// `initial_state`; what the client writes is recorded; the test can drop the session.
+final class ScriptedTransport: PresenceTransport {
+    enum Attempt: Sendable { case refuse, open }
+
+    private struct State {
+        var script: [Attempt] = []
+        var urls: [URL] = []
+        var written: [String] = []
+        var drop: AsyncStream<UInt16?>.Continuation?
+    }
+
+    private let state = NIOLockedValueBox(State())
+
+    init(_ script: [Attempt]) { state.withLockedValue { $0.script = script } }
+
+    var urls: [URL] { state.withLockedValue { $0.urls } }
+    var written: [String] { state.withLockedValue { $0.written } }
+    var isOpen: Bool { state.withLockedValue { $0.drop != nil } }
+
+    func then(_ attempts: [Attempt]) { state.withLockedValue { $0.script += attempts } }
+
+    /// Ends the open session as if the gateway closed with `code` (`nil`: the connection dropped).
+    func drop(_ code: UInt16?) {
+        let drop = state.withLockedValue { $0.drop }
+        drop?.yield(code)
+    }
+
+    func session(url: URL, outgoing: AsyncStream<OutgoingFrame>, received: @escaping @Sendable (String) async -> Void) async throws -> UInt16? {
+        let attempt = state.withLockedValue { state -> Attempt in
+            state.urls.append(url)
+            return state.script.isEmpty ? .refuse : state.script.removeFirst()
+        }
+        guard case .open = attempt else { throw CancellationError() }
+        let (drops, dropper) = AsyncStream.makeStream(of: UInt16?.self)
+        state.withLockedValue { $0.drop = dropper }
+        defer { state.withLockedValue { $0.drop = nil } }
+        await received(#"{"type":"initial_state","data":{"presences":[]}}"#)
+        return await withTaskGroup(of: UInt16?.self) { group in
+            group.addTask {
+                for await frame in outgoing {
+                    switch frame {
+                    case .text(let text): self.state.withLockedValue { $0.written.append(text) }
+                    case .close(let code): return code
+                    }
+                }
+                return nil
+            }
+            group.addTask {
+                for await code in drops { return code }
+                return nil
+            }
+            let code = await group.next() ?? nil
+            group.cancelAll()
+            return code
+        }
+    }
+}
+
+@Suite("The client's loop on a test clock")
+struct ClientLoopTests {
+    func makeClient(_ transport: ScriptedTransport, clock: ManualClock) throws -> PresenceClient {
+        var configuration = try PresenceClientConfiguration(gatewayURL: URL(string: "ws://gateway.test")!, deviceID: "phone")
+        configuration.typingIdleTimeout = 3
+        return PresenceClient(configuration: configuration, tokenProvider: { _ in "token" }, clock: clock, transport: transport, logger: Logger(label: "test"))
+    }
+
+    /// Waits (bounded, in real time) for the client to reach a state.
+    func state(_ client: PresenceClient, _ matches: @escaping @Sendable (ConnectionState) -> Bool) async -> ConnectionState? {
+        for _ in 0..<3_000 {
+            let state = await client.connectionState
+            if matches(state) { return state }
+            try? await Task.sleep(for: .milliseconds(1))
+        }
+        return nil
+    }
+
+    /// The delay of the client's next wait (one not ending at `previous`).
+    func waitingDelay(_ client: PresenceClient, _ clock: ManualClock, after previous: Date? = nil) async -> TimeInterval? {
+        let found = await state(client) { state in
+            if case .waiting(let retryAt) = state { retryAt != previous } else { false }
+        }
+        guard case .waiting(let retryAt)? = found else { return nil }
+        return retryAt.timeIntervalSince(clock.now)
+    }
+
+    @Test("failed attempts wait 1, 2, 4 s (±20 %) on the clock; a success resets the backoff")
+    func backoff() async throws {
+        let clock = ManualClock()
+        let transport = ScriptedTransport([.refuse, .refuse, .refuse, .open])
+        let client = try makeClient(transport, clock: clock)
+        let run = Task { await client.run() }
+        defer { run.cancel() }
+        var previous: Date?
+        for base in [1.0, 2, 4] {
+            let delay = try #require(await waitingDelay(client, clock, after: previous))
+            previous = clock.now + delay
+            #expect(delay >= base * 0.8 && delay <= base * 1.2, "waited \(delay) s for \(base) s")
+            let attempts = transport.urls.count
+            clock.advance(by: delay * 0.9)
+            try await Task.sleep(for: .milliseconds(20))
+            #expect(transport.urls.count == attempts, "no attempt before the delay is over")
+            clock.advance(by: delay * 0.1 + 0.001)
+        }
+        #expect(await state(client, { $0 == .connected }) == .connected)
+        #expect(transport.urls.count == 4)
+        transport.drop(nil)
+        let delay = try #require(await waitingDelay(client, clock))
+        #expect(delay >= 0.8 && delay <= 1.2, "back to 1 s after a success, got \(delay)")
+    }
+
+    @Test("1001 reconnects at once; 4003 stops for good")
+    func closeCodes() async throws {
+        let clock = ManualClock()
+        let transport = ScriptedTransport([.open, .open])
+        let client = try makeClient(transport, clock: clock)
+        let run = Task { await client.run() }
+        #expect(await state(client, { $0 == .connected }) == .connected)
+        transport.drop(1001)
+        for _ in 0..<1_000 where transport.urls.count < 2 { try await Task.sleep(for: .milliseconds(1)) }
+        #expect(transport.urls.count == 2, "reconnected without the clock moving")
+        #expect(await state(client, { $0 == .connected }) == .connected)
+        transport.drop(4003)
+        #expect(await state(client, { $0 == .stopped(.disconnectedByAdmin) }) == .stopped(.disconnectedByAdmin))
+        await run.value
+        #expect(transport.urls.count == 2)
+    }
+
+    @Test("a status chosen while disconnected opens the next session; no status frame follows")
+    func statusWhileDisconnected() async throws {
+        let clock = ManualClock()
+        let transport = ScriptedTransport([.refuse])
+        let client = try makeClient(transport, clock: clock)
+        let run = Task { await client.run() }
+        defer { run.cancel() }
+        let delay = try #require(await waitingDelay(client, clock))
+        await client.setStatus(.offline)
+        await client.setStatus(.away)
+        transport.then([.open])
+        clock.advance(by: delay)
+        #expect(await state(client, { $0 == .connected }) == .connected)
+        #expect(transport.urls.last?.query?.contains("status=away") == true, "\(transport.urls)")
+        try await Task.sleep(for: .milliseconds(50))
+        #expect(!transport.written.contains { $0.contains(#""type":"status""#) }, "sent with the connection, not again: \(transport.written)")
+        await client.setStatus(.online)
+        try await Task.sleep(for: .milliseconds(50))
+        #expect(transport.written.filter { $0.contains(#""type":"status""#) }.count == 1)
+    }
+
+    @Test("typing: true at once, false after 3 s idle on the clock, nothing while offline")
+    func typing() async throws {
+        let clock = ManualClock()
+        let transport = ScriptedTransport([.open])
+        let client = try makeClient(transport, clock: clock)
+        let run = Task { await client.run() }
+        defer { run.cancel() }
+        #expect(await state(client, { $0 == .connected }) == .connected)
+        func typingFrames() -> [String] { transport.written.filter { $0.contains(#""type":"typing""#) } }
+        try await client.userTyped(in: "room")
+        clock.advance(by: 1)
+        try await client.userTyped(in: "room")
+        try await Task.sleep(for: .milliseconds(30))
+        #expect(typingFrames().count == 1 && typingFrames()[0].contains(#""is_typing":true"#))
+        clock.advance(by: 2.9)
+        try await Task.sleep(for: .milliseconds(30))
+        #expect(typingFrames().count == 1, "still typing 2.9 s after the last keystroke")
+        clock.advance(by: 0.2)
+        for _ in 0..<1_000 where typingFrames().count < 2 { try await Task.sleep(for: .milliseconds(1)) }
+        #expect(typingFrames().count == 2 && typingFrames()[1].contains(#""is_typing":false"#))
+
+        await client.setStatus(.offline)
+        try await client.userTyped(in: "room")
+        try await Task.sleep(for: .milliseconds(30))
+        #expect(typingFrames().count == 2, "no typing while appearing offline")
+    }
+}

@@ -1,0 +1,131 @@
+import Foundation
+
+/// A `presence-gateway` process from the build folder, on a loopback port of its own, for tests
+/// that kill nodes or stop them with SIGTERM.
+public final class GatewayProcess: @unchecked Sendable {
+    // Safe: `process` is only touched by the owning test, one call at a time.
+    public let port: Int
+    public let nodeID: String
+    private let process: Process
+    private let log: URL
+
+    /// The built binary: `PRESENCE_GATEWAY_BIN`, else `.build/debug/presence-gateway`.
+    public static var binary: URL {
+        if let path = ProcessInfo.processInfo.environment["PRESENCE_GATEWAY_BIN"] { return URL(fileURLWithPath: path) }
+        var root = URL(fileURLWithPath: #filePath)
+        for _ in 0..<3 { root.deleteLastPathComponent() }
+        return root.appendingPathComponent(".build/debug/presence-gateway")
+    }
+
+    /// Starts a node with `environment` (`PRESENCE_*` values) over a free port and the node id,
+    /// and waits until it answers `/healthz`.
+    public init(nodeID: String, environment: [String: String]) async throws {
+        self.port = try RedisServerProcess.freePort()
+        self.nodeID = nodeID
+        log = FileManager.default.temporaryDirectory.appendingPathComponent("gateway-\(nodeID)-\(UUID().uuidString).log")
+        _ = FileManager.default.createFile(atPath: log.path, contents: nil)
+        process = Process()
+        // Children of the test runner inherit SIGTERM blocked; unblock it so SIGTERM drains the
+        // node as it would in production.
+        process.executableURL = URL(fileURLWithPath: "/usr/bin/python3")
+        process.arguments = ["-c", "import os, signal, sys; signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT}); os.execv(sys.argv[1], sys.argv[1:])", Self.binary.path]
+        var variables = ProcessInfo.processInfo.environment.filter { !$0.key.hasPrefix("PRESENCE_") }
+        variables.merge(environment) { _, new in new }
+        variables["PRESENCE_PORT"] = "\(port)"
+        variables["PRESENCE_HOST"] = "127.0.0.1"
+        variables["PRESENCE_NODE_ID"] = nodeID
+        variables["PRESENCE_LOG_LEVEL"] = variables["PRESENCE_LOG_LEVEL"] ?? "warning"
+        process.environment = variables
+        process.standardOutput = try FileHandle(forWritingTo: log)
+        process.standardError = try FileHandle(forWritingTo: log)
+        try process.run()
+        let healthy = await eventually(timeout: .seconds(20), poll: .milliseconds(50)) { Self.httpStatus(port: self.port, path: "/healthz") == 200 }
+        guard healthy else {
+            kill()
+            throw GatewayProcessError("presence-gateway \(nodeID) did not answer /healthz within 20 s: \(output)")
+        }
+    }
+
+    deinit {
+        kill()
+        try? FileManager.default.removeItem(at: log)
+    }
+
+    /// What the node printed.
+    public var output: String { (try? String(contentsOf: log, encoding: .utf8)) ?? "" }
+
+    /// The process id.
+    public var pid: Int32 { process.processIdentifier }
+
+    /// Whether the process is still running.
+    public var isRunning: Bool { process.isRunning }
+
+    /// SIGKILL, as a crash or an OOM kill would; returns once the process is gone.
+    public func kill() {
+        guard process.isRunning else { return }
+        Foundation.kill(process.processIdentifier, SIGKILL)
+        process.waitUntilExit()
+    }
+
+    /// SIGTERM, as an orchestrator stopping the node would: it drains its sessions with 1001.
+    public func terminate() {
+        guard process.isRunning else { return }
+        Foundation.kill(process.processIdentifier, SIGTERM)
+    }
+
+    /// Waits up to `timeout` for the process to exit; returns whether it did.
+    public func waitForExit(timeout: Duration) async -> Bool {
+        await eventually(timeout: timeout, poll: .milliseconds(20)) { !self.process.isRunning }
+    }
+
+    /// The status of a GET of `path` on a loopback port, or `nil` when nothing answers.
+    public static func httpStatus(port: Int, path: String, headers: [String: String] = [:]) -> Int? {
+        httpGet(port: port, path: path, headers: headers)?.status
+    }
+
+    /// A GET on a loopback port: the status and the body.
+    public static func httpGet(port: Int, path: String, headers: [String: String] = [:]) -> (status: Int, body: String)? {
+        http(port: port, method: "GET", path: path, headers: headers)
+    }
+
+    /// A request on a loopback port with a plain socket (no URLSession state between tests):
+    /// the status and the body, or `nil` when nothing answers.
+    public static func http(port: Int, method: String, path: String, headers: [String: String] = [:], body: String? = nil) -> (status: Int, body: String)? {
+        let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
+        guard fd >= 0 else { return nil }
+        defer { close(fd) }
+        var timeout = timeval(tv_sec: 5, tv_usec: 0)
+        setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, socklen_t(MemoryLayout<timeval>.size))
+        var address = sockaddr_in()
+        address.sin_family = sa_family_t(AF_INET)
+        address.sin_addr.s_addr = inet_addr("127.0.0.1")
+        address.sin_port = UInt16(port).bigEndian
+        let connected = withUnsafePointer(to: &address) { pointer in
+            pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) { connect(fd, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) == 0 }
+        }
+        guard connected else { return nil }
+        var request = "\(method) \(path) HTTP/1.1\r\nHost: 127.0.0.1:\(port)\r\nConnection: close\r\n"
+        for (name, value) in headers { request += "\(name): \(value)\r\n" }
+        if let body { request += "Content-Type: application/json\r\nContent-Length: \(body.utf8.count)\r\n" }
+        request += "\r\n" + (body ?? "")
+        let bytes = Array(request.utf8)
+        guard write(fd, bytes, bytes.count) == bytes.count else { return nil }
+        var response: [UInt8] = []
+        var buffer = [UInt8](repeating: 0, count: 65_536)
+        while true {
+            let count = read(fd, &buffer, buffer.count)
+            if count <= 0 { break }
+            response += buffer[..<count]
+        }
+        let text = String(decoding: response, as: UTF8.self)
+        guard text.hasPrefix("HTTP/1.1 "), let status = Int(text.dropFirst(9).prefix(3)) else { return nil }
+        let body = text.range(of: "\r\n\r\n").map { String(text[$0.upperBound...]) } ?? ""
+        return (status, body)
+    }
+}
+
+/// A gateway process that did not start.
+public struct GatewayProcessError: Error, CustomStringConvertible {
+    public let description: String
+    public init(_ description: String) { self.description = description }
+}
