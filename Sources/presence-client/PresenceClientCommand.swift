@@ -62,7 +62,7 @@ struct PresenceClientCommand: AsyncParsableCommand {
         }
         if let join { try await display.apply(client, "join \(join)") }
         let events = await client.events()
-        print("connecting to \(urls.joined(separator: ", ")) as device \(device); type help for commands")
+        say("connecting to \(urls.joined(separator: ", ")) as device \(device); type help for commands")
         await withTaskGroup(of: Void.self) { group in
             group.addTask { await client.run() }
             group.addTask {
@@ -73,7 +73,7 @@ struct PresenceClientCommand: AsyncParsableCommand {
                     do {
                         if try await display.apply(client, line) == false { break }
                     } catch {
-                        print("! \(error)")
+                        say("! \(error)")
                     }
                 }
                 await client.signOut()
@@ -91,7 +91,7 @@ struct PresenceClientCommand: AsyncParsableCommand {
             throw ValidationError("give --token-command (preferred), --token or PRESENCE_TOKEN")
         }
         return { refresh in
-            if refresh { print("! the token was refused or has expired; restart with a new one, or use --token-command") }
+            if refresh { say("! the token was refused or has expired; restart with a new one, or use --token-command") }
             return fixed
         }
     }
@@ -135,17 +135,17 @@ actor Display {
     func show(_ event: PresenceClientEvent, client: PresenceClient) async {
         switch event {
         case .connection(let state):
-            print("\(stamp()) [\(Self.describe(state))]")
+            say("\(stamp()) [\(Self.describe(state))]")
         case .presence(let presence):
-            print("\(stamp()) \(presence.userID): \(PresenceText.status(presence, now: Date()))")
+            say("\(stamp()) \(presence.userID): \(PresenceText.status(presence, now: Date()))")
         case .removed(let user):
-            print("\(stamp()) \(user): no longer visible")
+            say("\(stamp()) \(user): no longer visible")
         case .typing(let conversation, let user, let isTyping):
-            print("\(stamp()) \(conversation): \(isTyping ? PresenceText.typing([user]) : "\(user) stopped typing")")
+            say("\(stamp()) \(conversation): \(isTyping ? PresenceText.typing([user]) : "\(user) stopped typing")")
         case .group(let group):
-            print("\(stamp()) \(group.conversationID): \(PresenceText.group(group))")
+            say("\(stamp()) \(group.conversationID): \(PresenceText.group(group))")
         case .error(let code, let message):
-            print("\(stamp()) ! \(code): \(message)")
+            say("\(stamp()) ! \(code): \(message)")
         }
     }
 
@@ -184,8 +184,8 @@ actor Display {
         case "foreground": await client.didBecomeActive()
         case "list": await list(client)
         case "quit", "exit": return false
-        case "help": print(PresenceClientCommand.configuration.discussion)
-        default: print("! unknown command \(command); type help")
+        case "help": say(PresenceClientCommand.configuration.discussion)
+        default: say("! unknown command \(command); type help")
         }
         return true
     }
@@ -193,17 +193,22 @@ actor Display {
     private func list(_ client: PresenceClient) async {
         let presences = await client.presences
         let now = Date()
-        print("\(presences.count) users; this device is \(await client.status.rawValue), \(Self.describe(await client.connectionState))")
+        say("\(presences.count) users; this device is \(await client.status.rawValue), \(Self.describe(await client.connectionState))")
         let width = max(4, presences.map(\.userID.count).max() ?? 0)
         for presence in presences {
             let typing = await client.cache.isTyping(presence.userID) ? "  typing…" : ""
-            print("  \(presence.userID.padding(toLength: width, withPad: " ", startingAt: 0))  \(PresenceText.status(presence, now: now))\(typing)")
+            say("  \(presence.userID.padding(toLength: width, withPad: " ", startingAt: 0))  \(PresenceText.status(presence, now: now))\(typing)")
         }
         for conversation in await client.joinedConversations.sorted() {
             if let group = await client.group(conversation) {
                 let typing = PresenceText.typing(await client.typingUsers(in: conversation))
-                print("  #\(conversation): \(PresenceText.group(group))\(typing.isEmpty ? "" : "; " + typing)")
+                say("  #\(conversation): \(PresenceText.group(group))\(typing.isEmpty ? "" : "; " + typing)")
             }
         }
     }
+}
+
+/// Prints a line unbuffered, so that it shows at once also when the output is a file or a pipe.
+func say(_ line: String) {
+    FileHandle.standardOutput.write(Data((line + "\n").utf8))
 }

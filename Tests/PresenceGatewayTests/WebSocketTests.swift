@@ -51,6 +51,32 @@ struct WebSocketTests {
         }
     }
 
+    @Test("a session may open away or offline (status=...), so a reconnect while away never shows online; a bad status is refused")
+    func openingStatus() async throws {
+        try await withNodes(1) { ports in
+            _ = try await call(ports[0], "PUT", "/api/admin/conversations/pair", token: adminToken, body: #"{"member_ids":["alice","bob"]}"#)
+            let bob = TestSocket(port: ports[0], token: try await token("bob"), device: "phone")
+            _ = try await bob.next("initial_state")
+            let alice = TestSocket(port: ports[0], token: try await token("alice"), device: "phone&status=away")
+            _ = try await alice.next("initial_state")
+            #expect(try await bob.next("presence_update").status == "away", "away from the first moment, never online")
+            alice.closeAbruptly()
+            _ = await alice.closed()
+            let back = TestSocket(port: ports[0], token: try await token("alice"), device: "phone&status=away")
+            _ = try await back.next("initial_state")
+            #expect(await bob.staysQuiet(for: .milliseconds(800)), "a reconnect within the linger, still away: nothing to tell")
+            let hidden = TestSocket(port: ports[0], token: try await token("alice"), device: "tablet&status=offline")
+            _ = try await hidden.next("initial_state")
+            back.closeNormally()
+            #expect(try await bob.next("presence_update").status == "offline", "a device that opened offline does not count as online")
+            hidden.closeNormally()
+
+            let bad = TestSocket(port: ports[0], token: try await token("alice"), device: "phone&status=busy")
+            #expect(await bad.closed() != nil)
+            #expect(await bob.staysQuiet(for: .milliseconds(300)))
+        }
+    }
+
     @Test("subscribe leaves out users the caller may not see; unsubscribe stops updates")
     func subscribeVisibility() async throws {
         try await withNodes(1) { ports in

@@ -1,0 +1,287 @@
+import Foundation
+import JWTKit
+import Logging
+import NIOConcurrencyHelpers
+import RedisTestSupport
+import Testing
+
+@testable import PresenceClient
+
+private let secret = "client-test-secret-that-is-long-enough-for-hs256"
+private let adminToken = "client-test-admin-token"
+
+private struct Claims: JWTPayload {
+    var sub: SubjectClaim
+    var exp: ExpirationClaim
+    func verify(using algorithm: some JWTAlgorithm) async throws {}
+}
+
+/// An HS256 token for `user` that expires in `seconds`.
+private func mint(_ user: String, expiresIn seconds: TimeInterval = 3600) async throws -> String {
+    let keys = JWTKeyCollection()
+    await keys.add(hmac: HMACKey(from: secret), digestAlgorithm: .sha256)
+    return try await keys.sign(Claims(sub: .init(value: user), exp: .init(value: Date(timeIntervalSinceNow: seconds))))
+}
+
+/// Environment for gateway processes of one test: its own key prefix, short lease and linger.
+private func nodeEnvironment(prefix: String, redisURL: String = TestRedis.url, extra: [String: String] = [:]) -> [String: String] {
+    [
+        "PRESENCE_REDIS_URL": redisURL, "PRESENCE_KEY_PREFIX": prefix, "PRESENCE_JWT_SECRET": secret,
+        "PRESENCE_ADMIN_TOKEN": adminToken, "PRESENCE_LEASE_TTL": "3", "PRESENCE_LINGER": "2",
+    ].merging(extra) { _, new in new }
+}
+
+private func admin(_ node: GatewayProcess, _ method: String, _ path: String, _ body: String? = nil) -> (status: Int, body: String)? {
+    GatewayProcess.http(port: node.port, method: method, path: path, headers: ["Authorization": "Bearer \(adminToken)"], body: body)
+}
+
+/// A client of `user` and everything it reported, running until the test ends.
+private final class LiveClient: Sendable {
+    let client: PresenceClient
+    let calls = NIOLockedValueBox<[Bool]>([])
+    private let log = NIOLockedValueBox<[PresenceClientEvent]>([])
+    private let running: Task<Void, Never>
+    private let listening: Task<Void, Never>
+
+    init(_ user: String, device: String, nodes: [GatewayProcess], tokenLifetime: TimeInterval = 3600,
+         configure: (inout PresenceClientConfiguration) -> Void = { _ in }) async throws {
+        var configuration = try PresenceClientConfiguration(
+            gatewayURLs: nodes.map { URL(string: "ws://127.0.0.1:\($0.port)")! }, deviceID: device
+        )
+        configure(&configuration)
+        let calls = self.calls
+        client = PresenceClient(configuration: configuration, tokenProvider: { refresh in
+            calls.withLockedValue { $0.append(refresh) }
+            return try await mint(user, expiresIn: tokenLifetime)
+        }, logger: TestRedis.logger("client-\(user)"))
+        let events = await client.events()
+        let log = self.log
+        listening = Task { for await event in events { log.withLockedValue { $0.append(event) } } }
+        let client = self.client
+        running = Task { await client.run() }
+    }
+
+    deinit {
+        running.cancel()
+        listening.cancel()
+    }
+
+    var events: [PresenceClientEvent] { log.withLockedValue { $0 } }
+
+    /// Statuses heard for `user`, in order.
+    func statuses(of user: String) -> [PresenceStatus] {
+        events.compactMap { if case .presence(let presence) = $0, presence.userID == user { presence.status } else { nil } }
+    }
+
+    /// Statuses heard for `user` once it was first seen online (an `initial_state` may say
+    /// offline before it connects).
+    func statusesSinceOnline(of user: String) -> [PresenceStatus] {
+        Array(statuses(of: user).drop { $0 != .online })
+    }
+
+    /// How many times the session became connected.
+    var connections: Int { events.filter { $0 == .connection(.connected) }.count }
+
+    func waitUntil(_ timeout: Duration = .seconds(10), _ condition: @escaping @Sendable (PresenceClient) async -> Bool) async -> Bool {
+        let client = self.client
+        return await eventually(timeout: timeout, poll: .milliseconds(10)) { await condition(client) }
+    }
+
+    func connected(_ timeout: Duration = .seconds(10)) async -> Bool {
+        await waitUntil(timeout) { await $0.connectionState == .connected }
+    }
+
+    func sees(_ user: String, _ status: PresenceStatus, within timeout: Duration = .seconds(5)) async -> Bool {
+        await waitUntil(timeout) { await $0.presence(of: user)?.status == status }
+    }
+
+    func finished(within timeout: Duration) async -> Bool {
+        await eventually(timeout: timeout, poll: .milliseconds(10)) { [running] in
+            await withTaskGroup(of: Bool.self) { group in
+                group.addTask { await running.value; return true }
+                group.addTask { try? await Task.sleep(for: .milliseconds(10)); return false }
+                let first = await group.next() ?? false
+                group.cancelAll()
+                return first
+            }
+        }
+    }
+}
+
+@Suite("PresenceClient against live gateway processes", .serialized)
+struct ClientLiveTests {
+    @Test("survives the kill of its node: reconnects to the other, and its watcher never sees it offline")
+    func nodeKilled() async throws {
+        let prefix = TestRedis.uniquePrefix("sdk-kill")
+        let doomed = try await GatewayProcess(nodeID: "doomed", environment: nodeEnvironment(prefix: prefix))
+        let survivor = try await GatewayProcess(nodeID: "survivor", environment: nodeEnvironment(prefix: prefix))
+        #expect(admin(survivor, "PUT", "/api/admin/conversations/room", #"{"member_ids":["alice","bob"]}"#)?.status == 200)
+        let alice = try await LiveClient("alice", device: "phone", nodes: [doomed, survivor])
+        let bob = try await LiveClient("bob", device: "laptop", nodes: [survivor])
+        #expect(await alice.connected())
+        #expect(await bob.connected())
+        #expect(await bob.sees("alice", .online))
+        // Session counts are published with each lease renewal (every lease/3 s).
+        let onDoomed = await eventually(timeout: .seconds(5)) {
+            admin(doomed, "GET", "/api/admin/nodes")?.body.contains(#""node_id":"doomed","sessions":1"#) == true
+        }
+        #expect(onDoomed, "alice is on the doomed node")
+
+        let killedAt = ContinuousClock.now
+        doomed.kill()
+        #expect(await alice.waitUntil { _ in alice.connections >= 2 }, "alice reconnected")
+        let reconnect = ContinuousClock.now - killedAt
+        print("reconnect after SIGKILL of the node: \(reconnect)")
+        #expect(reconnect < .seconds(3), "within the first backoff step (1 s ± 20 %) plus a connect")
+        // Past the dead node's lease (3 s) and a reaper period: the reaper has run for it.
+        try await Task.sleep(until: killedAt + .seconds(5))
+        #expect(!bob.statusesSinceOnline(of: "alice").contains(.offline), "no offline flicker: \(bob.statuses(of: "alice"))")
+        #expect(await bob.client.presence(of: "alice")?.status == .online)
+        let nodes = admin(survivor, "GET", "/api/admin/nodes")?.body ?? ""
+        #expect(!nodes.contains("doomed") && nodes.contains(#""sessions":2"#), "the dead node is gone, both sessions on the survivor: \(nodes)")
+        await alice.client.setStatus(.away)
+        #expect(await bob.sees("alice", .away), "the new session carries changes")
+    }
+
+    @Test("a token that expires: 4001, a refreshed token, a reconnect, and no offline for watchers")
+    func tokenExpiry() async throws {
+        let prefix = TestRedis.uniquePrefix("sdk-token")
+        let node = try await GatewayProcess(nodeID: "node", environment: nodeEnvironment(prefix: prefix))
+        #expect(admin(node, "PUT", "/api/admin/conversations/room", #"{"member_ids":["alice","bob"]}"#)?.status == 200)
+        let bob = try await LiveClient("bob", device: "laptop", nodes: [node])
+        #expect(await bob.connected())
+        let alice = try await LiveClient("alice", device: "phone", nodes: [node], tokenLifetime: 2)
+        #expect(await alice.connected())
+        #expect(await bob.sees("alice", .online))
+        #expect(await alice.waitUntil(.seconds(8)) { _ in alice.connections >= 2 }, "reconnected after the token expired")
+        #expect(alice.calls.withLockedValue { $0.dropFirst().contains(true) }, "asked for a fresh token: \(alice.calls.withLockedValue { $0 })")
+        #expect(await alice.connected())
+        try await Task.sleep(for: .milliseconds(500))
+        #expect(!bob.statusesSinceOnline(of: "alice").contains(.offline), "\(bob.statuses(of: "alice"))")
+    }
+
+    @Test("Redis restarts empty: the session stays, the device comes back, and changes flow again")
+    func redisRestart() async throws {
+        let redis = try RedisServerProcess()
+        let prefix = TestRedis.uniquePrefix("sdk-redis")
+        let node = try await GatewayProcess(nodeID: "node", environment: nodeEnvironment(prefix: prefix, redisURL: redis.url(), extra: ["PRESENCE_VISIBILITY": "open"]))
+        let alice = try await LiveClient("alice", device: "phone", nodes: [node])
+        let bob = try await LiveClient("bob", device: "laptop", nodes: [node])
+        try await bob.client.watch(["alice"])
+        #expect(await alice.connected())
+        #expect(await bob.sees("alice", .online))
+
+        redis.stop()
+        try await Task.sleep(for: .milliseconds(500))
+        try redis.start()
+        // The node re-registers its sessions; the user reads online again without a reconnect.
+        let reader = try await mint("carol")
+        let back = await eventually(timeout: .seconds(10), poll: .milliseconds(100)) {
+            GatewayProcess.httpGet(port: node.port, path: "/api/presence/users/alice", headers: ["Authorization": "Bearer \(reader)"])?.body.contains(#""status":"online""#) == true
+        }
+        #expect(back, "alice is present again after Redis lost everything")
+        #expect(await alice.client.connectionState == .connected)
+        await alice.client.setStatus(.away)
+        #expect(await bob.sees("alice", .away, within: .seconds(10)), "bob hears changes after the restart: \(bob.statuses(of: "alice"))")
+    }
+
+    @Test("app lifecycle: background is away, typing starts and stops, appearing offline hides typing, network loss does not flicker, sign-out is offline at once")
+    func lifecycle() async throws {
+        let prefix = TestRedis.uniquePrefix("sdk-life")
+        let node = try await GatewayProcess(nodeID: "node", environment: nodeEnvironment(prefix: prefix))
+        #expect(admin(node, "PUT", "/api/admin/conversations/room", #"{"member_ids":["alice","bob"]}"#)?.status == 200)
+        let alice = try await LiveClient("alice", device: "phone", nodes: [node]) { $0.typingIdleTimeout = 0.5 }
+        let bob = try await LiveClient("bob", device: "laptop", nodes: [node])
+        try await alice.client.join(conversation: "room")
+        try await bob.client.join(conversation: "room")
+        #expect(await alice.connected())
+        #expect(await bob.connected())
+        #expect(await bob.sees("alice", .online))
+        #expect(await bob.waitUntil { await $0.group("room")?.online == 2 }, "2 of 2 online")
+
+        await alice.client.didEnterBackground()
+        #expect(await bob.sees("alice", .away))
+        await alice.client.didBecomeActive()
+        #expect(await bob.sees("alice", .online))
+
+        try await alice.client.userTyped(in: "room")
+        #expect(await bob.waitUntil { await $0.typingUsers(in: "room") == ["alice"] })
+        #expect(await bob.waitUntil(.seconds(3)) { await $0.typingUsers(in: "room").isEmpty }, "stopped after idling")
+
+        await alice.client.setStatus(.offline)
+        #expect(await bob.sees("alice", .offline))
+        let typingStart = PresenceClientEvent.typing(conversationID: "room", userID: "alice", isTyping: true)
+        let startsBefore = bob.events.filter { $0 == typingStart }.count
+        try await alice.client.userTyped(in: "room")
+        try await Task.sleep(for: .milliseconds(700))
+        #expect(bob.events.filter { $0 == typingStart }.count == startsBefore, "no typing from a device appearing offline")
+        await alice.client.setStatus(.online)
+        #expect(await bob.sees("alice", .online))
+
+        let before = bob.statuses(of: "alice").count
+        await alice.client.networkChanged(available: false)
+        #expect(await alice.waitUntil { await $0.connectionState == .idle })
+        await alice.client.networkChanged(available: true)
+        #expect(await alice.waitUntil { _ in alice.connections >= 2 })
+        try await Task.sleep(for: .milliseconds(300))
+        #expect(!bob.statuses(of: "alice").dropFirst(before).contains(.offline), "a short network loss shows no offline")
+
+        let signedOut = ContinuousClock.now
+        await alice.client.signOut()
+        #expect(await bob.sees("alice", .offline, within: .seconds(1.5)), "offline at once, not after the linger")
+        print("sign-out to watcher offline: \(ContinuousClock.now - signedOut)")
+        #expect(await alice.finished(within: .seconds(3)), "run() returns after sign-out")
+        #expect(await alice.client.connectionState == .stopped(.signedOut))
+    }
+
+    @Test("an admin disconnect (4003) stops the client for good")
+    func adminDisconnect() async throws {
+        let prefix = TestRedis.uniquePrefix("sdk-admin")
+        let node = try await GatewayProcess(nodeID: "node", environment: nodeEnvironment(prefix: prefix))
+        let alice = try await LiveClient("alice", device: "phone", nodes: [node])
+        #expect(await alice.connected())
+        #expect(admin(node, "POST", "/api/admin/users/alice/disconnect")?.status == 200)
+        #expect(await alice.waitUntil { await $0.connectionState == .stopped(.disconnectedByAdmin) })
+        #expect(await alice.finished(within: .seconds(3)))
+        try await Task.sleep(for: .milliseconds(300))
+        #expect(alice.connections == 1, "no reconnect after 4003")
+    }
+
+    @Test("presence-client, the terminal client: prints changes, takes commands, signs out on quit")
+    func terminalClient() async throws {
+        let prefix = TestRedis.uniquePrefix("sdk-cli")
+        let node = try await GatewayProcess(nodeID: "node", environment: nodeEnvironment(prefix: prefix, extra: ["PRESENCE_VISIBILITY": "open"]))
+        let output = FileManager.default.temporaryDirectory.appendingPathComponent("presence-client-\(UUID().uuidString).out")
+        _ = FileManager.default.createFile(atPath: output.path, contents: nil)
+        defer { try? FileManager.default.removeItem(at: output) }
+        let process = Process()
+        process.executableURL = GatewayProcess.binary.deletingLastPathComponent().appendingPathComponent("presence-client")
+        process.arguments = ["--url", "ws://127.0.0.1:\(node.port)", "--token", try await mint("bob"), "--device", "terminal", "--watch", "alice"]
+        let input = Pipe()
+        process.standardInput = input
+        process.standardOutput = try FileHandle(forWritingTo: output)
+        process.standardError = try FileHandle(forWritingTo: output)
+        try process.run()
+        defer { if process.isRunning { kill(process.processIdentifier, SIGKILL) } }
+        func printed(_ text: String) async -> Bool {
+            await eventually(timeout: .seconds(10), poll: .milliseconds(20)) {
+                ((try? String(contentsOf: output, encoding: .utf8)) ?? "").contains(text)
+            }
+        }
+        #expect(await printed("[connected]"))
+        let alice = try await LiveClient("alice", device: "phone", nodes: [node])
+        #expect(await alice.connected())
+        try await alice.client.watch(["bob"])
+        #expect(await alice.sees("bob", .online))
+        #expect(await printed("alice: Online"))
+        await alice.client.setStatus(.away)
+        #expect(await printed("alice: Away"))
+        input.fileHandleForWriting.write(Data("list\n".utf8))
+        #expect(await printed("alice  Away"))
+        input.fileHandleForWriting.write(Data("quit\n".utf8))
+        #expect(await alice.sees("bob", .offline, within: .seconds(1.5)), "a clean close: offline before the 2 s linger")
+        #expect(await eventually(timeout: .seconds(5)) { !process.isRunning }, "quit ends the client")
+        #expect(process.terminationStatus == 0)
+        #expect(await printed("[signed out]"))
+    }
+}
