@@ -82,6 +82,7 @@ extension PresenceClient {
         }
         continuation.finish()
         outbox = nil
+        lastCloseCode = code
         awaitingInitialState = false
         pending = [:]
         retries = []

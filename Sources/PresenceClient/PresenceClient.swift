@@ -35,6 +35,9 @@ public actor PresenceClient {
     public internal(set) var cache = PresenceCache()
     /// The link to the gateway.
     public internal(set) var connectionState = ConnectionState.idle
+    /// The close code the gateway sent when the last session ended (`nil`: none yet, or the
+    /// connection dropped without one), for diagnostics.
+    public internal(set) var lastCloseCode: UInt16?
     /// Users watched explicitly (besides those the gateway watches for the session).
     public internal(set) var watchedUsers: Set<String> = []
     /// Conversations followed.

@@ -9,6 +9,7 @@ extension Gateway {
     func addRESTRoutes(to router: Router<GatewayRequestContext>) {
         router.get("/healthz") { _, _ in Self.json(["status": "ok"]) }
         router.get("/readyz") { _, _ in
+            guard !self.hub.isDraining else { throw APIError.unavailable("this node is shutting down") }
             guard self.engine.redis.isConnected, self.hub.subscriber.isConnected else { throw APIError.unavailable() }
             return Self.json(["status": "ready"])
         }

@@ -10,6 +10,8 @@ import ServiceLifecycle
 extension Gateway {
     func addWebSocketRoute(to router: Router<GatewayRequestContext>) {
         router.ws("/api/presence/subscribe", shouldUpgrade: { request, _ in
+            // A node shutting down takes no new sessions: the client (or the balancer) goes elsewhere.
+            guard !self.hub.isDraining else { throw APIError.unavailable("this node is shutting down; connect to another") }
             _ = try await self.authenticate(request, allowQuery: true)
             _ = try Self.deviceID(request)
             _ = try Self.openingStatus(request)
@@ -122,13 +124,13 @@ extension Gateway {
     }
 
     private func sendInitialState(to session: Session, user: String) async throws {
-        var presences: [Presence] = []
-        if configuration.visibility == .conversations {
-            let contacts = try await engine.contacts(of: user)
-            await hub.watch(session, contacts)
-            presences = try await engine.views(of: contacts).map { $0.seen(by: user) }
-            for presence in presences { _ = session.remember(presence) }
+        guard configuration.visibility == .conversations else {
+            session.send(Wire.frame("initial_state", ["presences": [Any]()]))
+            return
         }
-        session.send(Wire.frame("initial_state", ["presences": presences.map { Wire.presence($0) }]))
+        let contacts = try await engine.contacts(of: user)
+        try await hub.watchAndRead(session, contacts) { presences in
+            [Wire.frame("initial_state", ["presences": presences.map { Wire.presence($0) }])]
+        }
     }
 }

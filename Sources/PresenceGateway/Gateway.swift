@@ -115,13 +115,22 @@ struct SessionDrainer: Service {
 
     func run() async throws {
         try? await gracefulShutdown()
-        let sessions = hub.allSessions
-        hub.logger.info("shutting down: closing sessions with 1001", metadata: ["presence.sessions": "\(sessions.count)"])
-        for session in sessions { session.close(code: 1001, reason: "the node is shutting down") }
+        hub.startDraining()
+        var closed = Set<String>()
         let deadline = ContinuousClock.now + .seconds(5)
-        // Until every session is gone and Redis has taken every device's close (lingering).
-        while hub.sessionCount > 0 || hub.engine.localDeviceCount > 0, ContinuousClock.now < deadline {
+        // Until every session is gone and Redis has taken every device's close (lingering). A
+        // session that opened just before draining began is closed on a later pass.
+        repeat {
+            let sessions = hub.allSessions.filter { !closed.contains($0.id) }
+            if !sessions.isEmpty {
+                hub.logger.info("shutting down: closing sessions with 1001", metadata: ["presence.sessions": "\(sessions.count)"])
+            }
+            for session in sessions {
+                session.close(code: 1001, reason: "the node is shutting down")
+                closed.insert(session.id)
+            }
+            guard hub.sessionCount > 0 || hub.engine.localDeviceCount > 0 else { break }
             try? await Task.sleep(for: .milliseconds(20))
-        }
+        } while ContinuousClock.now < deadline
     }
 }

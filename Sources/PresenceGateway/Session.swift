@@ -33,6 +33,9 @@ final class Session: Sendable {
         var memberOf: [String: Set<String>] = [:]
         /// Users watched only for a large group's counts: no `presence_update` for them.
         var quiet: Set<String> = []
+        /// Users whose presence is being read for this session, and whether an event about them
+        /// arrived meanwhile (then the read may be older than what the event said).
+        var reading: [String: Bool] = [:]
 
         /// Counts a conversation's members from what is known of them (on follow and membership
         /// changes only; presence changes adjust the counts in O(1)).
@@ -136,23 +139,76 @@ final class Session: Sendable {
     /// Records the latest presence of a watched user. The client is told when the status changes,
     /// or an offline user's `last_seen` does (an online user's `last_seen` moves all the time and
     /// is not news), unless the user is watched only for a large group's counts.
-    func remember(_ presence: Presence) -> Remembered {
+    /// Marks `users` as being read: events about them are held back until `endRead`.
+    func beginRead(_ users: [String]) {
         state.withLockedValue { state in
-            guard let entry = state.watched[presence.userID] else { return Remembered(tell: false, statusChanged: false) }
-            let old = entry?.status ?? .offline
-            if let known = entry, known.status == presence.status, known.status != .offline || known.lastSeen == presence.lastSeen {
+            for user in users { state.reading[user] = state.reading[user] ?? false }
+        }
+    }
+
+    /// An event about a watched user: remembered, and `frame` queued when the client must be
+    /// told, in one step so that no snapshot can be queued in between. Held back (neither
+    /// remembered nor told) while a read of that user is under way, since the read's answer may
+    /// be older than the event.
+    func rememberEvent(_ presence: Presence, frame: String) -> Remembered {
+        var overflow = false
+        let result = state.withLockedValue { state -> Remembered in
+            guard state.reading[presence.userID] == nil else {
+                state.reading[presence.userID] = true
                 return Remembered(tell: false, statusChanged: false)
             }
-            state.watched[presence.userID] = presence
-            let changed = old != presence.status
-            if changed {
-                for conversation in state.memberOf[presence.userID] ?? [] {
-                    state.conversations[conversation]?.count(old, -1)
-                    state.conversations[conversation]?.count(presence.status, +1)
-                }
-            }
-            return Remembered(tell: !state.quiet.contains(presence.userID), statusChanged: changed)
+            let result = Self.remember(presence, in: &state)
+            if result.tell { overflow = !enqueue(frame) }
+            return result
         }
+        if overflow { close(code: 1008, reason: "the client does not read fast enough") }
+        return result
+    }
+
+    /// Ends the read of `users`: remembers `snapshot` (what was read) and queues the frames
+    /// `frames` makes from what each entry changed, in one step, so that no event about them can
+    /// be queued before the snapshot. Returns the users an event arrived for during the read:
+    /// they must be read again, after that event. `frames` runs under the session's lock.
+    /// With `answering`, the answer to a conversation subscribe (its `group_presence`, with the
+    /// frame's id) is queued first.
+    func endRead(
+        _ users: [String], snapshot: [Presence], answering: (conversation: String, id: String?)? = nil,
+        frames: ([Remembered]) -> [String] = { _ in [] }
+    ) -> [String] {
+        var overflow = false
+        let dirty = state.withLockedValue { state in
+            let dirty = users.filter { state.reading.removeValue(forKey: $0) == true }
+            let remembered = snapshot.map { Self.remember($0, in: &state) }
+            let answer = answering.map { Self.groupFrames([$0.conversation], id: $0.id, in: &state) } ?? []
+            for frame in answer + frames(remembered) where !enqueue(frame) { overflow = true }
+            return dirty
+        }
+        if overflow { close(code: 1008, reason: "the client does not read fast enough") }
+        return dirty
+    }
+
+    /// Queues a frame (the caller may hold the lock); false when the queue is full.
+    private func enqueue(_ text: String) -> Bool {
+        if case .dropped = continuation.yield(.text(text)) { return false }
+        GatewayMetrics.frameSent()
+        return true
+    }
+
+    private static func remember(_ presence: Presence, in state: inout State) -> Remembered {
+        guard let entry = state.watched[presence.userID] else { return Remembered(tell: false, statusChanged: false) }
+        let old = entry?.status ?? .offline
+        if let known = entry, known.status == presence.status, known.status != .offline || known.lastSeen == presence.lastSeen {
+            return Remembered(tell: false, statusChanged: false)
+        }
+        state.watched[presence.userID] = presence
+        let changed = old != presence.status
+        if changed {
+            for conversation in state.memberOf[presence.userID] ?? [] {
+                state.conversations[conversation]?.count(old, -1)
+                state.conversations[conversation]?.count(presence.status, +1)
+            }
+        }
+        return Remembered(tell: !state.quiet.contains(presence.userID), statusChanged: changed)
     }
 
     /// Starts following a conversation. Members of a large one are watched for its counts only
@@ -218,17 +274,23 @@ final class Session: Sendable {
     func sendGroupCounts(involving user: String? = nil, id: String? = nil) {
         let frames: [String] = state.withLockedValue { state in
             let conversations = user.map { state.memberOf[$0].map(Array.init) ?? [] } ?? Array(state.conversations.keys)
-            var frames: [String] = []
-            for conversation in conversations {
-                guard let view = state.conversations[conversation] else { continue }
-                let counts = GroupCounts(total: view.members.count, online: view.online, away: view.away)
-                guard counts != view.sent || id != nil else { continue }
-                state.conversations[conversation]?.sent = counts
-                frames.append(Wire.frame("group_presence", ["conversation_id": conversation, "total": counts.total, "online": counts.online, "away": counts.away], id: id))
-            }
-            return frames
+            return Self.groupFrames(conversations, id: id, in: &state)
         }
         for frame in frames { send(frame) }
+    }
+
+    /// `group_presence` frames for the conversations whose counts changed since last sent; with
+    /// an `id`, for all of them regardless (an answer).
+    private static func groupFrames(_ conversations: [String], id: String?, in state: inout State) -> [String] {
+        var frames: [String] = []
+        for conversation in conversations {
+            guard let view = state.conversations[conversation] else { continue }
+            let counts = GroupCounts(total: view.members.count, online: view.online, away: view.away)
+            guard counts != view.sent || id != nil else { continue }
+            state.conversations[conversation]?.sent = counts
+            frames.append(Wire.frame("group_presence", ["conversation_id": conversation, "total": counts.total, "online": counts.online, "away": counts.away], id: id))
+        }
+        return frames
     }
 
     /// The status this session's device has, and whether the client said `offline`.

@@ -21,6 +21,8 @@ final class SessionHub: Service, Sendable {
         var watchers: [String: Set<String>] = [:]
         /// Conversation → ids of the sessions subscribed to it.
         var followers: [String: Set<String>] = [:]
+        /// Set once the node is shutting down: no new sessions, not ready.
+        var draining = false
     }
 
     init(engine: PresenceEngine, subscriber: RedisSubscriber, logger: Logger) {
@@ -30,6 +32,13 @@ final class SessionHub: Service, Sendable {
     }
 
     var sessionCount: Int { state.withLockedValue { $0.sessions.count } }
+
+    /// Whether the node is shutting down.
+    var isDraining: Bool { state.withLockedValue { $0.draining } }
+
+    /// The node is shutting down: `/readyz` answers 503 so load balancers stop sending clients,
+    /// and upgrades are refused so that clients go to another node.
+    func startDraining() { state.withLockedValue { $0.draining = true } }
 
     // MARK: Sessions and watching
 
@@ -110,14 +119,45 @@ final class SessionHub: Service, Sendable {
     }
 
     /// Sends `session` the current presence of `users` it has not been told yet, as updates.
+    /// A read that crossed an event about a user is repeated for that user (a few times at most).
     func catchUp(_ session: Session, _ users: [String]) async {
-        guard let views = try? await engine.views(of: users) else { return }
-        for view in views {
-            let presence = view.seen(by: session.userID)
-            let remembered = session.remember(presence)
-            if remembered.tell { session.send(Wire.frame("presence_update", Wire.presence(presence))) }
-            if remembered.statusChanged { session.sendGroupCounts(involving: presence.userID) }
+        var pending = users
+        for _ in 0..<4 where !pending.isEmpty {
+            session.beginRead(pending)
+            guard let views = try? await engine.views(of: pending) else {
+                _ = session.endRead(pending, snapshot: [])
+                return
+            }
+            let presences = views.map { $0.seen(by: session.userID) }
+            var countsChanged: [String] = []
+            let dirty = session.endRead(pending, snapshot: presences) { remembered in
+                zip(presences, remembered).compactMap { presence, change in
+                    if change.statusChanged { countsChanged.append(presence.userID) }
+                    return change.tell ? Wire.frame("presence_update", Wire.presence(presence)) : nil
+                }
+            }
+            for user in countsChanged { session.sendGroupCounts(involving: user) }
+            pending = dirty
         }
+    }
+
+    /// Watches `users` (plus `extra`, already watched) and reads their presence: `snapshot`
+    /// makes the frames to queue from what was read (an `initial_state`), queued before any event
+    /// about them. Then catches up on users an event arrived for during the read.
+    func watchAndRead(_ session: Session, _ users: [String], alsoRead extra: [String] = [], snapshot: ([Presence]) -> [String]) async throws {
+        session.beginRead(users + extra)
+        let added = await watch(session, users) + extra
+        let notRead = Array(Set(users + extra).subtracting(added))
+        let presences: [Presence]
+        do {
+            presences = try await engine.views(of: added).map { $0.seen(by: session.userID) }
+        } catch {
+            _ = session.endRead(users + extra, snapshot: [])
+            throw error
+        }
+        _ = session.endRead(notRead, snapshot: [])
+        let dirty = session.endRead(added, snapshot: presences) { _ in snapshot(presences) }
+        if !dirty.isEmpty { await catchUp(session, dirty) }
     }
 
     /// Re-checks who `session` may see after a membership change: new contacts become watched,
@@ -179,9 +219,8 @@ final class SessionHub: Service, Sendable {
             let watchers = state.withLockedValue { state in (state.watchers[user] ?? []).compactMap { state.sessions[$0] } }
             for session in watchers {
                 guard let update = event.update(for: session.userID) else { continue }
-                let remembered = session.remember(update)
+                let remembered = session.rememberEvent(update, frame: Wire.frame("presence_update", Wire.presence(update)))
                 if remembered.tell {
-                    session.send(Wire.frame("presence_update", Wire.presence(update)))
                     GatewayMetrics.delivered(latencyMilliseconds: engine.clock.nowMilliseconds() - event.at)
                 }
                 if remembered.statusChanged { session.sendGroupCounts(involving: user) }

@@ -140,10 +140,9 @@ struct WebSocketSession {
             // Users watched so far only for a large group's counts become fully watched.
             let promoted = visible.filter { session.isQuiet($0) }
             session.unquiet(promoted)
-            let added = await gateway.hub.watch(session, visible) + promoted
-            let presences = try await gateway.engine.views(of: added).map { $0.seen(by: user.userID) }
-            for presence in presences { _ = session.remember(presence) }
-            session.send(Wire.frame("initial_state", ["presences": presences.map { Wire.presence($0) }], id: id))
+            try await gateway.hub.watchAndRead(session, visible, alsoRead: promoted) { presences in
+                [Wire.frame("initial_state", ["presences": presences.map { Wire.presence($0) }], id: id)]
+            }
         case "typing":
             guard let raw = data["conversation_id"] as? String, PresenceID.isValid(raw) else {
                 throw APIError.invalid("conversation_id must be 1-128 characters of A-Z a-z 0-9 . _ : @ -")
@@ -175,14 +174,24 @@ struct WebSocketSession {
         } else if session.watchedCount + members.count > gateway.configuration.maxWatchedUsers {
             throw APIError.invalid("a session may watch at most \(gateway.configuration.maxWatchedUsers) users")
         }
+        // Events about members are held back while they are read, so the read cannot undo them.
+        let memberList = Array(members)
+        session.beginRead(memberList)
         await gateway.hub.follow(session, conversation, members: members)
         // One pipelined read of every member, here only; later changes adjust the counts.
-        let presences = try await gateway.engine.views(of: members).map { $0.seen(by: user.userID) }
-        for presence in presences { _ = session.remember(presence) }
-        session.sendGroupCounts(involving: nil, id: id)
+        let presences: [Presence]
+        do {
+            presences = try await gateway.engine.views(of: memberList).map { $0.seen(by: user.userID) }
+        } catch {
+            _ = session.endRead(memberList, snapshot: [])
+            throw error
+        }
         // A large group gets counts and typing only, not every member's presence.
         let shown = members.count > Session.largeGroup ? [] : presences
-        session.send(Wire.frame("initial_state", ["presences": shown.map { Wire.presence($0) }], id: id))
+        let dirty = session.endRead(memberList, snapshot: presences, answering: (conversation, id)) { _ in
+            [Wire.frame("initial_state", ["presences": shown.map { Wire.presence($0) }], id: id)]
+        }
+        if !dirty.isEmpty { await gateway.hub.catchUp(session, dirty) }
     }
 
     private func userIDs(_ data: [String: Any]) throws(APIError) -> [String] {

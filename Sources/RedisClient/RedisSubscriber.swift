@@ -36,6 +36,9 @@ public final class RedisSubscriber: Service, Sendable {
         var channels: Set<String> = []
         var patterns: Set<String> = []
         var references: [String: Int] = [:]
+        /// SUBSCRIBEs sent and not yet confirmed, by channel: a second user of a channel waits for
+        /// the first one's confirmation too, so that no one reads state before messages flow.
+        var confirming: [String: EventLoopFuture<RESPValue>] = [:]
         var connection: RedisConnection?
         var shutdown = false
     }
@@ -137,26 +140,41 @@ public final class RedisSubscriber: Service, Sendable {
         guard !channels.isEmpty else { return }
         // The wanted set and the order of commands on the wire change under one lock, so that a
         // subscribe and an unsubscribe of the same channel from two tasks cannot cross over.
-        let pending: EventLoopFuture<RESPValue>?? = state.withLockedValue { state in
+        let pending: [EventLoopFuture<RESPValue>]? = state.withLockedValue { state in
             let effective = update(&state)
-            if command == "SUBSCRIBE" { state.channels.formUnion(effective) } else { state.channels.subtract(effective) }
-            guard !effective.isEmpty else { return .some(nil) }
+            let subscribing = command == "SUBSCRIBE"
+            if subscribing { state.channels.formUnion(effective) } else { state.channels.subtract(effective) }
+            // Channels already wanted by someone else may still be on their way to Redis.
+            var waits = subscribing ? Set(channels).subtracting(effective).compactMap { state.confirming[$0] } : []
+            if !subscribing { for channel in effective { state.confirming[channel] = nil } }
+            guard !effective.isEmpty else { return waits }
             guard let connection = state.connection, connection.isActive else { return nil }
-            return connection.enqueue([command] + effective.map { RedisArgument($0) }, expectedReplies: effective.count)
+            let future = connection.enqueue([command] + effective.map { RedisArgument($0) }, expectedReplies: effective.count)
+            if subscribing {
+                for channel in effective { state.confirming[channel] = future }
+                future.whenComplete { [state = self.state] _ in
+                    state.withLockedValue { state in
+                        for channel in effective where state.confirming[channel] === future { state.confirming[channel] = nil }
+                    }
+                }
+            }
+            waits.append(future)
+            return waits
         }
         guard let pending else {
             throw RedisError(.unavailable, "the subscriber is not connected to Redis; the change applies on reconnect")
         }
-        guard let pending else { return }
-        let reply: RESPValue
-        do {
-            reply = try await pending.get()
-        } catch let error as RedisError {
-            throw error
-        } catch {
-            throw RedisError(.connectionClosed, "the subscriber connection failed", underlying: error)
+        for future in pending {
+            let reply: RESPValue
+            do {
+                reply = try await future.get()
+            } catch let error as RedisError {
+                throw error
+            } catch {
+                throw RedisError(.connectionClosed, "the subscriber connection failed", underlying: error)
+            }
+            if case .error(let message) = reply { throw RedisError(.server, message) }
         }
-        if case .error(let message) = reply { throw RedisError(.server, message) }
     }
 
     /// Subscribes to channels matching a glob `pattern` (PSUBSCRIBE), kept across reconnects.
