@@ -2,7 +2,7 @@
 SWIFT ?= swift
 BUILD_FLAGS ?=
 
-.PHONY: deps build build-tests test run bench bench-redis clean
+.PHONY: deps build build-tests test check-deploy run cluster cluster-stop bench bench-redis clean
 
 deps:
 	@scripts/install-deps
@@ -15,8 +15,14 @@ build-tests: deps
 
 # Builds once, then runs every test against a throwaway redis-server on a free loopback port.
 # Bounded: a run that hangs fails after 15 minutes instead of holding CI.
-test: build-tests
+# The end-to-end test (3 nodes behind HAProxy, 300 clients) runs with the others; the deployment
+# files are checked first.
+test: build-tests check-deploy
 	scripts/with-redis timeout --kill-after=10 900 $(SWIFT) test --skip-build $(BUILD_FLAGS)
+
+# Syntax and required keys of docker-compose.yml, deploy/ (Dockerfile, HAProxy, k8s, Grafana).
+check-deploy: deps
+	scripts/check-deploy
 
 # Starts a gateway node on 127.0.0.1:8080 (see README).
 run: deps
@@ -26,6 +32,15 @@ run: deps
 bench-redis: deps
 	$(SWIFT) build -c release --product redis-client-bench
 	scripts/with-redis .build/release/redis-client-bench
+
+# Three nodes behind HAProxy on loopback (see README, "Deploying"); `make cluster-stop` ends it.
+cluster: deps
+	$(SWIFT) build --product presence-gateway
+	$(SWIFT) build --product presencectl
+	scripts/cluster start
+
+cluster-stop:
+	scripts/cluster stop
 
 # Engine and gateway numbers (connects/s, reaping, idle cost, cross-node latency at 1,000/s).
 bench: deps

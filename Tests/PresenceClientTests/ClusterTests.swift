@@ -26,6 +26,11 @@ final class LocalCluster: Sendable {
         self.environment = variables
         let (status, output) = try Self.script(["start", "--nodes", "\(nodes)", "--dir", directory.path], environment: variables)
         guard status == 0 else { throw GatewayProcessError("scripts/cluster start failed (\(status)):\n\(output)") }
+        self.values = try Self.read(directory)
+    }
+
+    /// `cluster.env` as it is now (node pids change with restarts).
+    static func read(_ directory: URL) throws -> [String: String] {
         let text = try String(contentsOf: directory.appendingPathComponent("cluster.env"), encoding: .utf8)
         var values: [String: String] = [:]
         for line in text.split(separator: "\n") {
@@ -34,7 +39,21 @@ final class LocalCluster: Sendable {
             if value.hasPrefix("\""), value.hasSuffix("\""), value.count >= 2 { value = String(value.dropFirst().dropLast()) }
             values[String(line[..<equals])] = value
         }
-        self.values = values
+        return values
+    }
+
+    /// Resident memory of each node process now, KiB, by node id.
+    func nodeMemory() -> [String: Int] {
+        guard let values = try? Self.read(directory) else { return [:] }
+        let ids = (values["NODE_IDS"] ?? "").split(separator: " ").map(String.init)
+        let pids = (values["NODE_PIDS"] ?? "").split(separator: " ").map(String.init)
+        var memory: [String: Int] = [:]
+        for (id, pid) in zip(ids, pids) {
+            guard let status = try? String(contentsOfFile: "/proc/\(pid)/status", encoding: .utf8),
+                  let line = status.split(separator: "\n").first(where: { $0.hasPrefix("VmRSS:") }) else { continue }
+            memory[id] = Int(line.split(separator: " ").dropFirst().first ?? "")
+        }
+        return memory
     }
 
     deinit {
@@ -269,6 +288,10 @@ struct ClusterTests {
         let online = try cluster.presencectl(["stats"]) as? [String: Any]
         #expect(online?["users_online"] as? Int == Self.clients, "every user online after the rolling restart: \(String(describing: online))")
         #expect(cluster.listedNodes() == ["node-1", "node-2", "node-3"])
+        if let online, let memory = online["memory_bytes"] as? Int {
+            print("e2e: Redis: \(memory) bytes under the prefix for \(Self.clients) online users and \(Self.clients / Self.groupSize) conversations (\(memory / Self.clients) bytes per user, conversations included); keys \(online["keys"] ?? "?")")
+        }
+        print("e2e: node RSS (debug build) KiB \(cluster.nodeMemory().sorted { $0.key < $1.key }), sessions \(await cluster.sessionsPerNode(total: Self.clients).sorted { $0.key < $1.key })")
         print("e2e: total flickers seen: \(killFlickers.count + termFlickers.count + rollingFlickers.count)")
     }
 }
