@@ -40,7 +40,7 @@ struct GroupBench: AsyncParsableCommand {
         let nodes = try await TwoNodes.start(redisURL: common.redisURL, statusRate: 100, maxIDs: 500)
         let names = (0..<members).map { "bench-member-\($0)" }
         let setup = try await BenchEngine.make(redisURL: common.redisURL, prefix: nodes.prefix)
-        try await setup.use { try await $0.setMembers(of: "bench-big", to: names + ["bench-watcher"]) }
+        _ = try await setup.use { try await $0.setMembers(of: "bench-big", to: names + ["bench-watcher"]) }
         let sent = NIOLockedValueBox<[ContinuousClock.Instant]>([])
         let latencies = NIOLockedValueBox<[Double]>([])
         let followed = NIOLockedValueBox(false)

@@ -48,7 +48,7 @@ struct LatencyBench: AsyncParsableCommand {
         let ids = names.map { "\"\($0)\"" }.joined(separator: ",")
         if typing {
             let engine = try await BenchEngine.make(redisURL: common.redisURL, prefix: nodes.prefix)
-            try await engine.use { try await $0.setMembers(of: "bench-room", to: names + ["bench-watcher"]) }
+            _ = try await engine.use { try await $0.setMembers(of: "bench-room", to: names + ["bench-watcher"]) }
             watcher.yield(#"{"type":"subscribe","data":{"conversation_id":"bench-room"},"id":"s"}"#)
         } else {
             watcher.yield(#"{"type":"subscribe","data":{"user_ids":["# + ids + "]},\"id\":\"s\"}")

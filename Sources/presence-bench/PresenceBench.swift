@@ -7,8 +7,14 @@ struct PresenceBench: AsyncParsableCommand {
     static let configuration = CommandConfiguration(
         commandName: "presence-bench",
         abstract: "Measures the presence engine and the gateway against a running Redis.",
-        discussion: "Example: presence-bench engine --devices 10000 --idle-seconds 60",
-        subcommands: [EngineBench.self, LatencyBench.self, GroupBench.self]
+        discussion: """
+        The scenarios idle, churn, storm, fanout, death and cost start presence-gateway processes
+        (from beside this executable, or --gateway-binary) on the Redis of --redis-url and load
+        them over loopback WebSockets; engine, latency and group run nodes in this process.
+        Example: presence-bench churn --rate 1000 --duration 10 --json churn.json
+        """,
+        subcommands: [IdleScenario.self, ChurnScenario.self, StormScenario.self, FanoutScenario.self, DeathScenario.self,
+                      CostScenario.self, EngineBench.self, LatencyBench.self, GroupBench.self]
     )
 }
 

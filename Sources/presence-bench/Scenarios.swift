@@ -1,0 +1,415 @@
+import ArgumentParser
+import Foundation
+import Logging
+import NIOConcurrencyHelpers
+import RedisClient
+
+/// Options of the scenarios that run node processes.
+struct ScenarioOptions: ParsableArguments {
+    @OptionGroup var common: CommonOptions
+    @Option(help: "The presence-gateway binary (default: beside presence-bench).") var gatewayBinary: String?
+    @Option(help: "Also write the results as JSON to this file.") var json: String?
+}
+
+/// Runs `body` with a Redis client on `url`.
+func withRedis<T: Sendable>(_ url: String, _ body: (RedisClient) async throws -> T) async throws -> T {
+    var logger = Logger(label: "presence-bench")
+    logger.logLevel = .warning
+    return try await RedisClient.withClient(configuration: try RedisConfiguration(url: url), logger: logger) { try await body($0) }
+}
+
+/// A field of `INFO section`, as a number.
+func redisInfo(_ redis: RedisClient, _ section: String, _ field: String) async throws -> Double {
+    let text = try await redis.send("INFO", RedisArgument(section)).string ?? ""
+    for line in text.split(whereSeparator: \.isNewline) where line.hasPrefix(field + ":") {
+        return Double(line.dropFirst(field.count + 1)) ?? 0
+    }
+    return 0
+}
+
+/// Total calls of every command since the last `CONFIG RESETSTAT` (INFO commandstats).
+func commandCalls(_ redis: RedisClient) async throws -> Double {
+    let text = try await redis.send("INFO", "commandstats").string ?? ""
+    var total = 0.0
+    for line in text.split(whereSeparator: \.isNewline) where line.hasPrefix("cmdstat_") {
+        if let calls = line.split(separator: ",").first?.split(separator: "=").last { total += Double(calls) ?? 0 }
+    }
+    return total
+}
+
+// MARK: - 1. idle
+
+struct IdleScenario: AsyncParsableCommand {
+    static let configuration = CommandConfiguration(
+        commandName: "idle",
+        abstract: "N idle sessions on one node, each watching 10 users: the node's memory per session and Redis memory per online user."
+    )
+    @OptionGroup var options: ScenarioOptions
+    @Option(help: "Sessions.") var sessions = 10_000
+    @Option(help: "Users each session watches.") var watch = 10
+    @Option(help: "Seconds to let the node settle before measuring.") var settle = 5
+
+    func run() async throws {
+        let limit = raiseFileLimit()
+        guard limit > sessions * 2 + 1_000 else { throw BenchError("the open-file limit is \(limit); \(sessions) sessions need about \(sessions * 2 + 1_000)") }
+        let nodes = try await NodeProcesses(count: 1, redisURL: options.common.redisURL, binary: options.gatewayBinary)
+        defer { nodes.stop() }
+        let fleet = Fleet(nodes: nodes)
+        let (memoryBefore, keysBefore) = try await withRedis(options.common.redisURL) { redis in
+            (try await redisInfo(redis, "memory", "used_memory"), try await redis.send("DBSIZE").int ?? 0)
+        }
+        try await Task.sleep(for: .seconds(1))
+        let rssBefore = nodes.residentBytes(0)
+        let answers = FrameCounter()
+        let sockets = try await fleet.connect((0..<sessions).map { ("idle-\($0)", "d", 0) }, label: "idle") { index, text in
+            if text.hasPrefix(#"{"data":{"presences""#) || text.contains(#""type":"initial_state""#) { answers.add(index) }
+        }
+        for (index, socket) in sockets.enumerated() {
+            let watched = (1...watch).map { "\"idle-\((index + $0) % sessions)\"" }.joined(separator: ",")
+            socket.send(#"{"type":"subscribe","data":{"user_ids":[\#(watched)]},"id":"w"}"#)
+            if index % 500 == 499 { try await Task.sleep(for: .milliseconds(10)) }
+        }
+        let subscribed = await answers.wait(for: sessions * 2, timeout: .seconds(Int64(60 + sessions / 500)), label: "idle: snapshots")
+        try await Task.sleep(for: .seconds(settle))
+        let rssAfter = nodes.residentBytes(0)
+        let (memoryAfter, keysAfter) = try await withRedis(options.common.redisURL) { redis in
+            (try await redisInfo(redis, "memory", "used_memory"), try await redis.send("DBSIZE").int ?? 0)
+        }
+        let perSession = Double(rssAfter - rssBefore) / Double(sessions)
+        let perUser = (memoryAfter - memoryBefore) / Double(sessions)
+        try report("idle: \(sessions) sessions on one node, each watching \(watch) users", [
+            ("all sessions open and subscribed", subscribed ? "yes" : "NO (\(answers.count) of \(sessions * 2) snapshots)"),
+            ("node RSS before / after", "\(rssBefore / 1_048_576) MiB / \(rssAfter / 1_048_576) MiB"),
+            ("node memory per session", String(format: "%.1f KiB", perSession / 1024)),
+            ("Redis memory per online user", String(format: "%.0f bytes (%d keys added)", perUser, keysAfter - keysBefore)),
+        ], json: ["scenario": "idle", "sessions": sessions, "watch": watch, "subscribed": subscribed,
+                  "node_rss_before_bytes": rssBefore, "node_rss_after_bytes": rssAfter, "node_bytes_per_session": perSession,
+                  "redis_bytes_per_user": perUser, "redis_keys_added": keysAfter - keysBefore], to: options.json)
+        await fleet.shutdown()
+    }
+}
+
+// MARK: - 2. churn
+
+struct ChurnScenario: AsyncParsableCommand {
+    static let configuration = CommandConfiguration(
+        commandName: "churn",
+        abstract: "Status changes at a fixed rate on node A, watched on node B: latency to presence_update beside the Redis PUBLISH→SUBSCRIBE floor."
+    )
+    @OptionGroup var options: ScenarioOptions
+    @Option(help: "Changes per second.") var rate = 1_000
+    @Option(help: "Seconds to measure.") var duration = 10
+    @Option(help: "Users changing, one session each on node A (default: rate/4, so that each stays under the gateway's 5 status changes/s per session).") var users: Int?
+
+    func run() async throws {
+        let users = self.users ?? max(10, rate / 4)
+        guard Double(rate) / Double(users) <= 5 else {
+            throw BenchError("\(rate) changes/s over \(users) users is more than the gateway's 5 status changes/s per session: use --users \(rate / 4) or more")
+        }
+        _ = raiseFileLimit()
+        let nodes = try await NodeProcesses(count: 2, redisURL: options.common.redisURL, binary: options.gatewayBinary,
+                                            environment: ["PRESENCE_LOG_LEVEL": "error"])
+        defer { nodes.stop() }
+        let fleet = Fleet(nodes: nodes)
+        let names = (0..<users).map { "churn-\($0)" }
+        let pending = NIOLockedValueBox<[String: ContinuousClock.Instant]>([:])
+        let latency = LatencyRecorder()
+        let ready = FrameCounter()
+        let watcher = try await fleet.connect([("churn-watcher", "w", 1)], label: "churn") { _, text in
+            if text.contains(#""type":"initial_state""#) { ready.add(0) }
+            guard text.contains(#""type":"presence_update""#), let (_, data) = decodeFrame(text),
+                  let user = data["user_id"] as? String, let status = data["status"] as? String else { return }
+            let now = ContinuousClock.now
+            if let sent = pending.withLockedValue({ $0.removeValue(forKey: "\(user)/\(status)") }) { latency.record(now - sent) }
+        }[0]
+        let senders = try await fleet.connect(names.map { ($0, "d", 0) }, label: "churn") { _, _ in }
+        watcher.send(#"{"type":"subscribe","data":{"user_ids":[\#(names.map { "\"\($0)\"" }.joined(separator: ","))]},"id":"s"}"#)
+        _ = await ready.wait(for: 2, timeout: .seconds(30))
+        try await Task.sleep(for: .seconds(1))
+
+        var away = [Bool](repeating: false, count: users)
+        let total = rate * duration
+        let interval = Duration.seconds(1) / rate
+        let start = ContinuousClock.now
+        for change in 0..<total {
+            let index = change % users
+            away[index].toggle()
+            let status = away[index] ? "away" : "online"
+            pending.withLockedValue { $0["\(names[index])/\(status)"] = ContinuousClock.now }
+            senders[index].send(#"{"type":"status","data":{"status":"\#(status)"}}"#)
+            if change % rate == 0 { progress("churn: \(change)/\(total) changes") }
+            try await Task.sleep(until: start + interval * (change + 1))
+        }
+        try await Task.sleep(for: .seconds(2))
+        endProgress()
+        let floor = try await publishFloor(redisURL: options.common.redisURL, rate: rate, count: min(total, 10_000))
+        let lost = pending.withLockedValue { $0.count }
+        let ratio = latency.milliseconds(99) / max(floor.milliseconds(99), 0.001)
+        try report("churn: \(rate) changes/s for \(duration) s, \(users) users on node A, one watcher on node B", [
+            ("change → presence_update", latency.line),
+            ("Redis PUBLISH → SUBSCRIBE floor", floor.line),
+            ("p99 over the floor's p99", String(format: "%.1f×", ratio)),
+            ("changes without an update", "\(lost) of \(total)"),
+        ], json: ["scenario": "churn", "rate": rate, "duration": duration, "latency": latency.summary, "floor": floor.summary,
+                  "p99_ratio": ratio, "lost": lost, "changes": total], to: options.json)
+        await fleet.shutdown()
+    }
+}
+
+/// The floor: PUBLISH on one connection to the message on a subscriber, at `rate`.
+func publishFloor(redisURL: String, rate: Int, count: Int) async throws -> LatencyRecorder {
+    let recorder = LatencyRecorder()
+    var logger = Logger(label: "presence-bench")
+    logger.logLevel = .warning
+    let configuration = try RedisConfiguration(url: redisURL)
+    let subscriber = RedisSubscriber(configuration: configuration, logger: logger)
+    let sent = NIOLockedValueBox<[Int: ContinuousClock.Instant]>([:])
+    let channel = "bench-floor-\(UInt32.random(in: 0...UInt32.max))"
+    try await withRedis(redisURL) { redis in
+        try await withThrowingTaskGroup(of: Void.self) { group in
+            group.addTask { try await subscriber.run() }
+            group.addTask {
+                for await event in subscriber.events {
+                    guard case .message(_, let payload) = event, let index = Int(String(decoding: payload, as: UTF8.self)) else { continue }
+                    let now = ContinuousClock.now
+                    if let at = sent.withLockedValue({ $0.removeValue(forKey: index) }) { recorder.record(now - at) }
+                    if index == count - 1 { return }
+                }
+            }
+            try await subscriber.waitUntilConnected()
+            try await subscriber.subscribe([channel])
+            let interval = Duration.seconds(1) / rate
+            let start = ContinuousClock.now
+            for index in 0..<count {
+                sent.withLockedValue { $0[index] = ContinuousClock.now }
+                _ = try await redis.send("PUBLISH", RedisArgument(channel), RedisArgument("\(index)"))
+                try await Task.sleep(until: start + interval * (index + 1))
+            }
+            try await Task.sleep(for: .milliseconds(500))
+            subscriber.shutdown()
+            group.cancelAll()
+        }
+    }
+    return recorder
+}
+
+/// `subscribe` frames for `users`, 500 ids each (the gateway's limit per frame).
+func subscribeFrames(_ users: [String]) -> [String] {
+    stride(from: 0, to: users.count, by: 500).map { start in
+        let ids = users[start..<min(start + 500, users.count)].map { "\"\($0)\"" }.joined(separator: ",")
+        return #"{"type":"subscribe","data":{"user_ids":[\#(ids)]},"id":"s\#(start)"}"#
+    }
+}
+
+/// Watcher sessions on `node` that watch `users` between them (at most 5,000 each, the
+/// gateway's limit per session), and a counter of the updates they get by status. Returns once
+/// every snapshot arrived.
+func watchers(
+    of users: [String], on node: Int, fleet: Fleet, label: String, onUpdate: @escaping @Sendable (String, String) -> Void
+) async throws {
+    let groups = stride(from: 0, to: users.count, by: 5_000).map { Array(users[$0..<min($0 + 5_000, users.count)]) }
+    let snapshots = FrameCounter()
+    let sockets = try await fleet.connect(groups.indices.map { ("\(label)-watcher-\($0)", "w", node) }, label: label) { _, text in
+        if text.contains(#""type":"initial_state""#) { snapshots.add(0) }
+        guard text.contains(#""type":"presence_update""#), let (_, data) = decodeFrame(text),
+              let user = data["user_id"] as? String, let status = data["status"] as? String else { return }
+        onUpdate(user, status)
+    }
+    var expected = groups.count
+    for (socket, group) in zip(sockets, groups) {
+        let frames = subscribeFrames(group)
+        expected += frames.count
+        for frame in frames {
+            socket.send(frame)
+            try await Task.sleep(for: .milliseconds(210))  // under the 5/s subscribe rate
+        }
+    }
+    guard await snapshots.wait(for: expected, timeout: .seconds(120)) else { throw BenchError("\(label): the watchers' snapshots did not all arrive") }
+}
+
+// MARK: - 3. connect storm
+
+struct StormScenario: AsyncParsableCommand {
+    static let configuration = CommandConfiguration(
+        commandName: "storm",
+        abstract: "N devices connect as fast as they can to one node; connects/s until a watcher on another node has seen all of them online."
+    )
+    @OptionGroup var options: ScenarioOptions
+    @Option(help: "Devices.") var devices = 5_000
+    @Option(help: "Connections opened at once.") var concurrency = 256
+
+    func run() async throws {
+        _ = raiseFileLimit()
+        let nodes = try await NodeProcesses(count: 2, redisURL: options.common.redisURL, binary: options.gatewayBinary)
+        defer { nodes.stop() }
+        let fleet = Fleet(nodes: nodes)
+        let users = (0..<devices).map { "storm-\($0)" }
+        let online = FrameCounter()
+        try await watchers(of: users, on: 1, fleet: fleet, label: "storm") { _, status in
+            if status == "online" { online.add(0) }
+        }
+        let start = ContinuousClock.now
+        try await fleet.connect(users.map { ($0, "d", 0) }, concurrency: concurrency, label: "storm") { _, _ in }
+        let opened = ContinuousClock.now - start
+        let seen = await online.wait(for: devices, timeout: .seconds(120), label: "storm: online seen")
+        let all = ContinuousClock.now - start
+        let rate = Double(devices) / seconds(all)
+        try report("storm: \(devices) devices connecting to node A, \(concurrency) at a time; watched from node B", [
+            ("sessions open", String(format: "%.2f s (%.0f/s)", seconds(opened), Double(devices) / seconds(opened))),
+            ("all seen online by the watcher", seen ? String(format: "%.2f s", seconds(all)) : "NO: \(online.count) of \(devices)"),
+            ("connects/s until all seen online", String(format: "%.0f", rate)),
+        ], json: ["scenario": "storm", "devices": devices, "open_seconds": seconds(opened), "all_seen": seen,
+                  "seen_seconds": seconds(all), "connects_per_second": rate], to: options.json)
+        await fleet.shutdown()
+    }
+}
+
+// MARK: - 4. fan-out
+
+struct FanoutScenario: AsyncParsableCommand {
+    static let configuration = CommandConfiguration(
+        commandName: "fanout",
+        abstract: "One user watched by N sessions over two nodes changes status; time until every watcher got the update, and deliveries/s."
+    )
+    @OptionGroup var options: ScenarioOptions
+    @Option(help: "Watcher sessions (half on each node).") var watchers = 10_000
+    @Option(help: "Status changes of the watched user.") var changes = 5
+
+    func run() async throws {
+        let limit = raiseFileLimit()
+        guard limit > watchers * 2 + 1_000 else { throw BenchError("the open-file limit is \(limit); raise it") }
+        let nodes = try await NodeProcesses(count: 2, redisURL: options.common.redisURL, binary: options.gatewayBinary)
+        defer { nodes.stop() }
+        let fleet = Fleet(nodes: nodes)
+        let received = FrameCounter()
+        let latency = LatencyRecorder()
+        let changedAt = NIOLockedValueBox(ContinuousClock.now)
+        let snapshots = FrameCounter()
+        let sockets = try await fleet.connect((0..<watchers).map { ("fan-\($0)", "w", $0 % 2) }, label: "fanout") { index, text in
+            if text.contains(#""type":"initial_state""#) { snapshots.add(index) }
+            guard text.contains(#""type":"presence_update""#), text.contains(#""user_id":"star""#) else { return }
+            latency.record(ContinuousClock.now - changedAt.withLockedValue { $0 })
+            received.add(index)
+        }
+        for (index, socket) in sockets.enumerated() {
+            socket.send(#"{"type":"subscribe","data":{"user_ids":["star"]},"id":"s"}"#)
+            if index % 500 == 499 { try await Task.sleep(for: .milliseconds(10)) }
+        }
+        _ = await snapshots.wait(for: watchers * 2, timeout: .seconds(120), label: "fanout: snapshots")
+        let star = try await fleet.connect([("star", "d", 0)], label: "fanout") { _, _ in }[0]
+        _ = await received.wait(for: watchers, timeout: .seconds(60))
+        var completions: [Double] = []
+        for change in 1...changes {
+            try await Task.sleep(for: .seconds(1))
+            let target = watchers * (change + 1)
+            changedAt.withLockedValue { $0 = ContinuousClock.now }
+            let start = ContinuousClock.now
+            star.send(#"{"type":"status","data":{"status":"\#(change % 2 == 1 ? "away" : "online")"}}"#)
+            guard await received.wait(for: target, timeout: .seconds(60)) else { throw BenchError("fanout: only \(received.count) of \(target) updates arrived") }
+            completions.append(seconds(ContinuousClock.now - start) * 1000)
+        }
+        let sorted = completions.sorted()
+        let deliveries = Double(watchers) / (percentile(sorted, 0.5) / 1000)
+        try report("fanout: one user watched by \(watchers) sessions over two nodes, \(changes) changes", [
+            ("time until every watcher had it", String(format: "median %.1f ms, worst %.1f ms", percentile(sorted, 0.5), sorted.last ?? 0)),
+            ("per-watcher latency (all changes)", latency.line),
+            ("deliveries/s (median change)", String(format: "%.0f", deliveries)),
+        ], json: ["scenario": "fanout", "watchers": watchers, "changes": changes, "completion_ms": completions,
+                  "latency": latency.summary, "deliveries_per_second": deliveries], to: options.json)
+        await fleet.shutdown()
+    }
+}
+
+// MARK: - 5. node death
+
+struct DeathScenario: AsyncParsableCommand {
+    static let configuration = CommandConfiguration(
+        commandName: "death",
+        abstract: "kill -9 of a node holding N sessions: time until watchers on another node saw all of them offline, against the lease."
+    )
+    @OptionGroup var options: ScenarioOptions
+    @Option(help: "Sessions on the node that dies.") var sessions = 2_000
+    @Option(help: "PRESENCE_LEASE_TTL of the nodes, seconds.") var lease = 5
+
+    func run() async throws {
+        _ = raiseFileLimit()
+        let nodes = try await NodeProcesses(count: 2, redisURL: options.common.redisURL, binary: options.gatewayBinary,
+                                            environment: ["PRESENCE_LEASE_TTL": "\(lease)"])
+        defer { nodes.stop() }
+        let fleet = Fleet(nodes: nodes)
+        let users = (0..<sessions).map { "doomed-\($0)" }
+        let online = FrameCounter()
+        let offline = FrameCounter()
+        try await watchers(of: users, on: 1, fleet: fleet, label: "death") { _, status in
+            if status == "online" { online.add(0) }
+            if status == "offline" { offline.add(0) }
+        }
+        try await fleet.connect(users.map { ($0, "d", 0) }, label: "death") { _, _ in }
+        guard await online.wait(for: sessions, timeout: .seconds(60)) else { throw BenchError("death: not every session was seen online") }
+        try await Task.sleep(for: .seconds(1))
+        let killedAt = ContinuousClock.now
+        nodes.kill(0)
+        let seen = await offline.wait(for: sessions, timeout: .seconds(Int64(lease * 3 + 10)), label: "death: offline seen")
+        let detected = seconds(ContinuousClock.now - killedAt)
+        try report("death: kill -9 of a node holding \(sessions) sessions, lease \(lease) s", [
+            ("all seen offline by the watchers", seen ? String(format: "%.2f s after the kill", detected) : "NO: \(offline.count) of \(sessions)"),
+            ("bound (lease + 1 s)", "\(lease + 1) s"),
+        ], json: ["scenario": "death", "sessions": sessions, "lease_seconds": lease, "all_seen": seen,
+                  "detected_seconds": detected], to: options.json)
+        await fleet.shutdown()
+    }
+}
+
+// MARK: - 6. Redis cost
+
+struct CostScenario: AsyncParsableCommand {
+    static let configuration = CommandConfiguration(
+        commandName: "cost",
+        abstract: "Redis commands per idle device per minute, and per status change (INFO commandstats), with N devices on one node."
+    )
+    @OptionGroup var options: ScenarioOptions
+    @Option(help: "Devices.") var devices = 1_000
+    @Option(help: "Seconds of idleness observed.") var idleSeconds = 60
+    @Option(help: "Status changes measured.") var changes = 1_000
+
+    func run() async throws {
+        _ = raiseFileLimit()
+        let nodes = try await NodeProcesses(count: 1, redisURL: options.common.redisURL, binary: options.gatewayBinary)
+        defer { nodes.stop() }
+        let fleet = Fleet(nodes: nodes)
+        let acks = FrameCounter()
+        let sockets = try await fleet.connect((0..<devices).map { ("cost-\($0)", "d", 0) }, label: "cost") { index, text in
+            if text.contains(#""type":"ack""#) { acks.add(index) }
+        }
+        try await Task.sleep(for: .seconds(2))
+        let idle = try await withRedis(options.common.redisURL) { redis in
+            _ = try await redis.send("CONFIG", "RESETSTAT")
+            for second in 0..<idleSeconds {
+                progress("cost: idle \(second)/\(idleSeconds) s")
+                try await Task.sleep(for: .seconds(1))
+            }
+            endProgress()
+            return try await commandCalls(redis) - 1  // the INFO itself
+        }
+        let perDeviceMinute = idle / Double(devices) / (Double(idleSeconds) / 60)
+        let idlePerSecond = idle / Double(idleSeconds)
+        let change = try await withRedis(options.common.redisURL) { redis in
+            _ = try await redis.send("CONFIG", "RESETSTAT")
+            let start = ContinuousClock.now
+            for index in 0..<changes {
+                sockets[index % devices].send(#"{"type":"status","data":{"status":"\#(index / devices % 2 == 0 ? "away" : "online")"},"id":"c"}"#)
+                if index % 100 == 99 { try await Task.sleep(for: .milliseconds(50)) }
+            }
+            _ = await acks.wait(for: changes, timeout: .seconds(60))
+            // The node's background work (lease, reaper) during the changes is not theirs.
+            let background = idlePerSecond * seconds(ContinuousClock.now - start)
+            return max(0, try await commandCalls(redis) - 1 - background)
+        }
+        try report("cost: Redis commands with \(devices) devices on one node", [
+            ("idle", String(format: "%.0f commands in %d s: %.4f per device per minute", idle, idleSeconds, perDeviceMinute)),
+            ("per status change", String(format: "%.2f commands (%d changes; the idle rate subtracted)", change / Double(changes), changes)),
+        ], json: ["scenario": "cost", "devices": devices, "idle_seconds": idleSeconds, "idle_commands": idle,
+                  "commands_per_device_minute": perDeviceMinute, "commands_per_change": change / Double(changes)], to: options.json)
+        await fleet.shutdown()
+    }
+}
