@@ -42,10 +42,22 @@ cluster: deps
 cluster-stop:
 	scripts/cluster stop
 
-# Engine and gateway numbers (connects/s, reaping, idle cost, cross-node latency at 1,000/s).
+# The scenarios of BENCHMARKS.md against release-built node processes (several minutes; JSON
+# results in bench-results/), then the in-process engine and latency numbers.
 bench: deps
+	$(SWIFT) build -c release --product presence-gateway
 	$(SWIFT) build -c release --product presence-bench
-	scripts/with-redis sh -c '.build/release/presence-bench engine --devices 10000 --idle-seconds 60 && .build/release/presence-bench latency --rate 1000 --duration 20'
+	mkdir -p bench-results
+	scripts/with-redis sh -c 'set -e; b=.build/release/presence-bench; r=bench-results; \
+	  $$b idle --sessions 10000 --json $$r/idle-10k.json; \
+	  $$b idle --sessions 50000 --json $$r/idle-50k.json; \
+	  $$b churn --rate 1000 --duration 20 --json $$r/churn.json; \
+	  $$b storm --devices 10000 --json $$r/storm.json; \
+	  $$b fanout --watchers 10000 --json $$r/fanout.json; \
+	  $$b death --sessions 5000 --lease 10 --json $$r/death.json; \
+	  $$b cost --devices 10000 --idle-seconds 60 --json $$r/cost.json; \
+	  $$b engine --devices 10000 --idle-seconds 60; \
+	  $$b latency --rate 1000 --duration 20'
 
 clean:
 	rm -rf .build

@@ -1,4 +1,7 @@
 import Foundation
+#if canImport(FoundationNetworking)
+import FoundationNetworking
+#endif
 import JWTKit
 import NIOCore
 import NIOPosix
@@ -34,7 +37,7 @@ final class NodeProcesses: @unchecked Sendable {
         var ports: [Int] = []
         processes = []
         for index in 0..<count {
-            let port = try NodeProcesses.freePort()
+            let port = try await NodeProcesses.freePort()
             let process = Process()
             process.executableURL = URL(fileURLWithPath: binary)
             var variables = ProcessInfo.processInfo.environment.filter { !$0.key.hasPrefix("PRESENCE_") }
@@ -54,7 +57,7 @@ final class NodeProcesses: @unchecked Sendable {
         self.ports = ports
         for port in ports {
             let deadline = ContinuousClock.now + .seconds(30)
-            while NodeProcesses.status(port: port, path: "/readyz") != 200 {
+            while await NodeProcesses.status(port: port, path: "/readyz") != 200 {
                 guard ContinuousClock.now < deadline else { stop(); throw BenchError("node on port \(port) not ready within 30 s") }
                 try await Task.sleep(for: .milliseconds(50))
             }
@@ -98,42 +101,20 @@ final class NodeProcesses: @unchecked Sendable {
         for index in processes.indices { kill(index) }
     }
 
-    /// A free loopback port.
-    static func freePort() throws -> Int {
-        let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
-        defer { close(fd) }
-        var address = sockaddr_in()
-        address.sin_family = sa_family_t(AF_INET)
-        address.sin_addr.s_addr = inet_addr("127.0.0.1")
-        var length = socklen_t(MemoryLayout<sockaddr_in>.size)
-        let bound = withUnsafeMutablePointer(to: &address) { pointer in
-            pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) {
-                bind(fd, $0, length) == 0 && getsockname(fd, $0, &length) == 0
-            }
-        }
-        guard bound else { throw BenchError("no free port") }
-        return Int(UInt16(bigEndian: address.sin_port))
+    /// A free loopback port (bound by the kernel, then released).
+    static func freePort() async throws -> Int {
+        let channel = try await ServerBootstrap(group: MultiThreadedEventLoopGroup.singleton).bind(host: "127.0.0.1", port: 0).get()
+        defer { channel.close(promise: nil) }
+        guard let port = channel.localAddress?.port else { throw BenchError("no free port") }
+        return port
     }
 
-    /// The HTTP status of a GET on a loopback port, or nil.
-    static func status(port: Int, path: String) -> Int? {
-        let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
-        guard fd >= 0 else { return nil }
-        defer { close(fd) }
-        var address = sockaddr_in()
-        address.sin_family = sa_family_t(AF_INET)
-        address.sin_addr.s_addr = inet_addr("127.0.0.1")
-        address.sin_port = UInt16(port).bigEndian
-        let connected = withUnsafePointer(to: &address) { pointer in
-            pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) { connect(fd, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) == 0 }
-        }
-        guard connected else { return nil }
-        let request = Array("GET \(path) HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".utf8)
-        guard write(fd, request, request.count) == request.count else { return nil }
-        var reply = [UInt8](repeating: 0, count: 64)
-        let count = read(fd, &reply, reply.count)
-        guard count >= 12 else { return nil }
-        return Int(String(decoding: reply[9..<12], as: UTF8.self))
+    /// The HTTP status of a GET on a loopback port, or nil when nothing answers.
+    static func status(port: Int, path: String) async -> Int? {
+        var request = URLRequest(url: URL(string: "http://127.0.0.1:\(port)\(path)")!)
+        request.timeoutInterval = 2
+        guard let (_, response) = try? await URLSession.shared.data(for: request) else { return nil }
+        return (response as? HTTPURLResponse)?.statusCode
     }
 }
 
