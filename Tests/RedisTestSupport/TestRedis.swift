@@ -113,17 +113,8 @@ public final class RedisServerProcess: @unchecked Sendable {
 
     /// Whether a server on `port` answers PING (with PONG, or with NOAUTH when it wants a password).
     static func answersPing(port: Int) -> Bool {
-        let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
-        guard fd >= 0 else { return false }
+        guard let fd = connectLoopback(port: port) else { return false }
         defer { close(fd) }
-        var address = sockaddr_in()
-        address.sin_family = sa_family_t(AF_INET)
-        address.sin_addr.s_addr = inet_addr("127.0.0.1")
-        address.sin_port = UInt16(port).bigEndian
-        let connected = withUnsafePointer(to: &address) { pointer in
-            pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) { connect(fd, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) == 0 }
-        }
-        guard connected else { return false }
         let ping = Array("PING\r\n".utf8)
         guard write(fd, ping, ping.count) == ping.count else { return false }
         var reply = [UInt8](repeating: 0, count: 64)
@@ -178,4 +169,22 @@ public func outcome(_ body: () async throws -> RESPValue) async -> Result<RESPVa
     } catch {
         return .failure(RedisError(.connectionClosed, "unexpected error", underlying: error))
     }
+}
+
+/// A TCP socket connected to 127.0.0.1:`port`, or `nil` when nothing listens; the caller closes it.
+public func connectLoopback(port: Int) -> Int32? {
+    let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
+    guard fd >= 0 else { return nil }
+    var address = sockaddr_in()
+    address.sin_family = sa_family_t(AF_INET)
+    address.sin_addr.s_addr = inet_addr("127.0.0.1")
+    address.sin_port = UInt16(port).bigEndian
+    let connected = withUnsafePointer(to: &address) { pointer in
+        pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) { connect(fd, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) == 0 }
+    }
+    guard connected else {
+        close(fd)
+        return nil
+    }
+    return fd
 }
