@@ -150,7 +150,7 @@ final class Session: Sendable {
     /// told, in one step so that no snapshot can be queued in between. Held back (neither
     /// remembered nor told) while a read of that user is under way, since the read's answer may
     /// be older than the event.
-    func rememberEvent(_ presence: Presence, frame: String) -> Remembered {
+    func rememberEvent(_ presence: Presence, frame: () -> String) -> Remembered {
         var overflow = false
         let result = state.withLockedValue { state -> Remembered in
             guard state.reading[presence.userID] == nil else {
@@ -158,7 +158,7 @@ final class Session: Sendable {
                 return Remembered(tell: false, statusChanged: false)
             }
             let result = Self.remember(presence, in: &state)
-            if result.tell { overflow = !enqueue(frame) }
+            if result.tell { overflow = !enqueue(frame()) }
             return result
         }
         if overflow { close(code: 1008, reason: "the client does not read fast enough") }

@@ -217,9 +217,16 @@ final class SessionHub: Service, Sendable {
         guard let user = userOf(channel: channel) else { return }
         if let event = engine.decodeEvent(payload) {
             let watchers = state.withLockedValue { state in (state.watchers[user] ?? []).compactMap { state.sessions[$0] } }
+            // Most watchers get the same view: encode it once, not once per watcher.
+            var encoded: (update: Presence, frame: String)?
             for session in watchers {
                 guard let update = event.update(for: session.userID) else { continue }
-                let remembered = session.rememberEvent(update, frame: Wire.frame("presence_update", Wire.presence(update)))
+                let remembered = session.rememberEvent(update) {
+                    if let encoded, encoded.update == update { return encoded.frame }
+                    let frame = Wire.frame("presence_update", Wire.presence(update))
+                    encoded = (update, frame)
+                    return frame
+                }
                 if remembered.tell {
                     GatewayMetrics.delivered(latencyMilliseconds: engine.clock.nowMilliseconds() - event.at)
                 }
