@@ -45,16 +45,6 @@ final class BenchSocket: Sendable {
         channel.writeAndFlush(frame, promise: nil)
     }
 
-    /// Closes with `code` (1000: the device goes offline at once).
-    func close(code: UInt16 = 1000) {
-        var data = channel.allocator.buffer(capacity: 2)
-        data.writeInteger(code)
-        let frame = WebSocketFrame(fin: true, opcode: .connectionClose, maskKey: .random(), data: data)
-        channel.writeAndFlush(frame).whenComplete { [channel] _ in
-            channel.eventLoop.scheduleTask(in: .seconds(2)) { channel.close(promise: nil) }
-        }
-    }
-
     /// Drops the connection without a close frame.
     func abort() { channel.close(promise: nil) }
 }

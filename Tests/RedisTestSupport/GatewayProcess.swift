@@ -1,7 +1,7 @@
 import Foundation
 
 /// A `presence-gateway` process from the build folder, on a loopback port of its own, for tests
-/// that kill nodes or stop them with SIGTERM.
+/// that kill nodes.
 public final class GatewayProcess: @unchecked Sendable {
     // Safe: `process` is only touched by the owning test, one call at a time.
     public let port: Int
@@ -25,10 +25,7 @@ public final class GatewayProcess: @unchecked Sendable {
         log = FileManager.default.temporaryDirectory.appendingPathComponent("gateway-\(nodeID)-\(UUID().uuidString).log")
         _ = FileManager.default.createFile(atPath: log.path, contents: nil)
         process = Process()
-        // Children of the test runner inherit SIGTERM blocked; unblock it so SIGTERM drains the
-        // node as it would in production.
-        process.executableURL = URL(fileURLWithPath: "/usr/bin/python3")
-        process.arguments = ["-c", "import os, signal, sys; signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT}); os.execv(sys.argv[1], sys.argv[1:])", Self.binary.path]
+        process.executableURL = Self.binary
         var variables = ProcessInfo.processInfo.environment.filter { !$0.key.hasPrefix("PRESENCE_") }
         variables.merge(environment) { _, new in new }
         variables["PRESENCE_PORT"] = "\(port)"
@@ -54,28 +51,11 @@ public final class GatewayProcess: @unchecked Sendable {
     /// What the node printed.
     public var output: String { (try? String(contentsOf: log, encoding: .utf8)) ?? "" }
 
-    /// The process id.
-    public var pid: Int32 { process.processIdentifier }
-
-    /// Whether the process is still running.
-    public var isRunning: Bool { process.isRunning }
-
     /// SIGKILL, as a crash or an OOM kill would; returns once the process is gone.
     public func kill() {
         guard process.isRunning else { return }
         Foundation.kill(process.processIdentifier, SIGKILL)
         process.waitUntilExit()
-    }
-
-    /// SIGTERM, as an orchestrator stopping the node would: it drains its sessions with 1001.
-    public func terminate() {
-        guard process.isRunning else { return }
-        Foundation.kill(process.processIdentifier, SIGTERM)
-    }
-
-    /// Waits up to `timeout` for the process to exit; returns whether it did.
-    public func waitForExit(timeout: Duration) async -> Bool {
-        await eventually(timeout: timeout, poll: .milliseconds(20)) { !self.process.isRunning }
     }
 
     /// The status of a GET of `path` on a loopback port, or `nil` when nothing answers.
