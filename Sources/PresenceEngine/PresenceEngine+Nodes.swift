@@ -165,11 +165,12 @@ extension PresenceEngine {
         let now = clock.nowMilliseconds()
         let retry = RedisArgument(Int(now + Self.claimMilliseconds))
         let nodes = try await run { try await self.redis.evaluate(PresenceScripts.claimDue, keys: [keys.nodes], arguments: [RedisArgument(Int(now)), retry, 16]) }
-        for (node, score) in Self.pairs(nodes) {
-            report.changedUsers += try await reapNode(node, now: now)
-            report.nodes.append(node)
+        for (node, leaseEnded) in Self.pairs(nodes) {
+            if let changed = try await reapNode(node, now: now, leaseEnded: Int64(leaseEnded)) {
+                report.changedUsers += changed
+                report.nodes.append(node)
+            }
             _ = try await run { try await self.redis.evaluate(PresenceScripts.removeIfScore, keys: [keys.nodes], arguments: [RedisArgument(node), retry]) }
-            _ = score
         }
         let due = try await run {
             try await self.redis.evaluate(PresenceScripts.claimDue, keys: [keys.deadlines], arguments: [RedisArgument(Int(now)), retry, RedisArgument(limit)])
@@ -207,8 +208,19 @@ extension PresenceEngine {
         return report
     }
 
-    /// Takes offline every device a dead node held; returns how many users' aggregates changed.
-    private func reapNode(_ node: String, now: Int64) async throws(PresenceError) -> Int {
+    /// Takes offline every device a dead node held; returns how many users' aggregates changed,
+    /// or `nil` when the node id holds a lease again (a restarted process took it back).
+    ///
+    /// - Important: A node id may be reused by the next process (fixed ids in a compose file or
+    ///   a local cluster). Devices written after `leaseEnded` are that process's and are kept, and
+    ///   its lease and index are never deleted.
+    private func reapNode(_ node: String, now: Int64, leaseEnded: Int64) async throws(PresenceError) -> Int? {
+        let lapse = [RedisArgument(Int(leaseEnded)), RedisArgument(Int(configuration.leaseTTL.milliseconds))]
+        let leased = try await run { try await self.redis.evaluate(PresenceScripts.leaseRenewedSince, keys: [keys.lease(node)], arguments: lapse) }
+        guard leased.int != 1 else {
+            logger.info("a lapsed node is live again; not reaped", metadata: ["presence.node_id": "\(node)"])
+            return nil
+        }
         let info = try await run { try await self.redis.send("HGET", RedisArgument(keys.nodeInfo(node)), "renewed_at") }
         // Without its info (lost with Redis data), the best known moment is a lease ago.
         let renewed = Self.timestamp(info) ?? (now - configuration.leaseTTL.milliseconds)
@@ -229,7 +241,7 @@ extension PresenceEngine {
             let calls = batch.map { user in
                 (keys: [keys.devices(user), keys.state(user)],
                  arguments: [RedisArgument(Int(now)), RedisArgument(user), RedisArgument(node), RedisArgument(Int(renewed)),
-                             RedisArgument(keys.userChannel(user)), deviceTTLArgument])
+                             RedisArgument(keys.userChannel(user)), deviceTTLArgument, RedisArgument(Int(leaseEnded))])
             }
             let results = try await run { try await self.redis.evaluate(PresenceScripts.reapNode, calls: calls) }
             for (user, result) in zip(batch, results) {
@@ -240,7 +252,7 @@ extension PresenceEngine {
             }
         }
         _ = try await run {
-            try await self.redis.pipeline([["DEL", RedisArgument(keys.nodeDevices(node)), RedisArgument(keys.nodeInfo(node)), RedisArgument(keys.lease(node))]])
+            try await self.redis.evaluate(PresenceScripts.dropNode, keys: [keys.lease(node), keys.nodeDevices(node), keys.nodeInfo(node)], arguments: lapse)
         }
         logger.info("reaped a dead node", metadata: ["presence.node_id": "\(node)", "presence.users": "\(byUser.count)", "presence.last_renewal": "\(renewed)"])
         return changed

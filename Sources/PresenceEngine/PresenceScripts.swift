@@ -127,17 +127,19 @@ enum PresenceScripts {
     """)
 
     /// Removes every device a dead node's sessions held. KEYS: devices, state. ARGV: now, user,
-    /// node, the node's last renewal, channel, device TTL. Returns finish()'s array, or {-2} when
-    /// the node held none of this user's devices.
+    /// node, the node's last renewal, channel, device TTL, the moment its lease ended. A device
+    /// written after that moment belongs to a new process under the same node id and stays.
+    /// Returns finish()'s array, or {-2} when the node held none of this user's devices.
     static let reapNode = RedisScript(prelude + """
 
     local now = tonumber(ARGV[1])
     local user, node, renewed, channel = ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
+    local ended = tonumber(ARGV[7])
     local all = redis.call('HGETALL', KEYS[1])
     local removed = 0
     for i = 1, #all, 2 do
       local d = parse(all[i + 1])
-      if d.node == node and d.deadline == 0 then
+      if d.node == node and d.deadline == 0 and d.alive <= ended then
         redis.call('HDEL', KEYS[1], all[i])
         removed = removed + 1
       end
@@ -201,6 +203,32 @@ enum PresenceScripts {
     end
     return due
     """)
+
+    /// Whether a node's lease was renewed (or taken by a new process under the same id) after
+    /// the lapse a reaper claimed. KEYS: lease. ARGV: the claimed lease end (ms), lease TTL (ms).
+    static let leaseRenewedSince = RedisScript(leaseRenewed + """
+
+    return renewedSince(tonumber(ARGV[1]), tonumber(ARGV[2])) and 1 or 0
+    """)
+
+    /// Deletes a reaped node's device index and info, unless the lease was taken again since the
+    /// claimed lapse. KEYS: lease, node devices, node info. ARGV as ``leaseRenewedSince``.
+    /// Returns 1 if deleted.
+    static let dropNode = RedisScript(leaseRenewed + """
+
+    if renewedSince(tonumber(ARGV[1]), tonumber(ARGV[2])) then return 0 end
+    redis.call('DEL', KEYS[2], KEYS[3])
+    return 1
+    """)
+
+    /// The lease's value is its last renewal (ms): a renewal later than `ended - ttl` is newer
+    /// than the one that set the claimed lease end.
+    private static let leaseRenewed = """
+    local function renewedSince(ended, ttl)
+      local renewed = tonumber(redis.call('GET', KEYS[1]) or '')
+      return renewed ~= nil and renewed + ttl > ended
+    end
+    """
 
     /// Removes member ARGV[1] from sorted set KEYS[1] only if its score is still ARGV[2].
     static let removeIfScore = RedisScript("""

@@ -91,6 +91,20 @@ final class LiveClient: Sendable {
         Array(statuses(of: user).drop { $0 != .online })
     }
 
+    /// Connection states, and what was heard of `peer`, since `start`: for explaining a failure.
+    func timeline(since start: ContinuousClock.Instant, peer: String? = nil) -> [String] {
+        log.withLockedValue { entries in
+            entries.filter { $0.at >= start }.compactMap { entry in
+                let offset = String(format: "+%.3fs", Double((entry.at - start).components.attoseconds) / 1e18 + Double((entry.at - start).components.seconds))
+                switch entry.event {
+                case .connection(let state): return "\(offset) \(state)"
+                case .presence(let presence) where presence.userID == peer: return "\(offset) \(presence.userID) \(presence.status.rawValue)"
+                default: return nil
+                }
+            }
+        }
+    }
+
     /// How many times the session became connected.
     var connections: Int { events.filter { $0 == .connection(.connected) }.count }
 

@@ -215,6 +215,23 @@ struct ClusterTests {
         }
         func connections() -> [Int] { clients.map(\.connections) }
 
+        /// Prints the connection timeline of up to three users seen offline, and what one of
+        /// their watchers heard, so that a failure says which side dropped the device.
+        func explain(_ flickers: [String], since start: ContinuousClock.Instant) {
+            let seen = flickers.compactMap { line -> (watcher: String, user: String)? in
+                let words = line.split(separator: " ")
+                return words.count >= 3 ? (String(words[0]), String(words[2])) : nil
+            }
+            var explained: Set<String> = []
+            for (watcher, user) in seen where !explained.contains(user) && explained.count < 3 {
+                explained.insert(user)
+                guard let subject = clients.first(where: { $0.user == user }),
+                      let watching = clients.first(where: { $0.user == watcher }) else { continue }
+                print("e2e: \(user)'s connection:\n  " + subject.timeline(since: start).joined(separator: "\n  "))
+                print("e2e: \(watcher) heard of \(user):\n  " + watching.timeline(since: start, peer: user).joined(separator: "\n  "))
+            }
+        }
+
         /// Waits until `expected` clients have a session more than `before` and all are connected.
         func settled(after before: [Int], expected: Int) async -> Bool {
             await eventually(timeout: .seconds(30), poll: .milliseconds(20)) {
@@ -243,6 +260,7 @@ struct ClusterTests {
         let killFlickers = flickers()
         print("e2e: flickers after kill -9: \(killFlickers.count)")
         #expect(killFlickers.isEmpty, "\(killFlickers.prefix(5))")
+        explain(killFlickers, since: killedAt)
         #expect(cluster.listedNodes() == ["node-2", "node-3"], "the dead node leaves /api/admin/nodes")
         let ctlNodes = (try cluster.presencectl(["nodes"]) as? [[String: Any]])?.compactMap { $0["node_id"] as? String }
         #expect(ctlNodes?.contains("node-1") == false && ctlNodes?.isEmpty == false, "presencectl nodes: \(String(describing: ctlNodes))")
@@ -271,6 +289,7 @@ struct ClusterTests {
         let termFlickers = flickers()
         print("e2e: flickers after SIGTERM: \(termFlickers.count)")
         #expect(termFlickers.isEmpty, "\(termFlickers.prefix(5))")
+        explain(termFlickers, since: terminatedAt)
         #expect(try cluster.run(["restart", "2"]).status == 0)
 
         // 3. A rolling restart of all three.
@@ -289,6 +308,7 @@ struct ClusterTests {
         print("e2e: rolling restart of 3 nodes in \(ContinuousClock.now - rollingStarted): all connected \(everyoneBack), flickers \(rollingFlickers.count)")
         #expect(everyoneBack)
         #expect(rollingFlickers.isEmpty, "\(rollingFlickers.prefix(5))")
+        explain(rollingFlickers, since: rollingStarted)
         let online = try cluster.presencectl(["stats"]) as? [String: Any]
         #expect(online?["users_online"] as? Int == Self.clients, "every user online after the rolling restart: \(String(describing: online))")
         #expect(cluster.listedNodes() == ["node-1", "node-2", "node-3"])

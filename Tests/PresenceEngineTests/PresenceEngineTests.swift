@@ -79,6 +79,39 @@ struct PresenceEngineTests {
         }
     }
 
+    @Test("a node id taken back by a new process: the reaper takes only the old process's devices and keeps the new lease")
+    func reusedNodeID() async throws {
+        try await EngineCluster.with { cluster in
+            let old = cluster.engine(node: "node-1")
+            let survivor = cluster.engine(node: "survivor")
+            try await old.registerNode()
+            try await survivor.registerNode()
+            _ = try await old.connect(user: "gus", device: "phone", session: "old-1")
+            cluster.clock.advance(.seconds(1))
+            // A graceful stop: the old process gives up its lease and is lapsed in the registry.
+            try await old.deregisterNode()
+            let stoppedAt = cluster.clock.nowMilliseconds()
+            cluster.clock.advance(.milliseconds(200))
+            // Before a reaper works through the lapsed node, the restarted process under the same
+            // id takes a session.
+            let restarted = cluster.engine(node: "node-1")
+            _ = try await restarted.connect(user: "hal", device: "phone", session: "new-1")
+            // Its lease service has not registered it yet, so the lease is still gone.
+            let report = try await survivor.reapOnce()
+            #expect(report.nodes == ["node-1"])
+            #expect(try await survivor.views(of: "gus").real == Presence(userID: "gus", status: .offline, lastSeen: stoppedAt - 1000))
+            #expect(try await survivor.views(of: "hal").real.status == .online, "a device written after the lease ended is the new process's")
+            try await restarted.registerNode()
+            #expect(try await restarted.renewLease(), "the new process's lease survived the reap")
+            _ = try await restarted.connect(user: "ida", device: "phone", session: "new-2")
+            // A reaper that saw the old lapse in the registry finds the lease held again.
+            try await cluster.redis.send("ZADD", RedisArgument(survivor.keys.nodes), RedisArgument(Int(cluster.clock.nowMilliseconds() - 1)), "node-1")
+            #expect(try await survivor.reapOnce().nodes.isEmpty, "a node id with a lease again is not reaped")
+            #expect(try await survivor.views(of: "ida").real.status == .online)
+            #expect(try await survivor.views(of: "hal").real.status == .online)
+        }
+    }
+
     @Test("a dead node's devices go offline with last_seen at its last renewal; exactly one reaper does it")
     func nodeDeath() async throws {
         try await EngineCluster.with { cluster in
