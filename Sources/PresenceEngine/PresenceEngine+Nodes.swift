@@ -52,6 +52,18 @@ extension PresenceEngine {
         }
     }
 
+    /// Before this process first registers: takes offline the devices an earlier process under
+    /// the same node id left behind. That process was killed and this one started before its
+    /// lease ran out, so no reaper would ever take them. Devices this process has written
+    /// already are newer than its start and stay. Returns how many users' aggregates changed.
+    @discardableResult
+    public func reapPredecessor() async throws(PresenceError) -> Int {
+        let node = configuration.nodeID
+        let listed = try await run { try await self.redis.send("ZSCORE", RedisArgument(keys.nodes), RedisArgument(node)) }
+        guard !listed.isNull else { return 0 }
+        return try await reapNode(node, now: clock.nowMilliseconds(), leaseEnded: startedAt - 1, predecessor: true) ?? 0
+    }
+
     /// Renews the lease. Returns `false` when the lease was gone: the node was reaped or Redis
     /// lost its data, and the caller must ``reregister()``.
     public func renewLease() async throws(PresenceError) -> Bool {
@@ -214,9 +226,13 @@ extension PresenceEngine {
     /// - Important: A node id may be reused by the next process (fixed ids in a compose file or
     ///   a local cluster). Devices written after `leaseEnded` are that process's and are kept, and
     ///   its lease and index are never deleted.
-    private func reapNode(_ node: String, now: Int64, leaseEnded: Int64) async throws(PresenceError) -> Int? {
+    ///   With `predecessor`, this process reaps what the previous one under its own id left:
+    ///   the lease is not checked and the index is kept (this process may have added to it).
+    private func reapNode(_ node: String, now: Int64, leaseEnded: Int64, predecessor: Bool = false) async throws(PresenceError) -> Int? {
         let lapse = [RedisArgument(Int(leaseEnded)), RedisArgument(Int(configuration.leaseTTL.milliseconds))]
-        let leased = try await run { try await self.redis.evaluate(PresenceScripts.leaseRenewedSince, keys: [keys.lease(node)], arguments: lapse) }
+        let leased = predecessor ? .integer(0) : try await run {
+            try await self.redis.evaluate(PresenceScripts.leaseRenewedSince, keys: [keys.lease(node)], arguments: lapse)
+        }
         guard leased.int != 1 else {
             logger.info("a lapsed node is live again; not reaped", metadata: ["presence.node_id": "\(node)"])
             return nil
@@ -251,8 +267,10 @@ extension PresenceEngine {
                 }
             }
         }
-        _ = try await run {
-            try await self.redis.evaluate(PresenceScripts.dropNode, keys: [keys.lease(node), keys.nodeDevices(node), keys.nodeInfo(node)], arguments: lapse)
+        if !predecessor {
+            _ = try await run {
+                try await self.redis.evaluate(PresenceScripts.dropNode, keys: [keys.lease(node), keys.nodeDevices(node), keys.nodeInfo(node)], arguments: lapse)
+            }
         }
         logger.info("reaped a dead node", metadata: ["presence.node_id": "\(node)", "presence.users": "\(byUser.count)", "presence.last_renewal": "\(renewed)"])
         return changed

@@ -20,6 +20,8 @@ public final class PresenceEngine: Sendable {
     let logger: Logger
     let local = NIOLockedValueBox([String: LocalDevice]())
     let pendingReleases = NIOLockedValueBox([String: PendingRelease]())
+    /// When this engine was made (ms): every device this process writes is at least this new.
+    let startedAt: Int64
 
     /// A disconnect Redis could not take yet.
     struct PendingRelease: Sendable {
@@ -44,6 +46,7 @@ public final class PresenceEngine: Sendable {
         self.keys = PresenceKeys(prefix: configuration.keyPrefix)
         self.clock = clock
         self.logger = logger
+        self.startedAt = clock.nowMilliseconds()
     }
 
     /// The outcome of opening a session.

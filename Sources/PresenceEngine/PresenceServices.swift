@@ -18,6 +18,7 @@ public struct PresenceLeaseService: Service {
         while !Task.isShuttingDownGracefully, !Task.isCancelled {
             do {
                 if !registered {
+                    try await engine.reapPredecessor()
                     try await engine.registerNode()
                     registered = true
                 } else if try await !engine.renewLease() {

@@ -112,6 +112,28 @@ struct PresenceEngineTests {
         }
     }
 
+    @Test("a process killed and restarted under its node id before its lease ran out: the new one reaps what the old one left")
+    func predecessor() async throws {
+        try await EngineCluster.with { cluster in
+            let killed = cluster.engine(node: "node-2")
+            try await killed.registerNode()
+            let registeredAt = cluster.clock.nowMilliseconds()
+            _ = try await killed.connect(user: "jo", device: "phone", session: "old-1")
+            _ = try await killed.connect(user: "kim", device: "phone", session: "old-2")
+            cluster.clock.advance(.seconds(2))
+            // kill -9: no deregistration; the lease is still live when the next process starts.
+            let restarted = cluster.engine(node: "node-2")
+            cluster.clock.advance(.milliseconds(10))
+            _ = try await restarted.connect(user: "kim", device: "phone", session: "new-1")
+            #expect(try await restarted.reapPredecessor() == 1, "jo's aggregate changed; kim's device is the new process's")
+            #expect(try await restarted.views(of: "jo").real == Presence(userID: "jo", status: .offline, lastSeen: registeredAt))
+            #expect(try await restarted.views(of: "kim").real.status == .online)
+            try await restarted.registerNode()
+            #expect(try await restarted.reapPredecessor() == 0, "nothing left to take")
+            #expect(try await restarted.views(of: "kim").real.status == .online)
+        }
+    }
+
     @Test("a dead node's devices go offline with last_seen at its last renewal; exactly one reaper does it")
     func nodeDeath() async throws {
         try await EngineCluster.with { cluster in
