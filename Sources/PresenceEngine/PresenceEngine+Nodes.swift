@@ -40,7 +40,7 @@ extension PresenceEngine {
         let keep = RedisArgument(Int(configuration.deviceKeyTTL.milliseconds))
         let results = try await run {
             try await self.redis.pipeline([
-                ["SET", RedisArgument(keys.lease(node)), RedisArgument(Int(now)), "PX", RedisArgument(Int(lease))],
+                ["SET", RedisArgument(keys.lease(node)), RedisArgument(Int(now + lease)), "PX", RedisArgument(Int(lease))],
                 ["ZADD", RedisArgument(keys.nodes), RedisArgument(Int(now + lease)), RedisArgument(node)],
                 ["HSET", RedisArgument(keys.nodeInfo(node)), "renewed_at", RedisArgument(Int(now)), "sessions", RedisArgument(localDeviceCount)],
                 ["PEXPIRE", RedisArgument(keys.nodeInfo(node)), keep],
@@ -229,7 +229,7 @@ extension PresenceEngine {
     ///   With `predecessor`, this process reaps what the previous one under its own id left:
     ///   the lease is not checked and the index is kept (this process may have added to it).
     private func reapNode(_ node: String, now: Int64, leaseEnded: Int64, predecessor: Bool = false) async throws(PresenceError) -> Int? {
-        let lapse = [RedisArgument(Int(leaseEnded)), RedisArgument(Int(configuration.leaseTTL.milliseconds))]
+        let lapse = [RedisArgument(Int(leaseEnded))]
         let leased = predecessor ? .integer(0) : try await run {
             try await self.redis.evaluate(PresenceScripts.leaseRenewedSince, keys: [keys.lease(node)], arguments: lapse)
         }

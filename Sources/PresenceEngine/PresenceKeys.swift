@@ -25,7 +25,7 @@ public struct PresenceKeys: Sendable {
     /// Channel of a conversation's events (membership changes, typing).
     public func conversationChannel(_ conversation: String) -> String { "\(prefix):{c:\(conversation)}:events" }
 
-    /// String with a TTL: the node's lease; its value is the last renewal (ms).
+    /// String with a TTL: the node's lease; its value is the lease end its last renewal set (ms).
     public func lease(_ node: String) -> String { "\(prefix):{n:\(node)}:lease" }
     /// Set: `user|device` of every device the node's sessions hold, for reaping it.
     public func nodeDevices(_ node: String) -> String { "\(prefix):{n:\(node)}:devices" }

@@ -205,10 +205,10 @@ enum PresenceScripts {
     """)
 
     /// Whether a node's lease was renewed (or taken by a new process under the same id) after
-    /// the lapse a reaper claimed. KEYS: lease. ARGV: the claimed lease end (ms), lease TTL (ms).
+    /// the lapse a reaper claimed. KEYS: lease. ARGV: the claimed lease end (ms).
     static let leaseRenewedSince = RedisScript(leaseRenewed + """
 
-    return renewedSince(tonumber(ARGV[1]), tonumber(ARGV[2])) and 1 or 0
+    return renewedSince(tonumber(ARGV[1])) and 1 or 0
     """)
 
     /// Deletes a reaped node's device index and info, unless the lease was taken again since the
@@ -216,17 +216,17 @@ enum PresenceScripts {
     /// Returns 1 if deleted.
     static let dropNode = RedisScript(leaseRenewed + """
 
-    if renewedSince(tonumber(ARGV[1]), tonumber(ARGV[2])) then return 0 end
+    if renewedSince(tonumber(ARGV[1])) then return 0 end
     redis.call('DEL', KEYS[2], KEYS[3])
     return 1
     """)
 
-    /// The lease's value is its last renewal (ms): a renewal later than `ended - ttl` is newer
-    /// than the one that set the claimed lease end.
+    /// The lease's value is the end its last renewal set (ms): a later end means a renewal after
+    /// the claimed one, whatever lease TTL either process runs with.
     private static let leaseRenewed = """
-    local function renewedSince(ended, ttl)
-      local renewed = tonumber(redis.call('GET', KEYS[1]) or '')
-      return renewed ~= nil and renewed + ttl > ended
+    local function renewedSince(ended)
+      local ends = tonumber(redis.call('GET', KEYS[1]) or '')
+      return ends ~= nil and ends > ended
     end
     """
 
@@ -239,12 +239,14 @@ enum PresenceScripts {
     return 0
     """)
 
-    /// Renews a node's lease. KEYS: lease, nodes registry. ARGV: now, lease ms, node id.
+    /// Renews a node's lease. KEYS: lease, nodes registry. ARGV: now, lease ms, node id. The
+    /// lease's value and the node's score become the new lease end.
     /// Returns 1, or 0 when the lease was gone (reaped, or Redis lost its data): the caller
     /// re-registers, which recreates it with `register`.
     static let renewLease = RedisScript("""
-    if redis.call('SET', KEYS[1], ARGV[1], 'XX', 'PX', ARGV[2]) then
-      redis.call('ZADD', KEYS[2], tonumber(ARGV[1]) + tonumber(ARGV[2]), ARGV[3])
+    local ends = tonumber(ARGV[1]) + tonumber(ARGV[2])
+    if redis.call('SET', KEYS[1], ends, 'XX', 'PX', ARGV[2]) then
+      redis.call('ZADD', KEYS[2], ends, ARGV[3])
       return 1
     end
     return 0

@@ -20,10 +20,10 @@ struct EngineCluster {
     let clock = ManualClock()
     let prefix = TestRedis.uniquePrefix("engine")
 
-    func engine(node: String, visibility: Visibility = .conversations, maxDevices: Int = 32) -> PresenceEngine {
+    func engine(node: String, visibility: Visibility = .conversations, maxDevices: Int = 32, lease: Duration = .seconds(10)) -> PresenceEngine {
         PresenceEngine(
             redis: redis,
-            configuration: PresenceConfiguration(keyPrefix: prefix, nodeID: node, visibility: visibility, maxDevicesPerUser: maxDevices),
+            configuration: PresenceConfiguration(keyPrefix: prefix, nodeID: node, visibility: visibility, leaseTTL: lease, maxDevicesPerUser: maxDevices),
             clock: clock,
             logger: TestRedis.logger()
         )

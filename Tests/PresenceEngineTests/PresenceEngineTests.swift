@@ -112,6 +112,22 @@ struct PresenceEngineTests {
         }
     }
 
+    @Test("a reaper whose lease TTL differs from the dead node's still reaps it")
+    func mixedLeaseTTLs() async throws {
+        try await EngineCluster.with { cluster in
+            let dying = cluster.engine(node: "short", lease: .seconds(5))
+            let reaper = cluster.engine(node: "long", lease: .seconds(30))
+            try await dying.registerNode()
+            _ = try await dying.connect(user: "lee", device: "phone", session: "s1")
+            cluster.clock.advance(.seconds(1))
+            #expect(try await dying.renewLease())
+            try await reaper.registerNode()
+            cluster.clock.advance(.seconds(6))
+            #expect(try await reaper.reapOnce().nodes == ["short"])
+            #expect(try await reaper.views(of: "lee").real.status == .offline)
+        }
+    }
+
     @Test("a process killed and restarted under its node id before its lease ran out: the new one reaps what the old one left")
     func predecessor() async throws {
         try await EngineCluster.with { cluster in
