@@ -230,12 +230,14 @@ extension PresenceEngine {
     ///   the lease is not checked and the index is kept (this process may have added to it).
     private func reapNode(_ node: String, now: Int64, leaseEnded: Int64, predecessor: Bool = false) async throws(PresenceError) -> Int? {
         let lapse = [RedisArgument(Int(leaseEnded))]
-        let leased = predecessor ? .integer(0) : try await run {
-            try await self.redis.evaluate(PresenceScripts.leaseRenewedSince, keys: [keys.lease(node)], arguments: lapse)
-        }
-        guard leased.int != 1 else {
-            logger.info("a lapsed node is live again; not reaped", metadata: ["presence.node_id": "\(node)"])
-            return nil
+        if !predecessor {
+            let renewed = try await run {
+                try await self.redis.evaluate(PresenceScripts.leaseRenewedSince, keys: [keys.lease(node)], arguments: lapse)
+            }
+            guard renewed.int != 1 else {
+                logger.info("a lapsed node is live again; not reaped", metadata: ["presence.node_id": "\(node)"])
+                return nil
+            }
         }
         let info = try await run { try await self.redis.send("HGET", RedisArgument(keys.nodeInfo(node)), "renewed_at") }
         // Without its info (lost with Redis data), the best known moment is a lease ago.

@@ -206,29 +206,30 @@ struct ClusterTests {
         try #require(allConnected && allSeen)
 
         /// Offline seen for a user after they were online: there must be none, nobody signs out.
-        func flickers() -> [String] {
+        struct Flicker: CustomStringConvertible {
+            let watcher: String
+            let user: String
+            var description: String { "\(watcher) saw \(user) offline" }
+        }
+        func flickers() -> [Flicker] {
             clients.flatMap { watcher in
                 Set(watcher.events.compactMap { if case .presence(let p) = $0 { p.userID } else { nil } })
                     .filter { watcher.statusesSinceOnline(of: $0).contains(.offline) }
-                    .map { "\(watcher.user) saw \($0) offline" }
+                    .map { Flicker(watcher: watcher.user, user: $0) }
             }
         }
         func connections() -> [Int] { clients.map(\.connections) }
 
         /// Prints the connection timeline of up to three users seen offline, and what one of
         /// their watchers heard, so that a failure says which side dropped the device.
-        func explain(_ flickers: [String], since start: ContinuousClock.Instant) {
-            let seen = flickers.compactMap { line -> (watcher: String, user: String)? in
-                let words = line.split(separator: " ")
-                return words.count >= 3 ? (String(words[0]), String(words[2])) : nil
-            }
+        func explain(_ flickers: [Flicker], since start: ContinuousClock.Instant) {
             var explained: Set<String> = []
-            for (watcher, user) in seen where !explained.contains(user) && explained.count < 3 {
-                explained.insert(user)
-                guard let subject = clients.first(where: { $0.user == user }),
-                      let watching = clients.first(where: { $0.user == watcher }) else { continue }
-                print("e2e: \(user)'s connection:\n  " + subject.timeline(since: start).joined(separator: "\n  "))
-                print("e2e: \(watcher) heard of \(user):\n  " + watching.timeline(since: start, peer: user).joined(separator: "\n  "))
+            for flicker in flickers where !explained.contains(flicker.user) && explained.count < 3 {
+                explained.insert(flicker.user)
+                guard let subject = clients.first(where: { $0.user == flicker.user }),
+                      let watching = clients.first(where: { $0.user == flicker.watcher }) else { continue }
+                print("e2e: \(flicker.user)'s connection:\n  " + subject.timeline(since: start).joined(separator: "\n  "))
+                print("e2e: \(flicker.watcher) heard of \(flicker.user):\n  " + watching.timeline(since: start, peer: flicker.user).joined(separator: "\n  "))
             }
         }
 
