@@ -1,5 +1,23 @@
-/// Where and how to reach Redis, parsed from a `redis://[user:password@]host:port/db` URL.
+/// Where and how to reach Redis, parsed from a `redis://[user:password@]host:port/db` URL, or a
+/// `rediss://` one for TLS.
 public struct RedisConfiguration: Sendable, Equatable {
+    /// TLS settings of a `rediss://` connection. Files are PEM and read at each connect, so a
+    /// rotated certificate is picked up by the next reconnect.
+    public struct TLS: Sendable, Equatable {
+        /// Certificates that may sign the server's; the system's trust store when nil.
+        public var caFile: String?
+        /// The client's certificate chain, for servers that ask for one (`tls-auth-clients`).
+        public var certificateFile: String?
+        /// The client certificate's private key; required with `certificateFile`.
+        public var keyFile: String?
+
+        public init(caFile: String? = nil, certificateFile: String? = nil, keyFile: String? = nil) {
+            self.caFile = caFile
+            self.certificateFile = certificateFile
+            self.keyFile = keyFile
+        }
+    }
+
     /// Host name or address.
     public var host: String
     /// TCP port; 6379 unless the URL says otherwise.
@@ -24,6 +42,9 @@ public struct RedisConfiguration: Sendable, Equatable {
     public var maximumBackoff: Duration
     /// Most bytes one reply may occupy before the connection is rejected as hostile.
     public var maxReplyBytes: Int
+    /// TLS for the connection (`rediss://`); plain TCP when nil. The server's certificate is
+    /// always verified, against the URL's host name or IP address.
+    public var tls: TLS?
 
     /// A configuration for `host:port` with defaults for everything else.
     public init(
@@ -38,7 +59,8 @@ public struct RedisConfiguration: Sendable, Equatable {
         waitForConnection: Duration = .milliseconds(500),
         minimumBackoff: Duration = .milliseconds(100),
         maximumBackoff: Duration = .seconds(5),
-        maxReplyBytes: Int = 512 * 1024 * 1024
+        maxReplyBytes: Int = 512 * 1024 * 1024,
+        tls: TLS? = nil
     ) {
         self.host = host
         self.port = port
@@ -52,23 +74,33 @@ public struct RedisConfiguration: Sendable, Equatable {
         self.minimumBackoff = minimumBackoff
         self.maximumBackoff = maximumBackoff
         self.maxReplyBytes = maxReplyBytes
+        self.tls = tls
     }
 
-    /// Parses `redis://[user:password@]host[:port][/db]`; the password may be given alone (`:pw@`).
+    /// Parses `redis[s]://[user:password@]host[:port][/db][?ca=FILE&cert=FILE&key=FILE]`; the
+    /// password may be given alone (`:pw@`).
     ///
-    /// User and password may be percent-encoded. Throws ``RedisError/Code/invalidURL`` with the
-    /// reason, never echoing the password.
+    /// `rediss://` connects over TLS; its query names PEM files: `ca` the certificates to trust
+    /// (the system's when absent), `cert` and `key` a client certificate. User and password may
+    /// be percent-encoded. Throws ``RedisError/Code/invalidURL`` with the reason, never echoing
+    /// the password.
     public init(url: String) throws(RedisError) {
         self.init()
         let parts = url.split(separator: "://", maxSplits: 1, omittingEmptySubsequences: false)
         guard parts.count == 2 else {
-            throw RedisError(.invalidURL, "a Redis URL starts with redis://, as in redis://127.0.0.1:6379/0")
+            throw RedisError(.invalidURL, "a Redis URL starts with redis:// or rediss://, as in redis://127.0.0.1:6379/0")
         }
         let scheme = parts[0].lowercased()
-        guard scheme == "redis" else {
-            throw RedisError(.invalidURL, "unsupported scheme '\(scheme)'; use redis://")
+        guard scheme == "redis" || scheme == "rediss" else {
+            throw RedisError(.invalidURL, "unsupported scheme '\(scheme)'; use redis:// or rediss:// (TLS)")
         }
         var rest = parts[1]
+        var query: Substring = ""
+        if let mark = rest.firstIndex(of: "?") {
+            query = rest[rest.index(after: mark)...]
+            rest = rest[..<mark]
+        }
+        tls = try Self.tls(scheme: scheme, query: query)
         if let at = rest.lastIndex(of: "@") {
             let credentials = rest[..<at]
             rest = rest[rest.index(after: at)...]
@@ -84,7 +116,7 @@ public struct RedisConfiguration: Sendable, Equatable {
         var hostPort = rest
         if let slash = rest.firstIndex(of: "/") {
             hostPort = rest[..<slash]
-            let path = rest[rest.index(after: slash)...].prefix { $0 != "?" }
+            let path = rest[rest.index(after: slash)...]
             if !path.isEmpty {
                 guard let db = Int(path), db >= 0 else {
                     throw RedisError(.invalidURL, "database '\(path)' is not a non-negative number")
@@ -105,6 +137,34 @@ public struct RedisConfiguration: Sendable, Equatable {
         guard !host.isEmpty else { throw RedisError(.invalidURL, "the Redis URL has no host") }
     }
 
+    private static func tls(scheme: String, query: Substring) throws(RedisError) -> TLS? {
+        var tls = TLS()
+        for pair in query.split(separator: "&") {
+            let field = pair.split(separator: "=", maxSplits: 1, omittingEmptySubsequences: false)
+            let name = String(field[0])
+            guard field.count == 2, !field[1].isEmpty else {
+                throw RedisError(.invalidURL, "URL parameter '\(name)' needs a value, as in ?\(name)=/path/file.pem")
+            }
+            let value = try percentDecoded(String(field[1]))
+            switch name {
+            case "ca": tls.caFile = value
+            case "cert": tls.certificateFile = value
+            case "key": tls.keyFile = value
+            default: throw RedisError(.invalidURL, "unknown URL parameter '\(name)'; known: ca, cert, key (rediss:// only)")
+            }
+        }
+        guard scheme == "rediss" else {
+            guard tls == TLS() else {
+                throw RedisError(.invalidURL, "ca, cert and key are TLS settings; use rediss:// to connect over TLS")
+            }
+            return nil
+        }
+        guard (tls.certificateFile == nil) == (tls.keyFile == nil) else {
+            throw RedisError(.invalidURL, "a client certificate needs both cert and key")
+        }
+        return tls
+    }
+
     private mutating func parsePort(_ text: Substring) throws(RedisError) {
         guard let value = Int(text), (1...65535).contains(value) else {
             throw RedisError(.invalidURL, "port '\(text)' is not between 1 and 65535")
@@ -120,7 +180,7 @@ public struct RedisConfiguration: Sendable, Equatable {
             guard byte == UInt8(ascii: "%") else { bytes.append(byte); continue }
             guard let high = iterator.next(), let low = iterator.next(),
                   let value = UInt8(String(decoding: [high, low], as: UTF8.self), radix: 16)
-            else { throw RedisError(.invalidURL, "bad percent-encoding in the URL's credentials") }
+            else { throw RedisError(.invalidURL, "bad percent-encoding in the URL") }
             bytes.append(value)
         }
         return String(decoding: bytes, as: UTF8.self)
@@ -133,6 +193,6 @@ public struct RedisConfiguration: Sendable, Equatable {
             credentials = (username ?? "") + (password != nil ? ":***" : "") + "@"
         }
         let hostText = host.contains(":") ? "[\(host)]" : host
-        return "redis://\(credentials)\(hostText):\(port)/\(database)"
+        return "\(tls == nil ? "redis" : "rediss")://\(credentials)\(hostText):\(port)/\(database)"
     }
 }

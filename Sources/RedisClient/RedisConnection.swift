@@ -3,6 +3,7 @@ import NIOConcurrencyHelpers
 import Metrics
 import NIOCore
 import NIOPosix
+import NIOSSL
 
 /// One TCP connection to Redis with automatic pipelining: any number of tasks may send at once,
 /// and each gets its own reply.
@@ -34,6 +35,12 @@ public final class RedisConnection: Sendable {
         logger: Logger,
         onPush: (@Sendable (RedisPush) -> Void)? = nil
     ) async throws(RedisError) -> RedisConnection {
+        let tlsContext: NIOSSLContext?
+        do {
+            tlsContext = try configuration.tls.map(Self.tlsContext)
+        } catch {
+            throw RedisError(.unavailable, "cannot set up TLS for Redis: \(error)", underlying: error)
+        }
         let channel: any Channel
         do {
             channel = try await ClientBootstrap(group: eventLoopGroup)
@@ -41,6 +48,11 @@ public final class RedisConnection: Sendable {
                 .channelOption(.socketOption(.tcp_nodelay), value: 1)
                 .channelInitializer { channel in
                     channel.eventLoop.makeCompletedFuture {
+                        if let tlsContext {
+                            // SNI takes a name only; an IP address is verified against the certificate's IP SANs.
+                            let name = (try? SocketAddress(ipAddress: configuration.host, port: 0)) == nil ? configuration.host : nil
+                            try channel.pipeline.syncOperations.addHandler(NIOSSLClientHandler(context: tlsContext, serverHostname: name))
+                        }
                         let handler = RedisChannelHandler(
                             maxReplyBytes: configuration.maxReplyBytes,
                             commandTimeout: configuration.commandTimeout,
@@ -64,7 +76,36 @@ public final class RedisConnection: Sendable {
         return connection
     }
 
+    private static func tlsContext(_ tls: RedisConfiguration.TLS) throws -> NIOSSLContext {
+        var settings = TLSConfiguration.makeClientConfiguration()
+        settings.certificateVerification = .fullVerification
+        if let caFile = tls.caFile { settings.trustRoots = .file(caFile) }
+        if let certificateFile = tls.certificateFile, let keyFile = tls.keyFile {
+            settings.certificateChain = try NIOSSLCertificate.fromPEMFile(certificateFile).map { .certificate($0) }
+            settings.privateKey = .privateKey(try NIOSSLPrivateKey(file: keyFile, format: .pem))
+        }
+        return try NIOSSLContext(configuration: settings)
+    }
+
     private func handshake() async throws(RedisError) {
+        do {
+            try await authenticateAndSelect()
+        } catch where configuration.tls != nil && (error.code == .connectionClosed || error.code == .timeout) {
+            // Over TLS, a connection closed during the handshake is a refused certificate (ours
+            // or the server's); no answer at all is most likely a port that does not speak TLS.
+            let reason = error.code == .timeout
+                ? "no answer to the TLS handshake (is \(configuration.port) Redis's tls-port?)"
+                : error.underlying.map { "\($0)" } ?? error.message
+            throw RedisError(.unavailable, "TLS connection to Redis at \(configuration.host):\(configuration.port) failed: \(reason)", underlying: error)
+        }
+    }
+
+    private func authenticateAndSelect() async throws(RedisError) {
+        if configuration.tls != nil && configuration.password == nil {
+            // The first reply proves the TLS handshake, so a bad certificate fails the connect
+            // instead of the first command later.
+            _ = try await send(["PING"])
+        }
         if let password = configuration.password {
             var arguments: [RedisArgument] = ["AUTH"]
             if let username = configuration.username { arguments.append(RedisArgument(username)) }

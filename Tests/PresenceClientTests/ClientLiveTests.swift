@@ -2,6 +2,7 @@ import Foundation
 import JWTKit
 import Logging
 import NIOConcurrencyHelpers
+import RedisClient
 import RedisTestSupport
 import Testing
 
@@ -82,6 +83,31 @@ struct ClientLiveTests {
         #expect(await alice.client.connectionState == .connected)
         await alice.client.setStatus(.away)
         #expect(await bob.sees("alice", .away, within: .seconds(10)), "bob hears changes after the restart: \(bob.statuses(of: "alice"))")
+    }
+
+    @Test("a node on rediss:// (TLS, client certificate): sessions register, fan-out and REST work")
+    func overTLS() async throws {
+        let certificates = try TestCertificates()
+        let tlsPort = try RedisServerProcess.freePort()
+        let redis = try RedisServerProcess(arguments: certificates.redisArguments(tlsPort: tlsPort, clientCertificates: true))
+        let url = "rediss://localhost:\(tlsPort)/0?ca=\(certificates.caFile)&cert=\(certificates.clientCertificateFile)&key=\(certificates.clientKeyFile)"
+        let prefix = TestRedis.uniquePrefix("sdk-tls")
+        let node = try await GatewayProcess(nodeID: "tls", environment: nodeEnvironment(prefix: prefix, redisURL: url, extra: ["PRESENCE_VISIBILITY": "open"]))
+        let alice = try await LiveClient("alice", device: "phone", nodes: [node])
+        let bob = try await LiveClient("bob", device: "laptop", nodes: [node])
+        try await bob.client.watch(["alice"])
+        #expect(await alice.connected())
+        #expect(await bob.sees("alice", .online))
+        await alice.client.setStatus(.away)
+        #expect(await bob.sees("alice", .away, within: .seconds(5)), "a change published over TLS reaches the watcher: \(bob.statuses(of: "alice"))")
+        let reader = try await mint("carol")
+        let read = GatewayProcess.httpGet(port: node.port, path: "/api/presence/users/alice", headers: ["Authorization": "Bearer \(reader)"])
+        #expect(read?.status == 200 && read?.body.contains(#""status":"away""#) == true, "\(String(describing: read))")
+        // The keys are in the TLS server's data (read back over its plain port).
+        try await RedisClient.withClient(configuration: RedisConfiguration(url: redis.url()), logger: TestRedis.logger()) { client in
+            let keys = try await client.send("KEYS", RedisArgument("\(prefix):*")).array ?? []
+            #expect(keys.count >= 3, "presence keys written over TLS: \(keys)")
+        }
     }
 
     @Test("app lifecycle: background is away, typing starts and stops, appearing offline hides typing, network loss does not flicker, sign-out is offline at once")

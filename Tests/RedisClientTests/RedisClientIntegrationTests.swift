@@ -164,3 +164,83 @@ struct RedisClientIntegrationTests {
         }
     }
 }
+
+@Suite("rediss:// against redis-server --tls-port")
+struct RedisTLSTests {
+    let logger = TestRedis.logger()
+
+    @Test("commands and pub/sub over TLS, with the CA and a client certificate, by IP and by host name")
+    func tls() async throws {
+        let certificates = try TestCertificates()
+        let tlsPort = try RedisServerProcess.freePort()
+        let server = try RedisServerProcess(arguments: certificates.redisArguments(tlsPort: tlsPort, clientCertificates: true))
+        let files = "ca=\(certificates.caFile)&cert=\(certificates.clientCertificateFile)&key=\(certificates.clientKeyFile)"
+        for host in ["127.0.0.1", "localhost"] {
+            let configuration = try RedisConfiguration(url: "rediss://\(host):\(tlsPort)/0?\(files)")
+            try await RedisClient.withClient(configuration: configuration, logger: logger) { client in
+                try await client.send("SET", "over-tls", RedisArgument(host))
+                #expect(try await client.send("GET", "over-tls").string == host)
+                // 200 commands in one burst: pipelining through the TLS handler keeps each reply with its caller.
+                let replies = try await withThrowingTaskGroup(of: (Int, RESPValue).self) { group in
+                    for index in 0..<200 { group.addTask { (index, try await client.send("ECHO", RedisArgument("\(index)"))) } }
+                    return try await group.reduce(into: [:]) { $0[$1.0] = $1.1 }
+                }
+                #expect((0..<200).allSatisfy { replies[$0]?.string == "\($0)" })
+            }
+        }
+        // The plain port holds what the TLS connections wrote: they reached this server.
+        try await RedisClient.withClient(configuration: RedisConfiguration(url: server.url()), logger: logger) { client in
+            let written = try await client.send("GET", "over-tls")
+            #expect(written.string == "localhost")
+        }
+
+        let configuration = try RedisConfiguration(url: "rediss://127.0.0.1:\(tlsPort)/0?\(files)")
+        try await RedisSubscriber.withSubscriber(configuration: configuration, logger: logger) { subscriber in
+            try await subscriber.subscribe(["tls-channel"])
+            try await RedisClient.withClient(configuration: configuration, logger: logger) { client in
+                try await client.send("PUBLISH", "tls-channel", "hello")
+            }
+            var iterator = subscriber.events.makeAsyncIterator()
+            var message: RedisSubscriberEvent?
+            while let event = await iterator.next() {
+                if case .message = event { message = event; break }
+            }
+            #expect(message == .message(channel: "tls-channel", payload: Array("hello".utf8)))
+        }
+    }
+
+    @Test("a server certificate from another CA, a missing client certificate and a plain port are refused with the reason")
+    func refusals() async throws {
+        let certificates = try TestCertificates()
+        let tlsPort = try RedisServerProcess.freePort()
+        let server = try RedisServerProcess(arguments: certificates.redisArguments(tlsPort: tlsPort, clientCertificates: true))
+        let client = "cert=\(certificates.clientCertificateFile)&key=\(certificates.clientKeyFile)"
+        let cases = [
+            ("another CA", "rediss://127.0.0.1:\(tlsPort)/0?ca=\(certificates.otherCAFile)&\(client)"),
+            ("the system's roots", "rediss://127.0.0.1:\(tlsPort)/0?\(client)"),
+            ("no client certificate", "rediss://127.0.0.1:\(tlsPort)/0?ca=\(certificates.caFile)"),
+            ("TLS to the plain port", "rediss://127.0.0.1:\(server.port)/0?ca=\(certificates.caFile)&\(client)"),
+        ]
+        for (name, url) in cases {
+            var configuration = try RedisConfiguration(url: url)
+            configuration.connectTimeout = .seconds(2)
+            configuration.commandTimeout = .seconds(2)
+            do {
+                try await RedisClient.withClient(configuration: configuration, logger: logger) { client in
+                    _ = try await client.send("PING")
+                }
+                Issue.record("\(name): must not connect")
+            } catch let error as RedisError {
+                #expect(error.code == .unavailable, "\(name): \(error)")
+                #expect(error.description.contains("TLS"), "\(name): \(error)")
+            }
+        }
+        let missing = try RedisConfiguration(url: "rediss://127.0.0.1:\(tlsPort)/0?ca=/nonexistent/ca.pem")
+        do {
+            try await RedisClient.withClient(configuration: missing, logger: logger) { _ in }
+            Issue.record("a missing CA file must not connect")
+        } catch let error as RedisError {
+            #expect(error.code == .unavailable && error.description.contains("TLS"), "\(error)")
+        }
+    }
+}

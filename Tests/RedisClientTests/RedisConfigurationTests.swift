@@ -2,7 +2,7 @@ import Testing
 
 @testable import RedisClient
 
-@Suite("redis:// URLs")
+@Suite("redis:// and rediss:// URLs")
 struct RedisConfigurationTests {
     @Test("host, port, credentials and database")
     func full() throws {
@@ -27,8 +27,35 @@ struct RedisConfigurationTests {
 
     @Test("bad URLs are refused with a reason", arguments: [
         "localhost:6379", "http://localhost", "redis://", "redis://host:0", "redis://host:abc", "redis://host/x", "redis://host:70000",
+        "redis://host?ca=/ca.pem", "rediss://host?cert=/c.pem", "rediss://host?key=/k.pem", "rediss://host?ca=", "rediss://host?ca",
+        "rediss://host?verify=none", "rediss://host/1?ca=%zz",
     ])
     func invalid(url: String) {
         #expect(throws: RedisError.self) { try RedisConfiguration(url: url) }
+    }
+
+    @Test("rediss:// turns TLS on; its query names the CA and the client certificate")
+    func tls() throws {
+        let plain = try RedisConfiguration(url: "redis://127.0.0.1:6379/0")
+        #expect(plain.tls == nil)
+        let systemRoots = try RedisConfiguration(url: "rediss://:pw@redis.example.com:6380")
+        #expect(systemRoots.tls == RedisConfiguration.TLS())
+        #expect(systemRoots.host == "redis.example.com" && systemRoots.port == 6380 && systemRoots.password == "pw")
+        #expect(systemRoots.redactedURL == "rediss://:***@redis.example.com:6380/0")
+        let files = try RedisConfiguration(url: "rediss://localhost:6380/2?ca=/etc/redis/ca.pem&cert=/etc/my%20app/client.crt&key=/k.pem")
+        #expect(files.tls == RedisConfiguration.TLS(caFile: "/etc/redis/ca.pem", certificateFile: "/etc/my app/client.crt", keyFile: "/k.pem"))
+        #expect(files.database == 2 && files.port == 6380)
+        let noPath = try RedisConfiguration(url: "rediss://localhost:6380?ca=/ca.pem")
+        #expect(noPath.port == 6380 && noPath.tls?.caFile == "/ca.pem")
+    }
+
+    @Test("a wrong URL parameter says which and what is known")
+    func unknownParameter() {
+        #expect { try RedisConfiguration(url: "rediss://host?verify=none") } throws: { error in
+            "\(error)".contains("verify") && "\(error)".contains("known: ca, cert, key")
+        }
+        #expect { try RedisConfiguration(url: "redis://host?ca=/ca.pem") } throws: { error in
+            "\(error)".contains("rediss://")
+        }
     }
 }
