@@ -18,7 +18,7 @@ build-tests: deps
 # The deployment files are checked first. The end-to-end test (3 nodes behind HAProxy, 300
 # clients) and the benchmark runs load the whole machine, so they run after the others, alone:
 # beside them, the timing of the other tests (leases of 3 s) would not hold on 2 cores.
-HEAVY_TESTS = ClusterTests|BenchmarkTests
+HEAVY_TESTS = ClusterTests|BenchmarkTests|OutageTests
 test: build-tests check-deploy
 	scripts/with-redis sh -c 'timeout --kill-after=10 900 $(SWIFT) test --skip-build $(BUILD_FLAGS) --skip "$(HEAVY_TESTS)" \
 	  && timeout --kill-after=10 600 $(SWIFT) test --skip-build --no-parallel $(BUILD_FLAGS) --filter "$(HEAVY_TESTS)"'

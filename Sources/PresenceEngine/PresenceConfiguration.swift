@@ -22,6 +22,12 @@ public struct PresenceConfiguration: Sendable {
     /// more than this. Nodes refresh it for the devices they hold every third of it.
     public var deviceKeyTTL: Duration
 
+    /// After Redis was unreachable, how long a node leaves lapsed nodes unreaped and keeps from
+    /// telling watchers "offline" on a re-read: time for every live node to reconnect (the Redis
+    /// client's longest backoff, 5 s) and to renew its lease or register its sessions again (a
+    /// third of a lease). A lease TTL plus 5 s.
+    public var recoveryGrace: Duration { leaseTTL + .seconds(5) }
+
     /// A configuration; every value is checked by ``validate()``.
     public init(
         keyPrefix: String = "presence",

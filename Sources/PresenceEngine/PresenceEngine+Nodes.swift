@@ -176,7 +176,12 @@ extension PresenceEngine {
         var report = ReapReport()
         let now = clock.nowMilliseconds()
         let retry = RedisArgument(Int(now + Self.claimMilliseconds))
-        let nodes = try await run { try await self.redis.evaluate(PresenceScripts.claimDue, keys: [keys.nodes], arguments: [RedisArgument(Int(now)), retry, 16]) }
+        // Just after Redis was unreachable, a lapsed lease says nothing: live nodes could not
+        // renew either. They get the grace to come back before anyone is reaped.
+        let recovering = lastRedisFailure.withLockedValue { $0 }.map { now - $0 < configuration.recoveryGrace.milliseconds } ?? false
+        let nodes: RESPValue = recovering ? .array([]) : try await run {
+            try await self.redis.evaluate(PresenceScripts.claimDue, keys: [keys.nodes], arguments: [RedisArgument(Int(now)), retry, 16])
+        }
         for (node, leaseEnded) in Self.pairs(nodes) {
             if let changed = try await reapNode(node, now: now, leaseEnded: Int64(leaseEnded)) {
                 report.changedUsers += changed

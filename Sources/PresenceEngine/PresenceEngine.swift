@@ -20,6 +20,9 @@ public final class PresenceEngine: Sendable {
     let logger: Logger
     let local = NIOLockedValueBox([String: LocalDevice]())
     let pendingReleases = NIOLockedValueBox([String: PendingRelease]())
+    /// When a Redis call last failed for want of Redis (clock, ms): the start of the reaper's
+    /// ``PresenceConfiguration/recoveryGrace``.
+    let lastRedisFailure = NIOLockedValueBox<Int64?>(nil)
     /// When this engine was made (ms): every device this process writes is at least this new.
     let startedAt: Int64
 
@@ -316,6 +319,10 @@ public final class PresenceEngine: Sendable {
         do {
             return try await body()
         } catch let error as RedisError {
+            if error.code != .server {
+                let now = clock.nowMilliseconds()
+                lastRedisFailure.withLockedValue { $0 = now }
+            }
             throw Self.presenceError(error)
         } catch let error as PresenceError {
             throw error

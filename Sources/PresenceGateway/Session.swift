@@ -110,6 +110,11 @@ final class Session: Sendable {
 
     var watchedCount: Int { state.withLockedValue { $0.watched.count } }
 
+    /// The status this session was last told of a watched user (offline before any).
+    func lastTold(_ user: String) -> PresenceStatus {
+        state.withLockedValue { $0.watched[user]??.status ?? .offline }
+    }
+
     func isWatching(_ user: String) -> Bool { state.withLockedValue { $0.watched[user] != nil } }
 
     /// Adds users; returns those that were not watched yet.

@@ -23,6 +23,8 @@ final class SessionHub: Service, Sendable {
         var followers: [String: Set<String>] = [:]
         /// Set once the node is shutting down: no new sessions, not ready.
         var draining = false
+        /// The catch-up after a pub/sub reconnect; a newer reconnect replaces it.
+        var resync: Task<Void, Never>?
     }
 
     init(engine: PresenceEngine, subscriber: RedisSubscriber, logger: Logger) {
@@ -120,15 +122,21 @@ final class SessionHub: Service, Sendable {
 
     /// Sends `session` the current presence of `users` it has not been told yet, as updates.
     /// A read that crossed an event about a user is repeated for that user (a few times at most).
-    func catchUp(_ session: Session, _ users: [String]) async {
+    /// Returns false when Redis could not be read. With `holdingBackOffline`, a user read as
+    /// offline whom the session was told is online or away is left as told (see ``resync()``).
+    @discardableResult
+    func catchUp(_ session: Session, _ users: [String], holdingBackOffline: Bool = false) async -> Bool {
         var pending = users
         for _ in 0..<4 where !pending.isEmpty {
             session.beginRead(pending)
             guard let views = try? await engine.views(of: pending) else {
                 _ = session.endRead(pending, snapshot: [])
-                return
+                return false
             }
-            let presences = views.map { $0.seen(by: session.userID) }
+            var presences = views.map { $0.seen(by: session.userID) }
+            if holdingBackOffline {
+                presences.removeAll { $0.status == .offline && session.lastTold($0.userID) != .offline }
+            }
             var countsChanged: [String] = []
             let dirty = session.endRead(pending, snapshot: presences) { remembered in
                 zip(presences, remembered).compactMap { presence, change in
@@ -139,6 +147,7 @@ final class SessionHub: Service, Sendable {
             for user in countsChanged { session.sendGroupCounts(involving: user) }
             pending = dirty
         }
+        return true
     }
 
     /// Watches `users` (plus `extra`, already watched) and reads their presence: `snapshot`
@@ -198,11 +207,16 @@ final class SessionHub: Service, Sendable {
                 await deliver(channel: channel, payload: payload)
             case .subscribed(reconnect: true):
                 logger.info("pub/sub reconnected; re-reading the presence every session watches")
-                await resync()
+                let task = Task { await self.resync() }
+                state.withLockedValue { state in
+                    state.resync?.cancel()
+                    state.resync = task
+                }
             case .subscribed(reconnect: false), .disconnected:
                 break
             }
         }
+        state.withLockedValue { $0.resync?.cancel() }
     }
 
     private func deliver(channel: String, payload: [UInt8]) async {
@@ -286,9 +300,30 @@ final class SessionHub: Service, Sendable {
     }
 
     /// After a pub/sub reconnect: every session gets what changed while events could be missed.
+    ///
+    /// Reads are retried until Redis answers: the command connection may come back later than
+    /// the subscriber's. A user read as offline whom a session was told is online is told so only
+    /// after ``PresenceConfiguration/recoveryGrace``, in a second pass. Redis may have lost its
+    /// data, and the nodes holding live sessions register them again within that grace; the
+    /// first read would show those users offline for a moment.
     private func resync() async {
-        for session in allSessions {
-            await catchUp(session, Array(session.watched))
+        await catchUpEverySession(holdingBackOffline: true)
+        guard (try? await Task.sleep(for: engine.configuration.recoveryGrace)) != nil else { return }
+        await catchUpEverySession(holdingBackOffline: false)
+    }
+
+    private func catchUpEverySession(holdingBackOffline: Bool) async {
+        var pending = allSessions
+        var delay = Duration.milliseconds(100)
+        while !Task.isCancelled {
+            var failed: [Session] = []
+            for session in pending where !session.isClosing {
+                if await !catchUp(session, Array(session.watched), holdingBackOffline: holdingBackOffline) { failed.append(session) }
+            }
+            guard !failed.isEmpty else { return }
+            pending = failed
+            guard (try? await Task.sleep(for: delay)) != nil else { return }
+            delay = min(delay * 2, .seconds(2))
         }
     }
 

@@ -1,3 +1,4 @@
+import Foundation
 import PresenceEngine
 import RedisClient
 import RedisTestSupport
@@ -177,6 +178,39 @@ struct PresenceEngineTests {
             #expect(try await survivor.views(of: "dave").real == Presence(userID: "dave", status: .offline, lastSeen: lastRenewal))
             #expect(try await survivor.views(of: "erin").real.status == .away, "erin's device on the live node keeps her away")
             #expect(try await survivor.nodes().map(\.nodeID) == ["survivor"])
+        }
+    }
+
+    @Test("after Redis was unreachable, a lapsed node gets the recovery grace to renew before any reaper takes it")
+    func recoveryGrace() async throws {
+        let directory = NSTemporaryDirectory() + "presence-grace-" + UUID().uuidString.prefix(8).lowercased()
+        defer { try? FileManager.default.removeItem(atPath: directory) }
+        try FileManager.default.createDirectory(atPath: directory, withIntermediateDirectories: true)
+        let server = try RedisServerProcess(arguments: ["--appendonly", "yes", "--appendfsync", "always", "--dir", directory])
+        try await RedisClient.withClient(configuration: RedisConfiguration(url: server.url()), logger: TestRedis.logger()) { redis in
+            let cluster = EngineCluster(redis: redis)
+            let live = cluster.engine(node: "live")
+            let dead = cluster.engine(node: "dead")
+            let reaper = cluster.engine(node: "reaper")
+            for engine in [live, dead, reaper] { try await engine.registerNode() }
+            _ = try await live.connect(user: "hana", device: "phone", session: "s1")
+            _ = try await dead.connect(user: "ivan", device: "phone", session: "s2")
+
+            server.stop()
+            await #expect(throws: PresenceError.self) { try await reaper.reapOnce() }
+            try server.start()
+            #expect(await eventually(timeout: .seconds(5)) { (try? await redis.send("PING")) != nil }, "the data came back with the append-only file")
+            // Every lease lapsed meanwhile (10 s); the grace is 15 s from the failure.
+            cluster.clock.advance(.seconds(11))
+            #expect(try await reaper.reapOnce().nodes.isEmpty, "within the grace nobody is reaped")
+            #expect(try await reaper.views(of: "hana").real.status == .online)
+            let renewed = [try await live.renewLease(), try await reaper.renewLease()]
+            #expect(renewed == [true, true], "the live nodes renew within the grace")
+            cluster.clock.advance(.seconds(5))
+            let report = try await reaper.reapOnce()
+            #expect(report.nodes == ["dead"], "after the grace only the node that did not come back is reaped")
+            #expect(try await reaper.views(of: "ivan").real.status == .offline)
+            #expect(try await reaper.views(of: "hana").real.status == .online, "hana's node renewed in time")
         }
     }
 
