@@ -163,6 +163,7 @@ let package = Package(
             name: "PresenceGatewayTests",
             dependencies: [
                 "PresenceGateway", "PresenceEngine", "RedisTestSupport",
+                .product(name: "Crypto", package: "swift-crypto"),
                 .product(name: "HummingbirdTesting", package: "hummingbird"),
                 .product(name: "HummingbirdWSClient", package: "hummingbird-websocket"),
                 .product(name: "NIOWebSocket", package: "swift-nio"),

@@ -136,7 +136,8 @@ extension Gateway {
 
     /// A path parameter that must be a valid id (422 otherwise).
     static func pathID(_ context: GatewayRequestContext, _ name: String, _ what: String) throws(APIError) -> String {
-        guard let value = context.parameters.get(name), PresenceID.isValid(value) else {
+        // Routes match the raw path: `a%40b` is the id `a@b`, as any URL encoder writes it.
+        guard let value = context.parameters.get(name)?.removingPercentEncoding, PresenceID.isValid(value) else {
             throw .invalid("the \(what) must be 1-128 characters of A-Z a-z 0-9 . _ : @ -")
         }
         return value

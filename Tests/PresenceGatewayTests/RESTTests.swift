@@ -1,3 +1,4 @@
+import Crypto
 import Foundation
 import RedisTestSupport
 import Testing
@@ -10,6 +11,10 @@ struct RESTTests {
         ((json as? [String: Any])?["error"] as? [String: Any])?["code"] as? String
     }
 
+    static func base64URL(_ data: Data) -> String {
+        data.base64EncodedString().replacingOccurrences(of: "+", with: "-").replacingOccurrences(of: "/", with: "_").replacingOccurrences(of: "=", with: "")
+    }
+
     @Test("bad tokens are 401 with the error body, never 500")
     func badTokens() async throws {
         try await withNodes(1) { ports in
@@ -17,11 +22,19 @@ struct RESTTests {
             let valid = try await token("alice")
             let parts = valid.split(separator: ".")
             let header = Data(#"{"alg":"none","typ":"JWT"}"#.utf8).base64EncodedString().replacingOccurrences(of: "=", with: "")
+            // Signed with the right secret, but the header names another algorithm.
+            func resigned(alg: String) -> String {
+                let header = Self.base64URL(Data(#"{"alg":"\#(alg)","typ":"JWT"}"#.utf8))
+                let mac = HMAC<SHA256>.authenticationCode(for: Data("\(header).\(parts[1])".utf8), using: SymmetricKey(data: Data(testSecret.utf8)))
+                return "\(header).\(parts[1]).\(Self.base64URL(Data(mac)))"
+            }
+            #expect(try await call(port, "GET", "/api/presence/users/alice", token: resigned(alg: "HS256")).status == 200, "the re-signing itself is right")
             let bad: [String?] = [
                 nil, "", "garbage", "a.b.c",
                 try await token("alice", expiresIn: -60),
                 try await token("alice", secret: "another-secret-that-is-long-enough-000"),
                 "\(header).\(parts[1]).",
+                resigned(alg: "RS256"), resigned(alg: "none"), resigned(alg: "HS512"),
                 String(repeating: "x", count: 20_000),
                 try await token("bad id with spaces"),
             ]
@@ -73,6 +86,11 @@ struct RESTTests {
             #expect(try await call(port, "GET", "/api/presence/users/bob", token: carol).status == 404)
             #expect(try await call(port, "GET", "/api/presence/users/nobody", token: carol).status == 404)
             #expect(try await call(port, "GET", "/api/presence/users/bad%20id", token: carol).status == 422)
+            let encoded = try await call(port, "GET", "/api/presence/users/b%6Fb", token: alice)
+            #expect(encoded.status == 200 && (encoded.json as? [String: Any])?["user_id"] as? String == "bob", "a percent-encoded id is the id")
+            #expect(try await call(port, "GET", "/api/conversations/c%31/presence", token: alice).status == 200)
+            #expect(try await call(port, "GET", "/api/presence/users/a%40b", token: carol).status == 404, "a@b is a valid id, unknown")
+            #expect(try await call(port, "GET", "/api/presence/users/a%2Fb", token: carol).status == 422, "a/b is not")
             let list = try await call(port, "GET", "/api/presence/users?user_ids=bob,carol,nobody", token: alice)
             #expect((list.json as? [[String: Any]])?.compactMap { $0["user_id"] as? String } == ["bob"])
             let contacts = try await call(port, "GET", "/api/presence/users", token: alice)
