@@ -70,7 +70,7 @@ extension Gateway {
         // A protocol error while reading (a message over the size limit, a bad frame) is thrown
         // again at the end, so that the WebSocket layer closes with its code (1009, 1002...).
         let readError: (any Error)? = await withGracefulShutdownHandler {
-            await run(session, user: user, inbound: inbound, outbound: outbound, logger: logger)
+            await run(session, user: user, inbound: inbound, outbound: outbound, channel: channel, logger: logger)
         } onGracefulShutdown: {
             // Clients reconnect to another node within the linger: no offline flicker.
             session.close(code: 1001, reason: "the node is shutting down")
@@ -84,8 +84,9 @@ extension Gateway {
     }
 
     /// Runs a session until it closes: a writer draining its queue, a timer for the token's
-    /// expiry, and the reader handling frames. Returns the error that ended reading, if any.
-    private func run(_ session: Session, user: AuthenticatedUser, inbound: WebSocketInboundStream, outbound: WebSocketOutboundWriter, logger: Logger) async -> (any Error)? {
+    /// expiry, a watchdog on the close, and the reader handling frames. Returns the error that
+    /// ended reading, if any.
+    private func run(_ session: Session, user: AuthenticatedUser, inbound: WebSocketInboundStream, outbound: WebSocketOutboundWriter, channel: any Channel, logger: Logger) async -> (any Error)? {
         // Clamped: a far-future `exp` must not overflow the conversion to milliseconds.
         let expiry = min(max(0, user.expiresAt.timeIntervalSinceNow), 366 * 86_400)
         return await withTaskGroup(of: Void.self) { group in
@@ -100,6 +101,14 @@ extension Gateway {
             group.addTask {
                 try? await Task.sleep(for: .milliseconds(Int64(expiry * 1000)))
                 if !Task.isCancelled { session.close(code: 4001, reason: "the token has expired") }
+            }
+            group.addTask {
+                // A client that reads nothing (its queue overflowed, or it ignores the close)
+                // holds the writer in a write and the reader in a read: shut its connection.
+                await session.closeRequested()
+                guard (try? await Task.sleep(for: self.configuration.closeTimeout)) != nil else { return }
+                logger.info("the client took nothing for the close timeout; shutting its connection", metadata: ["presence.close_code": "\(session.closeRequest?.code ?? 0)"])
+                channel.close(promise: nil)
             }
             var handler = WebSocketSession(gateway: self, session: session, user: user, logger: logger)
             var readError: (any Error)?

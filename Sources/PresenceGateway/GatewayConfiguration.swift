@@ -56,6 +56,9 @@ public struct GatewayConfiguration: Sendable {
     public var maxBadFrames = 10
     /// WebSocket ping interval; a session that misses a pong is closed and its device lingers.
     public var pingInterval = Duration.seconds(20)
+    /// How long a session the server closes has to take the rest of its queue and the close
+    /// frame; a client that reads nothing meanwhile has its connection shut.
+    public var closeTimeout = Duration.seconds(2)
 
     /// The defaults.
     public init() {}

@@ -18,6 +18,9 @@ final class Session: Sendable {
     let deviceID: String
     let outbound: AsyncStream<Outbound>
     private let continuation: AsyncStream<Outbound>.Continuation
+    /// Finishes when the server decides to close the session.
+    private let closing: AsyncStream<Never>
+    private let closingContinuation: AsyncStream<Never>.Continuation
     private let state = NIOLockedValueBox(State())
 
     struct State {
@@ -79,6 +82,7 @@ final class Session: Sendable {
         self.userID = userID
         self.deviceID = deviceID
         (outbound, continuation) = AsyncStream.makeStream(of: Outbound.self, bufferingPolicy: .bufferingOldest(queueLimit))
+        (closing, closingContinuation) = AsyncStream.makeStream(of: Never.self)
     }
 
     /// Queues a frame; a full queue closes the session as too slow.
@@ -97,7 +101,15 @@ final class Session: Sendable {
             state.close = (code, reason)
             return true
         }
-        if first { continuation.finish() }
+        if first {
+            continuation.finish()
+            closingContinuation.finish()
+        }
+    }
+
+    /// Returns once the server decided to close the session (or the task is cancelled).
+    func closeRequested() async {
+        for await _ in closing {}
     }
 
     /// The close the server asked for, if any.

@@ -105,6 +105,15 @@ final class LiveClient: Sendable {
         }
     }
 
+    /// When each update about `user` arrived, with its status.
+    func arrivals(of user: String) -> [(at: ContinuousClock.Instant, status: PresenceStatus)] {
+        log.withLockedValue { entries in
+            entries.compactMap { entry in
+                if case .presence(let presence) = entry.event, presence.userID == user { (entry.at, presence.status) } else { nil }
+            }
+        }
+    }
+
     /// How many times the session became connected.
     var connections: Int { events.filter { $0 == .connection(.connected) }.count }
 

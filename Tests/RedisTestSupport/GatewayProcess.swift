@@ -48,6 +48,14 @@ public final class GatewayProcess: @unchecked Sendable {
         try? FileManager.default.removeItem(at: log)
     }
 
+    /// The node's resident memory (VmRSS of /proc), or nil once it is gone.
+    public var residentBytes: Int? {
+        guard let status = try? String(contentsOfFile: "/proc/\(process.processIdentifier)/status", encoding: .utf8),
+              let line = status.split(separator: "\n").first(where: { $0.hasPrefix("VmRSS:") }),
+              let kilobytes = Int(line.split(separator: " ").dropFirst().first ?? "") else { return nil }
+        return kilobytes * 1024
+    }
+
     /// What the node printed.
     public var output: String { (try? String(contentsOf: log, encoding: .utf8)) ?? "" }
 

@@ -172,9 +172,13 @@ public func outcome(_ body: () async throws -> RESPValue) async -> Result<RESPVa
 }
 
 /// A TCP socket connected to 127.0.0.1:`port`, or `nil` when nothing listens; the caller closes it.
-public func connectLoopback(port: Int) -> Int32? {
+/// `receiveBuffer` sets `SO_RCVBUF` before connecting (the kernel doubles it, with a floor).
+public func connectLoopback(port: Int, receiveBuffer: Int32? = nil) -> Int32? {
     let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
     guard fd >= 0 else { return nil }
+    if var size = receiveBuffer {
+        setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &size, socklen_t(MemoryLayout<Int32>.size))
+    }
     var address = sockaddr_in()
     address.sin_family = sa_family_t(AF_INET)
     address.sin_addr.s_addr = inet_addr("127.0.0.1")
