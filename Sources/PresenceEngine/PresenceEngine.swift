@@ -157,14 +157,12 @@ public final class PresenceEngine: Sendable {
             )
         }
         let values = reply.array ?? []
-        if values.first?.int != -3 {
-            // Not held by this session any more; unless another session took it over (possibly
-            // on this very node), drop it from the node's index.
-            _ = try? await redis.send("SREM", RedisArgument(keys.nodeDevices(configuration.nodeID)), RedisArgument(member))
-            // A new session of the same device on this node may have indexed it meanwhile.
-            if local.withLockedValue({ $0[member] != nil }) {
-                _ = try? await redis.send("SADD", RedisArgument(keys.nodeDevices(configuration.nodeID)), RedisArgument(member))
-            }
+        // This session no longer holds the device: out of the node's index, unless a session of
+        // this node holds it again (a new one, or the one that took it over). A device taken
+        // over by another node's session is indexed there; left here, it would stay for good.
+        _ = try? await redis.send("SREM", RedisArgument(keys.nodeDevices(configuration.nodeID)), RedisArgument(member))
+        if local.withLockedValue({ $0[member] != nil }) {
+            _ = try? await redis.send("SADD", RedisArgument(keys.nodeDevices(configuration.nodeID)), RedisArgument(member))
         }
         guard let first = values.first?.int, first >= 0 else { return nil }
         let change = try Self.change(from: values, user: user)

@@ -19,6 +19,7 @@ struct EngineCluster {
     let redis: RedisClient
     let clock = ManualClock()
     let prefix = TestRedis.uniquePrefix("engine")
+    var prefixKeys: PresenceKeys { PresenceKeys(prefix: prefix) }
 
     func engine(node: String, visibility: Visibility = .conversations, maxDevices: Int = 32, lease: Duration = .seconds(10)) -> PresenceEngine {
         PresenceEngine(

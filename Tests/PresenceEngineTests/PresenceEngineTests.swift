@@ -241,6 +241,10 @@ struct PresenceEngineTests {
             #expect(newer.replaced?.node == "a" && newer.replaced?.session == "old")
             #expect(try await a.disconnect(user: "hal", device: "phone", session: "old", clean: true) == nil)
             #expect(try await b.views(of: "hal").real.status == .online)
+            // The device is indexed by the node that holds it now, and no longer by the old one.
+            let member = "hal|phone"
+            #expect(try await cluster.redis.send("SISMEMBER", RedisArgument(cluster.prefixKeys.nodeDevices("a")), RedisArgument(member)).int == 0)
+            #expect(try await cluster.redis.send("SISMEMBER", RedisArgument(cluster.prefixKeys.nodeDevices("b")), RedisArgument(member)).int == 1)
         }
     }
 
