@@ -47,6 +47,16 @@ final class BenchSocket: Sendable {
 
     /// Drops the connection without a close frame.
     func abort() { channel.close(promise: nil) }
+
+    /// Closes with code 1000 (a sign-out: the device goes offline at once) and waits for the end.
+    func closeNormally() async {
+        var code = channel.allocator.buffer(capacity: 2)
+        code.writeInteger(UInt16(1000))
+        let frame = WebSocketFrame(fin: true, opcode: .connectionClose, maskKey: .random(), data: code)
+        channel.writeAndFlush(frame, promise: nil)
+        // The server answers with its close frame and shuts the connection; a bounded wait.
+        _ = try? await channel.closeFuture.get()
+    }
 }
 
 /// Writes the upgrade request, waits for `101`, then swaps itself for the frame codec.

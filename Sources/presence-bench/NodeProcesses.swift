@@ -109,6 +109,25 @@ final class NodeProcesses: @unchecked Sendable {
         return port
     }
 
+    /// An admin call on node `index`; throws unless it answers 200.
+    func admin(_ method: String, _ path: String, body: String, node index: Int = 0) async throws {
+        var request = URLRequest(url: URL(string: "http://127.0.0.1:\(ports[index])\(path)")!)
+        request.httpMethod = method
+        request.httpBody = Data(body.utf8)
+        request.setValue("Bearer \(adminToken)", forHTTPHeaderField: "Authorization")
+        request.timeoutInterval = 5
+        let (_, response) = try await URLSession.shared.data(for: request)
+        guard (response as? HTTPURLResponse)?.statusCode == 200 else { throw BenchError("\(method) \(path) answered \(String(describing: (response as? HTTPURLResponse)?.statusCode))") }
+    }
+
+    /// The body of a GET on node `index`, or nil when it does not answer.
+    func get(_ path: String, node index: Int) async -> String? {
+        var request = URLRequest(url: URL(string: "http://127.0.0.1:\(ports[index])\(path)")!)
+        request.timeoutInterval = 2
+        guard let (data, _) = try? await URLSession.shared.data(for: request) else { return nil }
+        return String(decoding: data, as: UTF8.self)
+    }
+
     /// The HTTP status of a GET on a loopback port, or nil when nothing answers.
     static func status(port: Int, path: String) async -> Int? {
         var request = URLRequest(url: URL(string: "http://127.0.0.1:\(port)\(path)")!)
