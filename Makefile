@@ -2,7 +2,7 @@
 SWIFT ?= swift
 BUILD_FLAGS ?=
 
-.PHONY: deps build build-tests test check-deploy api-fuzz run cluster cluster-stop bench bench-redis clean
+.PHONY: deps build build-tests test check-deploy api-fuzz fuzz-build fuzz soak run cluster cluster-stop bench bench-redis clean
 
 deps:
 	@scripts/install-deps
@@ -19,16 +19,36 @@ build-tests: deps
 # clients) and the benchmark runs load the whole machine, so they run after the others, alone:
 # beside them, the timing of the other tests (leases of 3 s) would not hold on 2 cores.
 HEAVY_TESTS = ClusterTests|BenchmarkTests|OutageTests|SlowReaderTests
-test: build-tests check-deploy
+# Then the soak (60 s), schemathesis on the REST routes and 30 s of each libFuzzer target.
+test: build-tests check-deploy fuzz-build
 	scripts/with-redis sh -c 'timeout --kill-after=10 900 $(SWIFT) test --skip-build $(BUILD_FLAGS) --skip "$(HEAVY_TESTS)" \
-	  && timeout --kill-after=10 900 $(SWIFT) test --skip-build --no-parallel $(BUILD_FLAGS) --filter "$(HEAVY_TESTS)"'
+	  && timeout --kill-after=10 900 $(SWIFT) test --skip-build --no-parallel $(BUILD_FLAGS) --filter "$(HEAVY_TESTS)" \
+	  && timeout --kill-after=10 300 .build/debug/presence-bench soak --duration 60'
 	timeout --kill-after=10 300 scripts/api-fuzz
+	timeout --kill-after=10 300 scripts/fuzz 30
 
 # schemathesis against openapi.yaml on a live node: no 5xx, every answer as documented. A short
 # run with a random (printed) seed; API_FUZZ_EXAMPLES=500 for a long one, API_FUZZ_SEED to replay.
 api-fuzz: deps
 	$(SWIFT) build --product presence-gateway $(BUILD_FLAGS)
 	scripts/api-fuzz
+
+# presence-fuzz under libFuzzer and AddressSanitizer, in a build folder of its own (a full
+# build of its own: 7-8 minutes on 2 cores).
+fuzz-build: deps
+	$(SWIFT) build --product presence-fuzz -Xswiftc -sanitize=fuzzer,address -Xswiftc -DFUZZING -Xswiftc -use-ld=lld --scratch-path .build-fuzz
+
+# Each fuzz target for FUZZ_SECONDS (default 600); see README, "Fuzzing".
+FUZZ_SECONDS ?= 600
+fuzz: fuzz-build
+	scripts/fuzz $(FUZZ_SECONDS)
+
+# SOAK_SECONDS (default 600) of random churn over 2 nodes, then the leak checks (README, "Soak").
+SOAK_SECONDS ?= 600
+soak: deps
+	$(SWIFT) build --product presence-gateway $(BUILD_FLAGS)
+	$(SWIFT) build --product presence-bench $(BUILD_FLAGS)
+	scripts/with-redis .build/debug/presence-bench soak --duration $(SOAK_SECONDS)
 
 # Syntax and required keys of docker-compose.yml, deploy/ (Dockerfile, HAProxy, k8s, Grafana).
 check-deploy: deps

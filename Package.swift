@@ -137,6 +137,22 @@ let package = Package(
             ],
             swiftSettings: swiftSettings
         ),
+        .target(
+            name: "PresenceFuzz",
+            dependencies: [
+                "PresenceGateway", "RedisClient",
+                .product(name: "NIOCore", package: "swift-nio"),
+                .product(name: "NIOEmbedded", package: "swift-nio"),
+                .product(name: "NIOWebSocket", package: "swift-nio"),
+            ],
+            swiftSettings: swiftSettings
+        ),
+        .target(name: "CFuzzerDriver"),
+        .executableTarget(
+            name: "presence-fuzz",
+            dependencies: ["PresenceFuzz", "CFuzzerDriver"],
+            swiftSettings: swiftSettings
+        ),
         .executableTarget(
             name: "redis-client-bench",
             dependencies: [
@@ -162,7 +178,7 @@ let package = Package(
         .testTarget(
             name: "PresenceGatewayTests",
             dependencies: [
-                "PresenceGateway", "PresenceEngine", "RedisTestSupport",
+                "PresenceGateway", "PresenceEngine", "PresenceFuzz", "RedisTestSupport",
                 .product(name: "Crypto", package: "swift-crypto"),
                 .product(name: "HummingbirdTesting", package: "hummingbird"),
                 .product(name: "HummingbirdWSClient", package: "hummingbird-websocket"),

@@ -41,6 +41,28 @@ final class CloseCodeRecorder: ChannelInboundHandler, RemovableChannelHandler, S
     }
 }
 
+/// The envelope of a client frame: `{"type": "...", "data": {...}, "id"?: "..."}`.
+package struct ClientFrame {
+    package var type: String
+    package var data: [String: Any]
+    package var id: String?
+
+    /// Parses a text frame. `id` is set as soon as it is read, so that an error about the rest
+    /// of the frame can carry it.
+    package static func parse(_ text: String, id: inout String?) throws(APIError) -> ClientFrame {
+        guard let object = try? JSONSerialization.jsonObject(with: Data(text.utf8)) as? [String: Any] else {
+            throw .invalid("a frame must be a JSON object {\"type\", \"data\", \"id\"?}")
+        }
+        if let raw = object["id"] {
+            guard let value = raw as? String, value.utf8.count <= 128 else { throw .invalid("id must be a string of at most 128 bytes") }
+            id = value
+        }
+        guard let type = object["type"] as? String else { throw .invalid("the frame has no type") }
+        if object["data"] != nil, !(object["data"] is [String: Any]) { throw .invalid("data must be an object") }
+        return ClientFrame(type: type, data: object["data"] as? [String: Any] ?? [:], id: id)
+    }
+}
+
 /// The WebSocket protocol of API.md for one session.
 struct WebSocketSession {
     let gateway: Gateway
@@ -67,17 +89,8 @@ struct WebSocketSession {
     mutating func handle(_ text: String) async -> Bool {
         var id: String?
         do {
-            guard let object = try? JSONSerialization.jsonObject(with: Data(text.utf8)) as? [String: Any] else {
-                throw APIError.invalid("a frame must be a JSON object {\"type\", \"data\", \"id\"?}")
-            }
-            if let raw = object["id"] {
-                guard let value = raw as? String, value.utf8.count <= 128 else { throw APIError.invalid("id must be a string of at most 128 bytes") }
-                id = value
-            }
-            guard let type = object["type"] as? String else { throw APIError.invalid("the frame has no type") }
-            let data = object["data"] as? [String: Any] ?? [:]
-            if object["data"] != nil, !(object["data"] is [String: Any]) { throw APIError.invalid("data must be an object") }
-            try await dispatch(type: type, data: data, id: id)
+            let frame = try ClientFrame.parse(text, id: &id)
+            try await dispatch(type: frame.type, data: frame.data, id: frame.id)
             badFrames = 0
         } catch {
             let apiError = APIError.from(error)

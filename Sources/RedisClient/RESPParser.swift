@@ -8,12 +8,12 @@ import NIOCore
 /// arbitrary amount of memory.
 ///
 /// - Important: Not thread safe; owned by one channel handler on one event loop.
-final class RESPParser {
+package final class RESPParser {
     private let reader: UnsafeMutablePointer<redisReader>
     /// The most bytes an incomplete reply may hold in the buffer before the stream is rejected.
     let maxPendingBytes: Int
 
-    init(maxPendingBytes: Int = 512 * 1024 * 1024) {
+    package init(maxPendingBytes: Int = 512 * 1024 * 1024) {
         guard let reader = redisReaderCreate() else {
             fatalError("hiredis could not allocate a reader (out of memory)")
         }
@@ -26,7 +26,7 @@ final class RESPParser {
     }
 
     /// Appends bytes received from the socket.
-    func feed(_ buffer: ByteBuffer) throws(RedisError) {
+    package func feed(_ buffer: ByteBuffer) throws(RedisError) {
         let status = buffer.withUnsafeReadableBytes { bytes -> Int32 in
             guard let base = bytes.baseAddress, bytes.count > 0 else { return REDIS_OK }
             return redisReaderFeed(reader, base.assumingMemoryBound(to: CChar.self), bytes.count)
@@ -40,7 +40,7 @@ final class RESPParser {
     }
 
     /// The next complete reply, or `nil` when more bytes are needed.
-    func next() throws(RedisError) -> RESPValue? {
+    package func next() throws(RedisError) -> RESPValue? {
         var raw: UnsafeMutableRawPointer?
         guard redisReaderGetReply(reader, &raw) == REDIS_OK else {
             throw RedisError(.protocolViolation, "malformed reply: \(readerError)")

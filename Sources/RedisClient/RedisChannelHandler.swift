@@ -1,11 +1,17 @@
 import NIOCore
 
 /// A command on its way to Redis: its encoded bytes, how many replies it produces and who waits.
-struct RedisRequest: Sendable {
+package struct RedisRequest: Sendable {
     var encoded: ByteBuffer
     /// SUBSCRIBE with N channels answers with N replies; everything else with one.
     var expectedReplies: Int
     var promise: EventLoopPromise<RESPValue>
+
+    package init(encoded: ByteBuffer, expectedReplies: Int, promise: EventLoopPromise<RESPValue>) {
+        self.encoded = encoded
+        self.expectedReplies = expectedReplies
+        self.promise = promise
+    }
 }
 
 /// A message pushed by Redis on a subscribed connection.
@@ -145,4 +151,12 @@ final class RedisChannelHandler: ChannelDuplexHandler {
             entry.promise.fail(error)
         }
     }
+}
+
+/// The reply handler of a connection (a subscriber's when `subscriber`), for fuzzing from
+/// another module of the package.
+package func makeRedisReplyHandler(maxReplyBytes: Int, subscriber: Bool) -> any ChannelHandler {
+    var onPush: (@Sendable (RedisPush) -> Void)?
+    if subscriber { onPush = { _ in } }
+    return RedisChannelHandler(maxReplyBytes: maxReplyBytes, commandTimeout: .seconds(5), onPush: onPush)
 }

@@ -1,0 +1,2 @@
+// Declarations only (include/CFuzzerDriver.h): libFuzzer defines the function when linked in.
+#include "CFuzzerDriver.h"
