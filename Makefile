@@ -18,7 +18,7 @@ build-tests: deps
 # The deployment files are checked first. The end-to-end test (3 nodes behind HAProxy, 300
 # clients) and the benchmark runs load the whole machine, so they run after the others, alone:
 # beside them, the timing of the other tests (leases of 3 s) would not hold on 2 cores.
-HEAVY_TESTS = ClusterTests|BenchmarkTests|OutageTests|SlowReaderTests
+HEAVY_TESTS = ClusterTests|BenchmarkTests|OutageTests|SlowReaderTests|FloodTests
 # Then the soak (60 s), schemathesis on the REST routes and 30 s of each libFuzzer target.
 test: build-tests check-deploy fuzz-build
 	scripts/with-redis sh -c 'timeout --kill-after=10 900 $(SWIFT) test --skip-build $(BUILD_FLAGS) --skip "$(HEAVY_TESTS)" \

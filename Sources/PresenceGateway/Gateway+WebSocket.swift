@@ -9,14 +9,10 @@ import ServiceLifecycle
 
 extension Gateway {
     func addWebSocketRoute(to router: Router<GatewayRequestContext>) {
-        router.ws("/api/presence/subscribe", shouldUpgrade: { request, _ in
-            // A node shutting down takes no new sessions: the client (or the balancer) goes elsewhere.
-            guard !self.hub.isDraining else { throw APIError.unavailable("this node is shutting down; connect to another") }
-            _ = try await self.authenticate(request, allowQuery: true)
-            _ = try Self.deviceID(request)
-            _ = try Self.openingStatus(request)
-            return .upgrade([:])
-        }, onUpgrade: { inbound, outbound, context in
+        // Every upgrade is accepted and checked once upgraded, where a refusal can say why
+        // (1001 from a node shutting down, 4001 for a bad token, an `error` frame and 1008 for a
+        // bad query): an upgrade refused by the WebSocket layer reaches the client as a bare 400.
+        router.ws("/api/presence/subscribe", shouldUpgrade: { _, _ in .upgrade([:]) }, onUpgrade: { inbound, outbound, context in
             try await self.serve(inbound: inbound, outbound: outbound, request: context.request, channel: context.requestContext.channel)
         })
     }
@@ -41,9 +37,23 @@ extension Gateway {
     }
 
     private func serve(inbound: WebSocketInboundStream, outbound: WebSocketOutboundWriter, request: Request, channel: any Channel) async throws {
-        guard let user = try? await authenticate(request, allowQuery: true), let device = try? Self.deviceID(request),
-              let status = try? Self.openingStatus(request) else {
+        // A node shutting down takes no new sessions: the client reconnects at once, elsewhere.
+        guard !hub.isDraining else {
+            try? await outbound.close(.goingAway, reason: "the node is shutting down; connect to another")
+            return
+        }
+        guard let user = try? await authenticate(request, allowQuery: true) else {
             try? await outbound.close(.unknown(4001), reason: "unauthorized")
+            return
+        }
+        let device: String
+        let status: PresenceStatus
+        do {
+            device = try Self.deviceID(request)
+            status = try Self.openingStatus(request)
+        } catch {
+            try? await outbound.writeTextMessage(Wire.error(error, id: nil))
+            try? await outbound.close(.policyViolation, reason: error.message)
             return
         }
         let recorder = await CloseCodeRecorder.install(on: channel)
@@ -115,7 +125,7 @@ extension Gateway {
             do {
                 for try await message in inbound.messages(maxSize: configuration.maxFrameSize) {
                     guard case .text(let text) = message else {
-                        session.send(Wire.error(.invalid("frames must be JSON text, not binary"), id: nil))
+                        if !handler.handleBinary() { break }
                         continue
                     }
                     if await !handler.handle(text) { break }

@@ -54,6 +54,10 @@ public struct GatewayConfiguration: Sendable {
     public var outboundQueueLimit = 1_024
     /// Bad frames in a row answered with `error` before the session is closed with 1008.
     public var maxBadFrames = 10
+    /// Frames of any kind per second per session (burst twice): past it, `error` `rate_limited`.
+    public var frameRate = 50.0
+    /// `rate_limited` answers in a row before the session is closed with 4029.
+    public var maxRateLimitedFrames = 50
     /// WebSocket ping interval; a session that misses a pong is closed and its device lingers.
     public var pingInterval = Duration.seconds(20)
     /// How long a session the server closes has to take the rest of its queue and the close

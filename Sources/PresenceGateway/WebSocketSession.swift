@@ -70,6 +70,8 @@ struct WebSocketSession {
     let user: AuthenticatedUser
     let logger: Logger
     private var badFrames = 0
+    private var rateLimitedFrames = 0
+    private var frameBucket: TokenBucket
     private var statusBucket: TokenBucket
     private var subscribeBucket: TokenBucket
     private var typingBucket: TokenBucket
@@ -83,25 +85,47 @@ struct WebSocketSession {
         statusBucket = TokenBucket(rate: configuration.statusRate, burst: configuration.statusRate * 2)
         subscribeBucket = TokenBucket(rate: configuration.subscribeRate, burst: configuration.subscribeRate * 2)
         typingBucket = TokenBucket(rate: configuration.typingRate, burst: configuration.typingRate * 2)
+        frameBucket = TokenBucket(rate: configuration.frameRate, burst: configuration.frameRate * 2)
     }
 
     /// Handles one text message; returns `false` once the session must close.
     mutating func handle(_ text: String) async -> Bool {
         var id: String?
         do {
+            // Checked before parsing: a flood costs the node as little as possible.
+            if let wait = frameBucket.take() { throw APIError.rateLimited("too many frames", retryAfter: wait) }
             let frame = try ClientFrame.parse(text, id: &id)
             try await dispatch(type: frame.type, data: frame.data, id: frame.id)
             badFrames = 0
+            rateLimitedFrames = 0
         } catch {
-            let apiError = APIError.from(error)
-            session.send(Wire.error(apiError, id: id))
-            GatewayMetrics.errors(apiError.code)
-            if apiError.code == "invalid_request", apiError.isBadFrame {
-                badFrames += 1
-                if badFrames > gateway.configuration.maxBadFrames {
-                    session.close(code: 1008, reason: "too many bad frames in a row")
-                    return false
-                }
+            return refuse(APIError.from(error), id: id)
+        }
+        return !session.isClosing
+    }
+
+    /// Answers a binary frame (the protocol is JSON text); it counts against the frame rate but
+    /// not as a bad frame.
+    mutating func handleBinary() -> Bool {
+        if let wait = frameBucket.take() { return refuse(.rateLimited("too many frames", retryAfter: wait), id: nil) }
+        session.send(Wire.error(.invalid("frames must be JSON text, not binary"), id: nil))
+        return !session.isClosing
+    }
+
+    /// Answers a refused frame with `error`; past the limits of bad or rate-limited frames in a
+    /// row, closes the session (1008 or 4029). Returns whether the session goes on.
+    private mutating func refuse(_ apiError: APIError, id: String?) -> Bool {
+        session.send(Wire.error(apiError, id: id))
+        GatewayMetrics.errors(apiError.code)
+        if apiError.code == "invalid_request", apiError.isBadFrame {
+            badFrames += 1
+            if badFrames > gateway.configuration.maxBadFrames {
+                session.close(code: 1008, reason: "too many bad frames in a row")
+            }
+        } else if apiError.code == "rate_limited" {
+            rateLimitedFrames += 1
+            if rateLimitedFrames > gateway.configuration.maxRateLimitedFrames {
+                session.close(code: 4029, reason: "rate limited past a limit")
             }
         }
         return !session.isClosing

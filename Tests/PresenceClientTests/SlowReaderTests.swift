@@ -142,8 +142,8 @@ final class RawWebSocketClient: @unchecked Sendable {
     // Safe: used by one test, one call at a time.
     private let fd: Int32
 
-    init(port: Int, token: String, device: String, watching users: [String]) throws {
-        guard let fd = connectLoopback(port: port, receiveBuffer: 4096) else { throw GatewayProcessError("cannot connect to \(port)") }
+    init(port: Int, token: String, device: String, watching users: [String], receiveBuffer: Int32? = 4096) throws {
+        guard let fd = connectLoopback(port: port, receiveBuffer: receiveBuffer) else { throw GatewayProcessError("cannot connect to \(port)") }
         self.fd = fd
         let key = Data((0..<16).map { _ in UInt8.random(in: 0...255) }).base64EncodedString()
         try send(Array("""
@@ -163,6 +163,7 @@ final class RawWebSocketClient: @unchecked Sendable {
             close(fd)
             throw GatewayProcessError("the upgrade was refused: \(String(decoding: response, as: UTF8.self))")
         }
+        guard !users.isEmpty else { return }
         let ids = users.map { "\"\($0)\"" }.joined(separator: ",")
         try sendText(#"{"type":"subscribe","data":{"user_ids":[\#(ids)]},"id":"s"}"#)
     }
@@ -191,6 +192,41 @@ final class RawWebSocketClient: @unchecked Sendable {
             guard written > 0 else { throw GatewayProcessError("write failed: \(errno)") }
             offset += written
         }
+    }
+
+    /// Reads frames until the server's close frame or the end of the connection, for at most
+    /// `timeout`: each frame's opcode and payload (a close frame's payload starts with its code).
+    func readFrames(within timeout: Duration) -> [(opcode: UInt8, payload: [UInt8])] {
+        var wait = timeval(tv_sec: 1, tv_usec: 0)
+        setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &wait, socklen_t(MemoryLayout<timeval>.size))
+        let deadline = ContinuousClock.now + timeout
+        var stream: [UInt8] = []
+        var frames: [(opcode: UInt8, payload: [UInt8])] = []
+        var buffer = [UInt8](repeating: 0, count: 65_536)
+        while ContinuousClock.now < deadline {
+            let count = read(fd, &buffer, buffer.count)
+            if count == 0 || (count < 0 && errno != EAGAIN && errno != EWOULDBLOCK) { break }
+            if count > 0 { stream += buffer[..<count] }
+            // Server frames are unmasked: opcode, a 7-bit, 16-bit or 64-bit length, the payload.
+            while stream.count >= 2 {
+                var length = Int(stream[1] & 0x7F)
+                var header = 2
+                if length == 126 {
+                    guard stream.count >= 4 else { break }
+                    length = Int(stream[2]) << 8 | Int(stream[3])
+                    header = 4
+                } else if length == 127 {
+                    guard stream.count >= 10 else { break }
+                    length = stream[2..<10].reduce(0) { $0 << 8 | Int($1) }
+                    header = 10
+                }
+                guard stream.count >= header + length else { break }
+                frames.append((stream[0] & 0x0F, Array(stream[header..<(header + length)])))
+                stream.removeFirst(header + length)
+                if frames.last?.opcode == 8 { return frames }
+            }
+        }
+        return frames
     }
 
     /// Reads and discards everything on a thread of its own, until ``shutDown()``.

@@ -110,6 +110,48 @@ struct RESTTests {
         }
     }
 
+    @Test("callers act only as themselves; ids carrying CR/LF, globs, hash tags or separators are 422 everywhere")
+    func actingAsOthersAndInjection() async throws {
+        try await withNodes(1) { ports in
+            let port = ports[0]
+            #expect(try await call(port, "PUT", "/api/admin/conversations/c1", token: adminToken, body: #"{"member_ids":["alice","bob"]}"#).status == 200)
+            let alice = try await token("alice"), bob = try await token("bob"), mallory = try await token("mallory")
+            // A body naming another user changes the caller, never that user.
+            let posted = try await call(port, "POST", "/api/presence/status", token: alice, body: #"{"status":"away","user_id":"bob","device_id":"web"}"#)
+            #expect(posted.status == 200 && (posted.json as? [String: Any])?["user_id"] as? String == "alice")
+            let bobSelf = try await call(port, "GET", "/api/presence/users/bob", token: bob)
+            #expect((bobSelf.json as? [String: Any])?["status"] as? String == "offline", "bob was not made away by alice")
+            _ = try await call(port, "PUT", "/api/presence/privacy", token: alice, body: #"{"show_online_status":false,"user_id":"bob"}"#)
+            _ = try await call(port, "POST", "/api/presence/status", token: bob, body: #"{"status":"online"}"#)
+            let bobSeen = try await call(port, "GET", "/api/presence/users/bob", token: alice)
+            #expect((bobSeen.json as? [String: Any])?["status"] as? String == "online", "bob's privacy is his own")
+            // Outsiders: no reads, no typing, no counts, no admin.
+            #expect(try await call(port, "GET", "/api/presence/users/bob", token: mallory).status == 404)
+            #expect(try await call(port, "POST", "/api/conversations/c1/typing", token: mallory, body: #"{"is_typing":true}"#).status == 403)
+            #expect(try await call(port, "GET", "/api/conversations/c1/presence", token: mallory).status == 403)
+            #expect(try await call(port, "PUT", "/api/admin/conversations/c1", token: mallory, body: #"{"member_ids":["mallory"]}"#).status == 401)
+
+            let hostile = ["a%0D%0AX-Injected:%201", "a%0Ab", "a*", "a%7Bb%7D", "a%7Cb", "a%20b", "a%00b", String(repeating: "x", count: 129), "%C3%A9"]
+            for id in hostile {
+                for path in ["/api/presence/users/\(id)", "/api/conversations/\(id)/presence", "/api/presence/users?user_ids=bob,\(id)"] {
+                    let answer = try await call(port, "GET", path, token: alice)
+                    #expect(answer.status == 422 && Self.errorCode(answer.json) == "invalid_request", "\(path): \(answer.status)")
+                }
+                let typing = try await call(port, "POST", "/api/conversations/\(id)/typing", token: alice, body: #"{"is_typing":true}"#)
+                #expect(typing.status == 422, "typing in \(id): \(typing.status)")
+                let device = try await call(port, "POST", "/api/presence/status", token: alice, body: #"{"status":"online","device_id":"\#(id.removingPercentEncoding ?? id)"}"#)
+                #expect(device.status == 422, "device_id \(id): \(device.status)")
+                let upgrade = GatewayProcess.http(port: port, method: "GET", path: "/api/presence/subscribe?token=\(alice)&device_id=\(id)", headers: [
+                    "Upgrade": "websocket", "Connection": "Upgrade", "Sec-WebSocket-Version": "13", "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ==",
+                ])
+                // Upgraded, then told why and closed with 1008 (the frames follow the 101 in the body).
+                #expect(upgrade?.status == 101 && upgrade?.body.contains(#""code":"invalid_request""#) == true, "upgrade with device_id \(id): \(String(describing: upgrade))")
+                let admin = try await call(port, "PUT", "/api/admin/conversations/\(id)", token: adminToken, body: #"{"member_ids":["alice"]}"#)
+                #expect(admin.status == 422, "admin conversation \(id): \(admin.status)")
+            }
+        }
+    }
+
     @Test("admin routes: 401 with a wrong token, 404 when turned off; nodes are listed")
     func admin() async throws {
         try await withNodes(1) { ports in

@@ -83,7 +83,8 @@ public final class GatewayProcess: @unchecked Sendable {
         defer { close(fd) }
         var timeout = timeval(tv_sec: 5, tv_usec: 0)
         setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, socklen_t(MemoryLayout<timeval>.size))
-        var request = "\(method) \(path) HTTP/1.1\r\nHost: 127.0.0.1:\(port)\r\nConnection: close\r\n"
+        // `Connection: close` unless the caller sets its own (an upgrade).
+        var request = "\(method) \(path) HTTP/1.1\r\nHost: 127.0.0.1:\(port)\r\n" + (headers["Connection"] == nil ? "Connection: close\r\n" : "")
         for (name, value) in headers { request += "\(name): \(value)\r\n" }
         if let body { request += "Content-Type: application/json\r\nContent-Length: \(body.utf8.count)\r\n" }
         request += "\r\n" + (body ?? "")

@@ -1,0 +1,96 @@
+import Foundation
+import NIOConcurrencyHelpers
+import RedisTestSupport
+import Testing
+
+@testable import PresenceClient
+
+/// Floods of connections and frames meet the README's limits, and the node keeps serving
+/// everyone else. Heavy (`make test` runs it alone).
+@Suite("Connection and frame floods", .serialized)
+struct FloodTests {
+    @Test("a frame flood gets pongs up to the frame rate, then rate_limited errors, then close 4029; another session is unaffected")
+    func frameFlood() async throws {
+        let prefix = TestRedis.uniquePrefix("flood")
+        let node = try await GatewayProcess(nodeID: "flood", environment: nodeEnvironment(prefix: prefix, extra: ["PRESENCE_VISIBILITY": "open"]))
+        let alice = try await LiveClient("alice", device: "phone", nodes: [node])
+        let bob = try await LiveClient("bob", device: "laptop", nodes: [node])
+        try await bob.client.watch(["alice"])
+        #expect(await bob.sees("alice", .online))
+
+        let flooder = try RawWebSocketClient(port: node.port, token: try await mint("mallory"), device: "d", watching: [], receiveBuffer: nil)
+        let frames = NIOLockedValueBox<[(opcode: UInt8, payload: [UInt8])]>([])
+        let reader = Thread { frames.withLockedValue { $0 = flooder.readFrames(within: .seconds(20)) } }
+        reader.start()
+        var sent = 0
+        while sent < 5_000 {
+            do { try flooder.sendText(#"{"type":"ping","data":{}}"#) } catch { break }
+            sent += 1
+        }
+        await alice.client.setStatus(.away)
+        #expect(await bob.sees("alice", .away, within: .seconds(3)), "another session's changes flow during the flood")
+        #expect(await eventually(timeout: .seconds(20)) { frames.withLockedValue { $0.last?.opcode == 8 } }, "the flooder was closed")
+
+        let received = frames.withLockedValue { $0 }
+        let texts = received.filter { $0.opcode == 1 }.map { String(decoding: $0.payload, as: UTF8.self) }
+        let pongs = texts.filter { $0.contains(#""type":"pong""#) }.count
+        let limited = texts.filter { $0.contains(#""code":"rate_limited""#) }.count
+        // A frame the refilling bucket lets through resets the count; the close follows 51 in a row.
+        let lastAnswers = texts.suffix(51)
+        let close = received.last.flatMap { $0.opcode == 8 && $0.payload.count >= 2 ? Int($0.payload[0]) << 8 | Int($0.payload[1]) : nil }
+        print("frame flood: \(sent) pings written before the close; \(pongs) pongs, \(limited) rate_limited, close \(close.map(String.init) ?? "none")")
+        #expect(close == 4029, "closed with 4029")
+        #expect(pongs >= 100 && pongs < 200, "the burst (100) and what the rate (50/s) refills are answered: \(pongs)")
+        #expect(limited >= 51 && lastAnswers.count == 51 && lastAnswers.allSatisfy { $0.contains(#""code":"rate_limited""#) },
+                "51 rate_limited answers in a row, then the close (\(limited) in all)")
+        #expect(GatewayProcess.httpStatus(port: node.port, path: "/healthz") == 200)
+    }
+
+    @Test("a connection flood with bad tokens is closed with 4001 while the node keeps serving its sessions; one user's 33rd device is refused with 4029")
+    func connectionFlood() async throws {
+        let prefix = TestRedis.uniquePrefix("connflood")
+        let node = try await GatewayProcess(nodeID: "connflood", environment: nodeEnvironment(prefix: prefix, extra: ["PRESENCE_VISIBILITY": "open"]))
+        let alice = try await LiveClient("alice", device: "phone", nodes: [node])
+        let bob = try await LiveClient("bob", device: "laptop", nodes: [node])
+        try await bob.client.watch(["alice"])
+        #expect(await bob.sees("alice", .online))
+        let memoryBefore = node.residentBytes ?? 0
+
+        // 16 threads, 2,000 sessions with a garbage token: each is upgraded and closed with 4001.
+        let codes = NIOLockedValueBox<[Int: Int]>([:])
+        let started = ContinuousClock.now
+        let threads = (0..<16).map { _ in
+            Thread {
+                for _ in 0..<125 {
+                    let client = try? RawWebSocketClient(port: node.port, token: "garbage", device: "d", watching: [], receiveBuffer: nil)
+                    let close = client?.readFrames(within: .seconds(5)).last.flatMap { $0.opcode == 8 && $0.payload.count >= 2 ? Int($0.payload[0]) << 8 | Int($0.payload[1]) : nil }
+                    codes.withLockedValue { $0[close ?? 0, default: 0] += 1 }
+                }
+            }
+        }
+        for thread in threads { thread.start() }
+        await alice.client.setStatus(.away)
+        let seenDuring = await bob.sees("alice", .away, within: .seconds(5))
+        #expect(await eventually(timeout: .seconds(60)) { codes.withLockedValue { $0.values.reduce(0, +) } == 2_000 })
+        let elapsed = ContinuousClock.now - started
+        let memoryAfter = node.residentBytes ?? 0
+        print("connection flood: 2,000 sessions with a bad token in \(elapsed): close codes \(codes.withLockedValue { $0 }); node RSS \(memoryBefore / 1_048_576) → \(memoryAfter / 1_048_576) MiB")
+        #expect(codes.withLockedValue { $0 } == [4001: 2_000], "every one closed with 4001")
+        #expect(seenDuring, "a change during the flood reached its watcher")
+        #expect(memoryAfter - memoryBefore < 32 * 1_048_576)
+
+        // One user opening devices: 32 live, the 33rd is told why and closed with 4029.
+        let token = try await mint("carol")
+        var devices: [RawWebSocketClient] = []
+        for index in 0..<32 {
+            devices.append(try RawWebSocketClient(port: node.port, token: token, device: "device-\(index)", watching: [], receiveBuffer: nil))
+        }
+        let extra = try RawWebSocketClient(port: node.port, token: token, device: "device-32", watching: [], receiveBuffer: nil)
+        let frames = extra.readFrames(within: .seconds(5))
+        let error = frames.first { $0.opcode == 1 }.map { String(decoding: $0.payload, as: UTF8.self) } ?? ""
+        let close = frames.last.flatMap { $0.opcode == 8 && $0.payload.count >= 2 ? Int($0.payload[0]) << 8 | Int($0.payload[1]) : nil }
+        #expect(error.contains(#""code":"rate_limited""#) && error.contains("32 devices"), "\(error)")
+        #expect(close == 4029)
+        #expect(devices.count == 32)
+    }
+}
