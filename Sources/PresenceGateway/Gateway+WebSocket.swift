@@ -13,6 +13,7 @@ extension Gateway {
         // (1001 from a node shutting down, 4001 for a bad token, an `error` frame and 1008 for a
         // bad query): an upgrade refused by the WebSocket layer reaches the client as a bare 400.
         router.ws("/api/presence/subscribe", shouldUpgrade: { _, _ in .upgrade([:]) }, onUpgrade: { inbound, outbound, context in
+            context.requestContext.releaseWebSocketHandler()
             try await self.serve(inbound: inbound, outbound: outbound, request: context.request, channel: context.requestContext.channel)
         })
     }
