@@ -53,7 +53,8 @@ struct SoakScenario: AsyncParsableCommand {
             }
             while ContinuousClock.now < deadline {
                 try await Task.sleep(for: min(sampleEvery, deadline - ContinuousClock.now))
-                let sample = try await SoakSample.take(nodes: nodes, redisURL: options.common.redisURL, at: ContinuousClock.now - started)
+                var sample = try await SoakSample.take(nodes: nodes, redisURL: options.common.redisURL, at: ContinuousClock.now - started)
+                sample.sessionsOpened = tally.sessions
                 samples.append(sample)
                 progress("soak: \(Int(seconds(ContinuousClock.now - started)))/\(duration) s, \(tally.sessions) sessions so far, \(sample.sessions) open, node RSS \(sample.rss.map { $0 / 1_048_576 }) MiB, \(sample.keys) keys")
             }
@@ -75,17 +76,22 @@ struct SoakScenario: AsyncParsableCommand {
         }
         let settled = ContinuousClock.now - settleStarted
 
-        // Memory: the first sample after a quarter of the run (warm) against the last.
+        // Memory: the first sample after a quarter of the run (warm) against the last. A node may
+        // grow by 4 MiB, or by 2 KiB for each session it had since: a session that leaks its
+        // connection (about 5 KiB) exceeds that, and the allocator's own drift does not.
         let warm = samples.first { $0.at >= .seconds(duration / 4) } ?? samples.first
         let last = samples.last
         let growth = zip(warm?.rss ?? [], last?.rss ?? []).map { $1 - $0 }
-        let flat = zip(warm?.rss ?? [], growth).allSatisfy { rss, grown in grown <= max(8 * 1_048_576, rss / 5) }
+        let sessionsPerNode = (tally.sessions - (warm?.sessionsOpened ?? 0)) / max(1, nodes.ports.count)
+        let allowance = max(4 * 1_048_576, 2048 * sessionsPerNode)
+        let flat = growth.allSatisfy { $0 <= allowance }
+        let perSession = growth.map { sessionsPerNode > 0 ? $0 / sessionsPerNode : 0 }
         let noSessions = end.sessions == 0
         let noSubscriptions = end.eventChannels == 0
         let keysBack = left.transient.isEmpty && left.other == baseline.other
         try report("soak: \(duration) s of churn over 2 nodes, seed \(seed)", [
             ("sessions opened / frames sent / errors", "\(tally.sessions) / \(tally.frames) / \(tally.errorSummary)"),
-            ("node RSS warm → end", "\(warm?.rss.map { $0 / 1_048_576 } ?? []) → \(last?.rss.map { $0 / 1_048_576 } ?? []) MiB: \(flat ? "flat" : "GROWING")"),
+            ("node RSS warm → end", "\(warm?.rss.map { $0 / 1_048_576 } ?? []) → \(last?.rss.map { $0 / 1_048_576 } ?? []) MiB: \(flat ? "flat" : "GROWING") (\(perSession) bytes per session over \(sessionsPerNode) sessions a node; allowed \(allowance / 1024) KiB)"),
             ("sessions left after the clients went", noSessions ? "0" : "\(end.sessions) LEAKED"),
             ("user and conversation channels still subscribed", noSubscriptions ? "0" : "\(end.eventChannels) LEAKED"),
             ("Redis keys before / after", "\(baseline.total) / \(left.total) (last seen of \(left.lastSeen) users kept)"),
@@ -95,7 +101,7 @@ struct SoakScenario: AsyncParsableCommand {
             "scenario": "soak", "seed": seed, "duration": duration, "clients": clients, "users": users,
             "sessions": tally.sessions, "frames": tally.frames, "errors": tally.errors,
             "rss_samples": samples.map { ["at_s": seconds($0.at), "rss_bytes": $0.rss, "sessions": $0.sessions, "keys": $0.keys] },
-            "memory_flat": flat, "sessions_left": end.sessions, "channels_left": end.eventChannels,
+            "memory_flat": flat, "memory_growth_bytes": growth, "memory_growth_bytes_per_session": perSession, "sessions_left": end.sessions, "channels_left": end.eventChannels,
             "keys_before": baseline.total, "keys_after": left.total, "transient_keys_left": left.transient.count,
             "keys_back_to_baseline": keysBack,
         ], to: options.json)
@@ -178,6 +184,8 @@ struct SoakSample {
     /// Subscribed user and conversation event channels (the nodes' control channels left out).
     var eventChannels: Int
     var keys: Int
+    /// Sessions the clients had opened by then.
+    var sessionsOpened = 0
 
     static func take(nodes: NodeProcesses, redisURL: String, at: Duration) async throws -> SoakSample {
         var sessions = 0

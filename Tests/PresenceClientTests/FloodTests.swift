@@ -9,14 +9,19 @@ import Testing
 /// everyone else. Heavy (`make test` runs it alone).
 @Suite("Connection and frame floods", .serialized)
 struct FloodTests {
-    @Test("a frame flood gets pongs up to the frame rate, then rate_limited errors, then close 4029; another session is unaffected")
-    func frameFlood() async throws {
-        let prefix = TestRedis.uniquePrefix("flood")
-        let node = try await GatewayProcess(nodeID: "flood", environment: nodeEnvironment(prefix: prefix, extra: ["PRESENCE_VISIBILITY": "open"]))
+    /// A node, and bob on it watching alice: the sessions a flood must not disturb.
+    static func nodeWithWatcher(_ name: String) async throws -> (GatewayProcess, alice: LiveClient, bob: LiveClient) {
+        let node = try await GatewayProcess(nodeID: name, environment: nodeEnvironment(prefix: TestRedis.uniquePrefix(name), extra: ["PRESENCE_VISIBILITY": "open"]))
         let alice = try await LiveClient("alice", device: "phone", nodes: [node])
         let bob = try await LiveClient("bob", device: "laptop", nodes: [node])
         try await bob.client.watch(["alice"])
         #expect(await bob.sees("alice", .online))
+        return (node, alice, bob)
+    }
+
+    @Test("a frame flood gets pongs up to the frame rate, then rate_limited errors, then close 4029; another session is unaffected")
+    func frameFlood() async throws {
+        let (node, alice, bob) = try await Self.nodeWithWatcher("flood")
 
         let flooder = try RawWebSocketClient(port: node.port, token: try await mint("mallory"), device: "d", watching: [], receiveBuffer: nil)
         let frames = NIOLockedValueBox<[(opcode: UInt8, payload: [UInt8])]>([])
@@ -48,12 +53,7 @@ struct FloodTests {
 
     @Test("a connection flood with bad tokens is closed with 4001 while the node keeps serving its sessions; one user's 33rd device is refused with 4029")
     func connectionFlood() async throws {
-        let prefix = TestRedis.uniquePrefix("connflood")
-        let node = try await GatewayProcess(nodeID: "connflood", environment: nodeEnvironment(prefix: prefix, extra: ["PRESENCE_VISIBILITY": "open"]))
-        let alice = try await LiveClient("alice", device: "phone", nodes: [node])
-        let bob = try await LiveClient("bob", device: "laptop", nodes: [node])
-        try await bob.client.watch(["alice"])
-        #expect(await bob.sees("alice", .online))
+        let (node, alice, bob) = try await Self.nodeWithWatcher("connflood")
         let memoryBefore = node.residentBytes ?? 0
 
         // 16 threads, 2,000 sessions with a garbage token: each is upgraded and closed with 4001.
