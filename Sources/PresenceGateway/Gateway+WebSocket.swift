@@ -40,11 +40,11 @@ extension Gateway {
     private func serve(inbound: WebSocketInboundStream, outbound: WebSocketOutboundWriter, request: Request, channel: any Channel) async throws {
         // A node shutting down takes no new sessions: the client reconnects at once, elsewhere.
         guard !hub.isDraining else {
-            try? await outbound.close(.goingAway, reason: "the node is shutting down; connect to another")
+            await refuse(outbound, .goingAway, reason: "the node is shutting down; connect to another")
             return
         }
         guard let user = try? await authenticate(request, allowQuery: true) else {
-            try? await outbound.close(.unknown(4001), reason: "unauthorized")
+            await refuse(outbound, .unknown(4001), reason: "unauthorized")
             return
         }
         let device: String
@@ -54,7 +54,7 @@ extension Gateway {
             status = try Self.openingStatus(request)
         } catch {
             try? await outbound.writeTextMessage(Wire.error(error, id: nil))
-            try? await outbound.close(.policyViolation, reason: error.message)
+            await refuse(outbound, .policyViolation, reason: error.message)
             return
         }
         let recorder = await CloseCodeRecorder.install(on: channel)
@@ -72,7 +72,7 @@ extension Gateway {
         } catch {
             let apiError = APIError.from(error)
             try? await outbound.writeTextMessage(Wire.error(apiError, id: nil))
-            try? await outbound.close(.unknown(apiError.code == "rate_limited" ? 4029 : 1011), reason: apiError.message)
+            await refuse(outbound, .unknown(apiError.code == "rate_limited" ? 4029 : 1011), reason: apiError.message)
             await hub.unregister(session)
             _ = try? await engine.disconnect(user: user.userID, device: device, session: session.id, clean: true)
             return
@@ -92,6 +92,15 @@ extension Gateway {
         _ = try? await engine.disconnect(user: user.userID, device: device, session: session.id, clean: clean)
         logger.info("session closed", metadata: ["presence.clean": "\(clean)", "presence.close_code": "\(recorder?.receivedCode ?? serverClose ?? 0)"])
         if let readError { throw readError }
+    }
+
+    /// Closes a session that never started. The WebSocket layer ends the connection right
+    /// behind a server's close frame; arriving with the 101 and the end of the connection, that
+    /// close is lost by some clients (HummingbirdWSClient among them), which then wait for
+    /// good. A short pause lets the client finish its upgrade first.
+    private func refuse(_ outbound: WebSocketOutboundWriter, _ code: WebSocketErrorCode, reason: String) async {
+        try? await Task.sleep(for: .milliseconds(100))
+        try? await outbound.close(code, reason: reason)
     }
 
     /// Runs a session until it closes: a writer draining its queue, a timer for the token's

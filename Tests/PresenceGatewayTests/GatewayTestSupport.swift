@@ -82,6 +82,8 @@ struct Frame: @unchecked Sendable, CustomStringConvertible {
 /// A real WebSocket client of the gateway that records every frame it receives.
 final class TestSocket: Sendable {
     private let received = NIOLockedValueBox<[Frame]>([])
+    /// Every frame received so far.
+    var frames: [Frame] { received.withLockedValue { $0 } }
     private let cursor = NIOLockedValueBox(0)
     private let closeCode = NIOLockedValueBox<UInt16?>(nil)
     private let outgoing: AsyncStream<String?>.Continuation
