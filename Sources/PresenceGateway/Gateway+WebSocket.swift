@@ -9,10 +9,15 @@ import ServiceLifecycle
 
 extension Gateway {
     func addWebSocketRoute(to router: Router<GatewayRequestContext>) {
-        // Every upgrade is accepted and checked once upgraded, where a refusal can say why
-        // (1001 from a node shutting down, 4001 for a bad token, an `error` frame and 1008 for a
-        // bad query): an upgrade refused by the WebSocket layer reaches the client as a bare 400.
-        router.ws("/api/presence/subscribe", shouldUpgrade: { _, _ in .upgrade([:]) }, onUpgrade: { inbound, outbound, context in
+        // The token and the query are checked once upgraded, where a refusal can say why (4001,
+        // or an `error` frame and 1008): an upgrade refused here reaches the client as a bare
+        // HTTP 400. A node shutting down refuses here all the same: a session opened and closed
+        // at once while the node stops may end before the client has finished its upgrade, and
+        // HummingbirdWSClient then waits for good instead of going to another node.
+        router.ws("/api/presence/subscribe", shouldUpgrade: { _, _ in
+            guard !self.hub.isDraining else { throw APIError.unavailable("this node is shutting down; connect to another") }
+            return .upgrade([:])
+        }, onUpgrade: { inbound, outbound, context in
             context.requestContext.releaseWebSocketHandler()
             try await self.serve(inbound: inbound, outbound: outbound, request: context.request, channel: context.requestContext.channel)
         })
@@ -38,11 +43,6 @@ extension Gateway {
     }
 
     private func serve(inbound: WebSocketInboundStream, outbound: WebSocketOutboundWriter, request: Request, channel: any Channel) async throws {
-        // A node shutting down takes no new sessions: the client reconnects at once, elsewhere.
-        guard !hub.isDraining else {
-            await refuse(outbound, .goingAway, reason: "the node is shutting down; connect to another")
-            return
-        }
         guard let user = try? await authenticate(request, allowQuery: true) else {
             await refuse(outbound, .unknown(4001), reason: "unauthorized")
             return
