@@ -4,14 +4,19 @@ import NIOCore
 /// Incremental RESP2 parser over hiredis's reader: feed bytes as they arrive, take complete replies.
 ///
 /// hiredis keeps partial frames in its own buffer and bounds nesting at 7 levels. On top of that
-/// this type bounds the bytes buffered for one incomplete reply, so a peer cannot make us hold an
-/// arbitrary amount of memory.
+/// this type bounds the bytes buffered for one incomplete reply, and the length an array header
+/// may declare: hiredis allocates a pointer for every declared element at once, so 13 bytes
+/// (`*399999999\r\n`) would cost 3.2 GB. Either way a peer cannot make us hold an arbitrary
+/// amount of memory.
 ///
 /// - Important: Not thread safe; owned by one channel handler on one event loop.
 package final class RESPParser {
     private let reader: UnsafeMutablePointer<redisReader>
     /// The most bytes an incomplete reply may hold in the buffer before the stream is rejected.
     let maxPendingBytes: Int
+    /// The most elements an array header may declare (found by the fuzzer: see above).
+    static let maxArrayElements = 1 << 20
+    private var scanner = HeaderScanner()
 
     package init(maxPendingBytes: Int = 512 * 1024 * 1024) {
         guard let reader = redisReaderCreate() else {
@@ -27,6 +32,7 @@ package final class RESPParser {
 
     /// Appends bytes received from the socket.
     package func feed(_ buffer: ByteBuffer) throws(RedisError) {
+        try buffer.withUnsafeReadableBytes { bytes throws(RedisError) in try scanner.scan(bytes) }
         let status = buffer.withUnsafeReadableBytes { bytes -> Int32 in
             guard let base = bytes.baseAddress, bytes.count > 0 else { return REDIS_OK }
             return redisReaderFeed(reader, base.assumingMemoryBound(to: CChar.self), bytes.count)
@@ -84,6 +90,47 @@ package final class RESPParser {
     private static func bytes(_ pointer: UnsafeMutablePointer<CChar>?, _ count: Int) -> [UInt8] {
         guard let pointer, count > 0 else { return [] }
         return pointer.withMemoryRebound(to: UInt8.self, capacity: count) { Array(UnsafeBufferPointer(start: $0, count: count)) }
+    }
+}
+
+/// Follows a RESP2 stream as hiredis will, only far enough to see every array header before
+/// hiredis does: header lines are read, bulk payloads skipped by their declared length.
+struct HeaderScanner {
+    /// Payload bytes (with their CRLF) still to pass over.
+    private var skip = 0
+    /// The header line read so far: its type byte and up to 24 bytes of its value.
+    private var line: [UInt8] = []
+    private var lineLength = 0
+
+    mutating func scan(_ bytes: UnsafeRawBufferPointer) throws(RedisError) {
+        var index = 0
+        while index < bytes.count {
+            if skip > 0 {
+                let passed = min(skip, bytes.count - index)
+                skip -= passed
+                index += passed
+                continue
+            }
+            let byte = bytes[index]
+            index += 1
+            lineLength += 1
+            if line.count < 24 { line.append(byte) }
+            guard byte == UInt8(ascii: "\n") else { continue }
+            try endOfLine()
+            line.removeAll(keepingCapacity: true)
+            lineLength = 0
+        }
+    }
+
+    private mutating func endOfLine() throws(RedisError) {
+        guard let type = line.first, type == UInt8(ascii: "*") || type == UInt8(ascii: "$") else { return }
+        // A length longer than 24 bytes is malformed anyway; hiredis says so.
+        guard lineLength <= 24, let length = Int(String(decoding: line.dropFirst().prefix { $0 != UInt8(ascii: "\r") }, as: UTF8.self)) else { return }
+        if type == UInt8(ascii: "$") {
+            if length >= 0 { skip = length + 2 }
+        } else if length > RESPParser.maxArrayElements {
+            throw RedisError(.protocolViolation, "an array of \(length) elements exceeds the limit of \(RESPParser.maxArrayElements)")
+        }
     }
 }
 

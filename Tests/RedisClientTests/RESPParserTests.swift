@@ -72,6 +72,20 @@ struct RESPParserTests {
         }
     }
 
+    @Test("an array header declaring more than a million elements is rejected before hiredis allocates for it")
+    func arrayLimit() throws {
+        // Found by the fuzzer: hiredis would calloc 3.2 GB for these 13 bytes.
+        let huge = RESPParser()
+        #expect(throws: RedisError.self) { try huge.feed(ByteBuffer(string: "*399999999\r\n")) }
+        // Split anywhere, nested, or after bulk strings that contain the same bytes as data.
+        let split = RESPParser()
+        try split.feed(ByteBuffer(string: "*2\r\n$12\r\n*399999999\r\n\r\n*2\r\n:1\r\n*3999"))
+        #expect(throws: RedisError.self) { try split.feed(ByteBuffer(string: "99999\r\n")) }
+        let fine = RESPParser()
+        try fine.feed(ByteBuffer(string: "*2\r\n$12\r\n*399999999\r\n\r\n*1048576\r\n"))
+        #expect(try fine.next() == nil, "a bulk string's bytes are data, and a million elements are allowed")
+    }
+
     @Test("commands are encoded binary safe")
     func encoding() {
         var buffer = ByteBuffer()
