@@ -124,8 +124,12 @@ struct HeaderScanner {
 
     private mutating func endOfLine() throws(RedisError) {
         guard let type = line.first, type == UInt8(ascii: "*") || type == UInt8(ascii: "$") else { return }
-        // A length longer than 24 bytes is malformed anyway; hiredis says so.
-        guard lineLength <= 24, let length = Int(String(decoding: line.dropFirst().prefix { $0 != UInt8(ascii: "\r") }, as: UTF8.self)) else { return }
+        // Redis never pads a length; a longer one could hide a huge count behind leading zeros.
+        guard lineLength <= 24 else {
+            throw RedisError(.protocolViolation, "a length header of \(lineLength) bytes")
+        }
+        // Anything else that is not a number, hiredis refuses itself.
+        guard let length = Int(String(decoding: line.dropFirst().prefix { $0 != UInt8(ascii: "\r") }, as: UTF8.self)) else { return }
         if type == UInt8(ascii: "$") {
             if length >= 0 { skip = length + 2 }
         } else if length > RESPParser.maxArrayElements {

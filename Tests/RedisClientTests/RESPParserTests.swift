@@ -77,6 +77,8 @@ struct RESPParserTests {
         // Found by the fuzzer: hiredis would calloc 3.2 GB for these 13 bytes.
         let huge = RESPParser()
         #expect(throws: RedisError.self) { try huge.feed(ByteBuffer(string: "*399999999\r\n")) }
+        let padded = RESPParser()
+        #expect(throws: RedisError.self) { try padded.feed(ByteBuffer(string: "*00000000000000000399999999\r\n")) }
         // Split anywhere, nested, or after bulk strings that contain the same bytes as data.
         let split = RESPParser()
         try split.feed(ByteBuffer(string: "*2\r\n$12\r\n*399999999\r\n\r\n*2\r\n:1\r\n*3999"))
