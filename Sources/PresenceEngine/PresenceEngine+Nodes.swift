@@ -97,14 +97,16 @@ extension PresenceEngine {
     @discardableResult
     public func reregister() async throws(PresenceError) -> Int {
         try await registerNode()
-        let devices = local.withLockedValue { Array($0.values) }
-        for device in devices {
-            // A session that closed meanwhile is no longer in `local`; skip it.
-            let stillOpen = local.withLockedValue { $0[keys.deviceMember(user: device.user, device: device.device)]?.session == device.session }
-            guard stillOpen else { continue }
-            _ = try await register(user: device.user, device: device.device, session: device.session, status: device.status)
+        let devices = local.withLockedValue { Array($0) }
+        for (member, device) in devices {
+            // A session that closed meanwhile is no longer in `local`, and is skipped. The status
+            // written is the one the session holds as it is written, not the one listed above:
+            // a `status` frame may have changed it since.
+            try await writeCurrentStatus(member, session: device.session) { user, device, session, status throws(PresenceError) in
+                _ = try await self.register(user: user, device: device, session: session, status: status)
+            }
             // The session may have closed while this ran: its close must win.
-            let closedMeanwhile = local.withLockedValue { $0[keys.deviceMember(user: device.user, device: device.device)]?.session != device.session }
+            let closedMeanwhile = local.withLockedValue { $0[member]?.session != device.session }
             if closedMeanwhile {
                 _ = try? await disconnect(user: device.user, device: device.device, session: device.session, clean: false)
             }

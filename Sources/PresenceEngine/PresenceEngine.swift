@@ -40,6 +40,8 @@ public final class PresenceEngine: Sendable {
         var device: String
         var session: String
         var status: PresenceStatus
+        /// Redis has not taken `status` yet: the write failed, or is still under way.
+        var statusOwed = false
     }
 
     /// Makes an engine; `configuration` must pass ``PresenceConfiguration/validate()``.
@@ -94,9 +96,12 @@ public final class PresenceEngine: Sendable {
     public func setStatus(user: String, device: String, session: String, status: PresenceStatus) async throws(PresenceError) -> PresenceChange {
         let member = keys.deviceMember(user: user, device: device)
         local.withLockedValue { devices in
-            if devices[member]?.session == session { devices[member]?.status = status }
+            guard devices[member]?.session == session else { return }
+            devices[member]?.status = status
+            devices[member]?.statusOwed = true
         }
         let reply = try await upsert(user: user, device: device, status: status, node: configuration.nodeID, session: session, deadline: 0, mode: "status")
+        written(member, session: session, status: status)
         guard reply.first?.int != -3 else {
             // Another session took the device over; this one is about to be closed.
             return PresenceChange(changed: false, shownChanged: false, views: try await views(of: user))
@@ -124,6 +129,47 @@ public final class PresenceEngine: Sendable {
             // by this live node for good.
             pendingReleases.withLockedValue { $0[member] = PendingRelease(user: user, device: device, session: session, clean: clean) }
             throw error
+        }
+    }
+
+    /// Redis holds `status` for the device as `session` has it: nothing is owed, unless the
+    /// session changed it again meanwhile.
+    func written(_ member: String, session: String, status: PresenceStatus) {
+        local.withLockedValue { devices in
+            if devices[member]?.session == session, devices[member]?.status == status { devices[member]?.statusOwed = false }
+        }
+    }
+
+    /// Writes the status Redis has not taken for each device of this node (a change made while
+    /// Redis was unreachable); called on every lease tick.
+    public func retryOwedStatuses() async {
+        let owed = local.withLockedValue { $0.filter(\.value.statusOwed) }
+        for (member, device) in owed {
+            do {
+                try await writeCurrentStatus(member, session: device.session) { user, device, session, status throws(PresenceError) in
+                    let reply = try await self.upsert(user: user, device: device, status: status, node: self.configuration.nodeID, session: session, deadline: 0, mode: "status")
+                    if reply.first?.int != -3 { await self.settle(try Self.change(from: reply, user: user)) }
+                }
+            } catch {
+                return
+            }
+        }
+    }
+
+    /// Writes the device's status as this node holds it, again until it no longer changes
+    /// meanwhile: a status read here and then overtaken by a newer one (a `status` frame whose
+    /// write reached Redis first) must not be the last word. Stops when `session` no longer
+    /// holds the device.
+    func writeCurrentStatus(
+        _ member: String,
+        session: String,
+        write: (_ user: String, _ device: String, _ session: String, _ status: PresenceStatus) async throws(PresenceError) -> Void
+    ) async throws(PresenceError) {
+        var last: PresenceStatus?
+        while let current = local.withLockedValue({ $0[member] }), current.session == session, current.status != last || current.statusOwed {
+            try await write(current.user, current.device, session, current.status)
+            written(member, session: session, status: current.status)
+            last = current.status
         }
     }
 

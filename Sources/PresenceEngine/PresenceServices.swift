@@ -26,6 +26,7 @@ public struct PresenceLeaseService: Service {
                     try await engine.reregister()
                 }
                 await engine.retryPendingReleases()
+                await engine.retryOwedStatuses()
                 tick += 1
                 if tick % refreshEvery == 0 { try await engine.refreshDeviceKeys() }
             } catch {

@@ -1,5 +1,6 @@
 import Foundation
-import PresenceEngine
+import NIOConcurrencyHelpers
+@testable import PresenceEngine
 import RedisClient
 import RedisTestSupport
 import Testing
@@ -228,6 +229,51 @@ struct PresenceEngineTests {
             #expect(try await node.views(of: "frank").real.status == .away)
             #expect(try await node.views(of: "gina").real.status == .online)
             #expect(try await node.renewLease())
+        }
+    }
+
+    @Test("re-registering writes the status the session holds as it writes, not the one it listed: a status frame overtaking it does not lose")
+    func reregisterOvertaken() async throws {
+        try await EngineCluster.with { cluster in
+            let node = cluster.engine(node: "n1")
+            try await node.registerNode()
+            _ = try await node.connect(user: "olga", device: "phone", session: "s1", status: .away)
+            try await cluster.wipe()
+            let member = node.keys.deviceMember(user: "olga", device: "phone")
+            var writes: [PresenceStatus] = []
+            try await node.writeCurrentStatus(member, session: "s1") { user, device, session, status throws(PresenceError) in
+                if writes.isEmpty {
+                    // A status frame lands while re-registration is on its way, and its write
+                    // reaches Redis first; re-registration then writes what it had read.
+                    _ = try await node.setStatus(user: user, device: device, session: session, status: .online)
+                }
+                _ = try await node.register(user: user, device: device, session: session, status: status)
+                writes.append(status)
+            }
+            #expect(writes == [.away, .online], "the overtaken write is followed by the newer status")
+            #expect(try await node.views(of: "olga").real.status == .online)
+        }
+    }
+
+    @Test("a status change Redis could not take is written on the lease tick once Redis answers")
+    func owedStatus() async throws {
+        let directory = NSTemporaryDirectory() + "presence-owed-" + UUID().uuidString.prefix(8).lowercased()
+        defer { try? FileManager.default.removeItem(atPath: directory) }
+        try FileManager.default.createDirectory(atPath: directory, withIntermediateDirectories: true)
+        let server = try RedisServerProcess(arguments: ["--appendonly", "yes", "--appendfsync", "always", "--dir", directory])
+        try await RedisClient.withClient(configuration: RedisConfiguration(url: server.url()), logger: TestRedis.logger()) { redis in
+            let node = EngineCluster(redis: redis).engine(node: "n1")
+            try await node.registerNode()
+            _ = try await node.connect(user: "petra", device: "phone", session: "s1")
+
+            server.stop()
+            await #expect(throws: PresenceError.self) { try await node.setStatus(user: "petra", device: "phone", session: "s1", status: .away) }
+            try server.start()
+            #expect(await eventually(timeout: .seconds(5)) { (try? await redis.send("PING")) != nil })
+            #expect(try await node.views(of: "petra").real.status == .online, "Redis came back without the change")
+            await node.retryOwedStatuses()
+            #expect(try await node.views(of: "petra").real.status == .away, "the lease tick wrote it")
+            #expect(node.local.withLockedValue { $0.values.allSatisfy { !$0.statusOwed } }, "nothing is owed any more")
         }
     }
 
