@@ -71,15 +71,22 @@ extension PresenceClient {
         cache.beginCatchUp()
         var code: UInt16?
         var refused = false
-        do {
-            code = try await transport.session(url: url, outgoing: stream) { text in
+        let transport = self.transport
+        let task = Task {
+            try await transport.session(url: url, outgoing: stream) { text in
                 await self.receive(text, serial: current)
             }
+        }
+        attempt = (task, clock.now.addingTimeInterval(configuration.openTimeout))
+        timers.signal()
+        do {
+            code = try await withTaskCancellationHandler { try await task.value } onCancel: { task.cancel() }
         } catch PresenceTransportError.upgradeRefused {
             refused = true
         } catch {
             logger.debug("session failed", metadata: ["error": "\(error)", "presence.gateway": "\(base.absoluteString)"])
         }
+        attempt = nil
         continuation.finish()
         outbox = nil
         lastCloseCode = code
@@ -126,7 +133,8 @@ extension PresenceClient {
     private func timerLoop() async {
         while !Task.isCancelled {
             let seen = timers.generation
-            let deadlines = [debouncer.nextDeadline, cache.nextTypingExpiry, retries.map(\.due).min(), lifecycle.statusRetryAt].compactMap { $0 }
+            let openDeadline = awaitingInitialState ? attempt?.deadline : nil
+            let deadlines = [debouncer.nextDeadline, cache.nextTypingExpiry, retries.map(\.due).min(), lifecycle.statusRetryAt, openDeadline].compactMap { $0 }
             await timers.wait(after: seen, until: deadlines.min(), clock: clock)
             fireTimers()
         }
@@ -134,6 +142,11 @@ extension PresenceClient {
 
     private func fireTimers() {
         let now = clock.now
+        if awaitingInitialState, let attempt, attempt.deadline <= now {
+            logger.info("the session did not open in time; trying again", metadata: ["presence.open_timeout": "\(configuration.openTimeout)"])
+            attempt.task.cancel()
+            self.attempt = nil
+        }
         for send in debouncer.expire(at: now) {
             self.send("typing", ["conversation_id": send.conversationID, "is_typing": false], request: .typing)
         }

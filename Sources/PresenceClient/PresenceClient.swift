@@ -49,6 +49,8 @@ public actor PresenceClient {
     var pending: [String: Request] = [:]
     var catchUp: Set<String> = []
     var awaitingInitialState = false
+    /// The attempt under way, and when it is given up unless its `initial_state` has come.
+    var attempt: (task: Task<UInt16?, any Error>, deadline: Date)?
     var openedWith = PresenceStatus.online
     var retries: [(due: Date, type: String, data: [String: any Sendable], request: Request, catchingUp: Bool)] = []
     var needsNewToken = false

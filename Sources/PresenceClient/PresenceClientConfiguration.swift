@@ -21,6 +21,10 @@ public struct PresenceClientConfiguration: Sendable {
     public var retryDelay: TimeInterval = 1
     /// Seconds `signOut()` and `willTerminate()` wait for the clean close to finish.
     public var closeTimeout: TimeInterval = 3
+    /// Seconds from a connection attempt to the session's `initial_state`. An attempt that takes
+    /// longer (a gateway that never answers the upgrade, a connection that went quiet on the
+    /// way, a refusal whose close was lost) is given up and retried after the backoff.
+    public var openTimeout: TimeInterval = 10
 
     /// A configuration for one gateway URL (or load balancer).
     public init(gatewayURL: URL, deviceID: String) throws(PresenceClientError) {

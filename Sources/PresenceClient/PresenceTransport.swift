@@ -1,6 +1,8 @@
 import Foundation
 import HummingbirdWSClient
 import Logging
+import NIOCore
+import NIOPosix
 import NIOWebSocket
 
 /// A frame the client writes.
@@ -49,31 +51,50 @@ public struct WebSocketTransport: PresenceTransport {
         let configuration = WebSocketClientConfiguration(
             maxFrameSize: maxFrameSize, closeTimeout: closeTimeout, autoPing: .enabled(timePeriod: pingInterval)
         )
-        let maxFrameSize = self.maxFrameSize
+        // The session runs on an event loop of its own, so that cancelling it closes its
+        // connection even before the upgrade is answered: the library's wait for the upgrade
+        // does not end on cancellation, and a gateway that never answers would hold it forever.
+        let loop = MultiThreadedEventLoopGroup(numberOfThreads: 1)
+        defer { loop.shutdownGracefully { _ in } }
         let close: WebSocketCloseFrame?
         do {
-            close = try await WebSocketClient.connect(url: url.absoluteString, configuration: configuration, logger: logger) { inbound, outbound, _ in
-                try await withThrowingTaskGroup(of: Void.self) { group in
-                    group.addTask {
-                        for await frame in outgoing {
-                            switch frame {
-                            case .text(let text):
-                                try await outbound.writeTextMessage(text)
-                            case .close(let code):
-                                try await outbound.close(.init(codeNumber: Int(code)), reason: nil)
-                                return
-                            }
-                        }
-                    }
-                    for try await message in inbound.messages(maxSize: maxFrameSize) {
-                        if case .text(let text) = message { await received(text) }
-                    }
-                    group.cancelAll()
-                }
+            close = try await withTaskCancellationHandler {
+                try await connect(url: url, configuration: configuration, on: loop, outgoing: outgoing, received: received)
+            } onCancel: {
+                loop.shutdownGracefully { _ in }
             }
         } catch let error as WebSocketClientError where error == .webSocketUpgradeFailed {
             throw PresenceTransportError.upgradeRefused
         }
         return close.map { UInt16(webSocketErrorCode: $0.closeCode) }
+    }
+
+    private func connect(
+        url: URL,
+        configuration: WebSocketClientConfiguration,
+        on loop: MultiThreadedEventLoopGroup,
+        outgoing: AsyncStream<OutgoingFrame>,
+        received: @escaping @Sendable (String) async -> Void
+    ) async throws -> WebSocketCloseFrame? {
+        let maxFrameSize = self.maxFrameSize
+        return try await WebSocketClient.connect(url: url.absoluteString, configuration: configuration, eventLoopGroup: loop, logger: logger) { inbound, outbound, _ in
+            try await withThrowingTaskGroup(of: Void.self) { group in
+                group.addTask {
+                    for await frame in outgoing {
+                        switch frame {
+                        case .text(let text):
+                            try await outbound.writeTextMessage(text)
+                        case .close(let code):
+                            try await outbound.close(.init(codeNumber: Int(code)), reason: nil)
+                            return
+                        }
+                    }
+                }
+                for try await message in inbound.messages(maxSize: maxFrameSize) {
+                    if case .text(let text) = message { await received(text) }
+                }
+                group.cancelAll()
+            }
+        }
     }
 }

@@ -5,10 +5,11 @@ import Testing
 
 @testable import PresenceClient
 
-/// An in-memory gateway for the client's own loop: each attempt is refused or opens with an
-/// `initial_state`; what the client writes is recorded; the test can drop the session.
+/// An in-memory gateway for the client's own loop: each attempt is refused, opens with an
+/// `initial_state`, or connects and stays silent; what the client writes is recorded; the test
+/// can drop the session.
 final class ScriptedTransport: PresenceTransport {
-    enum Attempt: Sendable { case refuse, open }
+    enum Attempt: Sendable { case refuse, open, silent }
 
     private struct State {
         var script: [Attempt] = []
@@ -38,11 +39,11 @@ final class ScriptedTransport: PresenceTransport {
             state.urls.append(url)
             return state.script.isEmpty ? .refuse : state.script.removeFirst()
         }
-        guard case .open = attempt else { throw CancellationError() }
+        if case .refuse = attempt { throw CancellationError() }
         let (drops, dropper) = AsyncStream.makeStream(of: UInt16?.self)
         state.withLockedValue { $0.drop = dropper }
         defer { state.withLockedValue { $0.drop = nil } }
-        await received(#"{"type":"initial_state","data":{"presences":[]}}"#)
+        if case .open = attempt { await received(#"{"type":"initial_state","data":{"presences":[]}}"#) }
         return await withTaskGroup(of: UInt16?.self) { group in
             group.addTask {
                 for await frame in outgoing {
@@ -114,6 +115,28 @@ struct ClientLoopTests {
         transport.drop(nil)
         let delay = try #require(await waitingDelay(client, clock))
         #expect(delay >= 0.8 && delay <= 1.2, "back to 1 s after a success, got \(delay)")
+    }
+
+    @Test("an attempt that never opens is given up after openTimeout on the clock and tried again after the backoff")
+    func openTimeout() async throws {
+        let clock = ManualClock()
+        let transport = ScriptedTransport([.silent, .open])
+        let client = try makeClient(transport, clock: clock)
+        let run = Task { await client.run() }
+        defer { run.cancel() }
+        for _ in 0..<1_000 where !transport.isOpen { try await Task.sleep(for: .milliseconds(1)) }
+        #expect(transport.isOpen, "the first attempt connected")
+        clock.advance(by: 9.9)
+        try await Task.sleep(for: .milliseconds(50))
+        #expect(await client.connectionState == .connecting, "still waiting for initial_state before 10 s")
+        #expect(transport.isOpen)
+        clock.advance(by: 0.2)
+        let delay = try #require(await waitingDelay(client, clock), "the attempt was given up at 10 s")
+        #expect(!transport.isOpen, "its connection was closed")
+        #expect(delay >= 0.8 && delay <= 1.2, "then the backoff: \(delay) s")
+        clock.advance(by: delay + 0.001)
+        #expect(await state(client, { $0 == .connected }) == .connected)
+        #expect(transport.urls.count == 2)
     }
 
     @Test("1001 reconnects at once; 4003 stops for good")
