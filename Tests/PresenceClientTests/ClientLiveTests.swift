@@ -159,6 +159,68 @@ struct ClientLiveTests {
         #expect(await alice.client.connectionState == .stopped(.signedOut))
     }
 
+    @Test("SIGTERM: /readyz answers 503 from the start of the drain to the exit, new upgrades are refused, and a held session gets 1001")
+    func drain() async throws {
+        let prefix = TestRedis.uniquePrefix("sdk-drain")
+        let node = try await GatewayProcess(nodeID: "node", environment: nodeEnvironment(prefix: prefix))
+        #expect(GatewayProcess.httpStatus(port: node.port, path: "/readyz") == 200)
+        // A client that never answers the close keeps the drain going until the node's close
+        // watchdog shuts its connection (2 s): long enough to watch /readyz.
+        let held = try RawWebSocketClient(port: node.port, token: try await mint("alice"), device: "phone", watching: [], receiveBuffer: nil)
+        #expect(await eventually(timeout: .seconds(5)) { SlowReaderTests.sessions(node) == 1 })
+        node.terminate()
+        let terminatedAt = ContinuousClock.now
+        let draining = await eventually(timeout: .seconds(2), poll: .milliseconds(5)) {
+            GatewayProcess.httpStatus(port: node.port, path: "/readyz") == 503
+        }
+        try #require(draining, "/readyz turned 503 once SIGTERM arrived")
+        #expect(throws: GatewayProcessError.self, "a new upgrade is refused while draining") {
+            try RawWebSocketClient(port: node.port, token: "irrelevant", device: "tablet", watching: [], receiveBuffer: nil)
+        }
+        var statuses: [Int: Int] = [:]
+        while let status = GatewayProcess.httpStatus(port: node.port, path: "/readyz"), ContinuousClock.now < terminatedAt + .seconds(10) {
+            statuses[status, default: 0] += 1
+            try await Task.sleep(for: .milliseconds(20))
+        }
+        print("drain: /readyz answered \(statuses) after turning 503, until the node stopped listening \(ContinuousClock.now - terminatedAt) after SIGTERM")
+        #expect(statuses[503, default: 0] > 10, "503 throughout the drain (about 2 s at 20 ms a poll): \(statuses)")
+        #expect(statuses.keys.allSatisfy { $0 == 503 }, "never ready again: \(statuses)")
+        let close = held.readFrames(within: .seconds(3)).last { $0.opcode == 8 }
+        let code = close.flatMap { $0.payload.count >= 2 ? Int($0.payload[0]) << 8 | Int($0.payload[1]) : nil }
+        #expect(code == 1001, "the held session was closed with 1001")
+        #expect(await node.exited(within: .seconds(10)), "the node exits once its sessions are gone")
+    }
+
+    @Test("a gateway that takes the connection and never answers: the attempt is given up after openTimeout and the next URL is tried")
+    func silentGateway() async throws {
+        // A listening socket nobody accepts on: the kernel completes the TCP handshake, and the
+        // upgrade request then waits for an answer that never comes.
+        let silent = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
+        try #require(silent >= 0)
+        defer { close(silent) }
+        var address = sockaddr_in()
+        address.sin_family = sa_family_t(AF_INET)
+        address.sin_addr.s_addr = inet_addr("127.0.0.1")
+        var length = socklen_t(MemoryLayout<sockaddr_in>.size)
+        let bound = withUnsafeMutablePointer(to: &address) { pointer in
+            pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) {
+                bind(silent, $0, length) == 0 && listen(silent, 16) == 0 && getsockname(silent, $0, &length) == 0
+            }
+        }
+        try #require(bound)
+        let silentPort = Int(UInt16(bigEndian: address.sin_port))
+        let prefix = TestRedis.uniquePrefix("sdk-silent")
+        let node = try await GatewayProcess(nodeID: "node", environment: nodeEnvironment(prefix: prefix))
+        let started = ContinuousClock.now
+        let alice = try await LiveClient("alice", device: "phone", ports: [silentPort, node.port]) { $0.openTimeout = 1 }
+        #expect(await alice.connected(), "connected to the second URL")
+        let took = ContinuousClock.now - started
+        print("silent gateway: given up and connected to the next URL \(took) after the start")
+        // 1 s of silence, then the first backoff (1 s ± 20 %).
+        #expect(took >= .milliseconds(1_800) && took < .seconds(6), "took \(took)")
+        #expect(alice.connections == 1)
+    }
+
     @Test("an admin disconnect (4003) stops the client for good")
     func adminDisconnect() async throws {
         let prefix = TestRedis.uniquePrefix("sdk-admin")

@@ -66,6 +66,18 @@ public final class GatewayProcess: @unchecked Sendable {
         process.waitUntilExit()
     }
 
+    /// SIGTERM, as an orchestrator's stop is: the node drains its sessions, then exits. Returns
+    /// at once.
+    public func terminate() {
+        guard process.isRunning else { return }
+        process.terminate()
+    }
+
+    /// Whether the process has exited by `timeout` from now.
+    public func exited(within timeout: Duration) async -> Bool {
+        await eventually(timeout: timeout, poll: .milliseconds(20)) { !self.process.isRunning }
+    }
+
     /// The status of a GET of `path` on a loopback port, or `nil` when nothing answers.
     public static func httpStatus(port: Int, path: String, headers: [String: String] = [:]) -> Int? {
         httpGet(port: port, path: path, headers: headers)?.status
