@@ -89,7 +89,9 @@ extension PresenceClient {
         attempt = nil
         continuation.finish()
         outbox = nil
-        lastCloseCode = code
+        // An attempt that never became a session (refused, unreachable, given up) leaves the
+        // code of the last session as it was.
+        if code != nil || !awaitingInitialState { lastCloseCode = code }
         awaitingInitialState = false
         pending = [:]
         retries = []

@@ -36,7 +36,8 @@ public actor PresenceClient {
     /// The link to the gateway.
     public internal(set) var connectionState = ConnectionState.idle
     /// The close code the gateway sent when the last session ended (`nil`: none yet, or the
-    /// connection dropped without one), for diagnostics.
+    /// connection dropped without one), for diagnostics. Attempts that did not open a session
+    /// (an upgrade refused with an HTTP status, a gateway unreachable) do not change it.
     public internal(set) var lastCloseCode: UInt16?
     /// Users watched explicitly (besides those the gateway watches for the session).
     public internal(set) var watchedUsers: Set<String> = []

@@ -139,6 +139,25 @@ struct ClientLoopTests {
         #expect(transport.urls.count == 2)
     }
 
+    @Test("lastCloseCode is the last session's: a refused attempt after it does not erase it")
+    func lastCloseCode() async throws {
+        let clock = ManualClock()
+        let transport = ScriptedTransport([.open, .refuse, .open])
+        let client = try makeClient(transport, clock: clock)
+        let run = Task { await client.run() }
+        defer { run.cancel() }
+        #expect(await state(client, { $0 == .connected }) == .connected)
+        transport.drop(1001)
+        let delay = try #require(await waitingDelay(client, clock), "the quick retry was refused; backing off")
+        #expect(transport.urls.count == 2)
+        #expect(await client.lastCloseCode == 1001)
+        clock.advance(by: delay + 0.001)
+        #expect(await state(client, { $0 == .connected }) == .connected)
+        transport.drop(nil)
+        _ = try #require(await waitingDelay(client, clock))
+        #expect(await client.lastCloseCode == nil, "a session that dropped without a close")
+    }
+
     @Test("1001 reconnects at once; 4003 stops for good")
     func closeCodes() async throws {
         let clock = ManualClock()
