@@ -1,3 +1,4 @@
+import Foundation
 import Logging
 import NIOConcurrencyHelpers
 import PresenceEngine
@@ -39,6 +40,18 @@ struct EngineCluster {
             let keys = page.array?[1].strings ?? []
             if !keys.isEmpty { try await redis.send([RedisArgument("DEL")] + keys.map { RedisArgument($0) }) }
         } while cursor != "0"
+    }
+
+    /// A cluster on a redis-server of its own that keeps its data across a stop and a start (an
+    /// append-only file synced on every write), for tests of Redis going away and coming back.
+    static func withRestartableRedis(_ body: (EngineCluster, RedisServerProcess) async throws -> Void) async throws {
+        let directory = NSTemporaryDirectory() + "presence-engine-" + UUID().uuidString.prefix(8).lowercased()
+        defer { try? FileManager.default.removeItem(atPath: directory) }
+        try FileManager.default.createDirectory(atPath: directory, withIntermediateDirectories: true)
+        let server = try RedisServerProcess(arguments: ["--appendonly", "yes", "--appendfsync", "always", "--dir", directory])
+        try await RedisClient.withClient(configuration: RedisConfiguration(url: server.url()), logger: TestRedis.logger()) { redis in
+            try await body(EngineCluster(redis: redis), server)
+        }
     }
 
     static func with(_ body: (EngineCluster) async throws -> Void) async throws {

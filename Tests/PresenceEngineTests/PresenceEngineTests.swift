@@ -184,12 +184,8 @@ struct PresenceEngineTests {
 
     @Test("after Redis was unreachable, a lapsed node gets the recovery grace to renew before any reaper takes it")
     func recoveryGrace() async throws {
-        let directory = NSTemporaryDirectory() + "presence-grace-" + UUID().uuidString.prefix(8).lowercased()
-        defer { try? FileManager.default.removeItem(atPath: directory) }
-        try FileManager.default.createDirectory(atPath: directory, withIntermediateDirectories: true)
-        let server = try RedisServerProcess(arguments: ["--appendonly", "yes", "--appendfsync", "always", "--dir", directory])
-        try await RedisClient.withClient(configuration: RedisConfiguration(url: server.url()), logger: TestRedis.logger()) { redis in
-            let cluster = EngineCluster(redis: redis)
+        try await EngineCluster.withRestartableRedis { cluster, server in
+            let redis = cluster.redis
             let live = cluster.engine(node: "live")
             let dead = cluster.engine(node: "dead")
             let reaper = cluster.engine(node: "reaper")
@@ -257,12 +253,9 @@ struct PresenceEngineTests {
 
     @Test("a status change Redis could not take is written on the lease tick once Redis answers")
     func owedStatus() async throws {
-        let directory = NSTemporaryDirectory() + "presence-owed-" + UUID().uuidString.prefix(8).lowercased()
-        defer { try? FileManager.default.removeItem(atPath: directory) }
-        try FileManager.default.createDirectory(atPath: directory, withIntermediateDirectories: true)
-        let server = try RedisServerProcess(arguments: ["--appendonly", "yes", "--appendfsync", "always", "--dir", directory])
-        try await RedisClient.withClient(configuration: RedisConfiguration(url: server.url()), logger: TestRedis.logger()) { redis in
-            let node = EngineCluster(redis: redis).engine(node: "n1")
+        try await EngineCluster.withRestartableRedis { cluster, server in
+            let redis = cluster.redis
+            let node = cluster.engine(node: "n1")
             try await node.registerNode()
             _ = try await node.connect(user: "petra", device: "phone", session: "s1")
 
