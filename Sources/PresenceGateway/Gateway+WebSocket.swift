@@ -19,6 +19,13 @@ extension Gateway {
             return .upgrade([:])
         }, onUpgrade: { inbound, outbound, context in
             context.requestContext.releaseWebSocketHandler()
+            // Counted before the token is checked: a flood of bad tokens holds connections too.
+            guard self.hub.admit(limit: self.configuration.maxSessions) else {
+                GatewayMetrics.refused("full")
+                await self.refuse(outbound, .unknown(1013), reason: "this node holds its most sessions; try another")
+                return
+            }
+            defer { self.hub.leave() }
             try await self.serve(inbound: inbound, outbound: outbound, request: context.request, channel: context.requestContext.channel)
         })
     }

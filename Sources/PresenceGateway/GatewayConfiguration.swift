@@ -58,6 +58,11 @@ public struct GatewayConfiguration: Sendable {
     public var frameRate = 50.0
     /// `rate_limited` answers in a row before the session is closed with 4029.
     public var maxRateLimitedFrames = 50
+    /// Most WebSocket sessions this node holds at once, counted from the upgrade (so sessions
+    /// still being authenticated count too); one more is closed with 1013 (try again later).
+    /// The default is the process's open-file limit less 256, kept for Redis, REST requests and
+    /// the listening socket: past the limit a node could not accept connections at all.
+    public var maxSessions = GatewayConfiguration.defaultMaxSessions()
     /// WebSocket ping interval; a session that misses a pong is closed and its device lingers.
     public var pingInterval = Duration.seconds(20)
     /// How long a session the server closes has to take the rest of its queue and the close
@@ -101,6 +106,7 @@ public struct GatewayConfiguration: Sendable {
         if let value = try integer("PRESENCE_LINGER", 0...3600) { linger = value }
         if let value = try integer("PRESENCE_HEARTBEAT_TTL", 1...86400) { heartbeatTTL = value }
         if let value = try integer("PRESENCE_TYPING_TTL", 1...3600) { typingTTL = value }
+        if let value = try integer("PRESENCE_MAX_SESSIONS", 1...10_000_000) { maxSessions = value }
         if let value = values["PRESENCE_LOG_LEVEL"] {
             guard let level = Logger.Level(rawValue: value.lowercased()) else {
                 throw GatewayConfigurationError("PRESENCE_LOG_LEVEL=\(value) must be one of trace, debug, info, notice, warning, error, critical")
@@ -134,6 +140,30 @@ public struct GatewayConfiguration: Sendable {
             leaseTTL: .seconds(leaseTTL), linger: .seconds(linger), heartbeatTTL: .seconds(heartbeatTTL),
             typingTTL: .seconds(typingTTL), maxDevicesPerUser: maxDevicesPerUser
         )
+    }
+
+    /// The open-file limit (soft) less 256 descriptors for everything that is not a session;
+    /// at least 1. See ``raiseOpenFileLimit()``.
+    public static func defaultMaxSessions() -> Int {
+        var limit = rlimit()
+        guard getrlimit(Int32(RLIMIT_NOFILE.rawValue), &limit) == 0 else { return 1_024 }
+        guard limit.rlim_cur != rlim_t.max else { return 10_000_000 }
+        return max(1, min(10_000_000, Int(limit.rlim_cur) - 256))
+    }
+
+    /// Raises this process's open-file limit to its hard limit, which an unprivileged process
+    /// may do: the soft limit is often 1,024, a few hundred sessions short of what a node holds.
+    /// Returns the limit in force afterwards.
+    @discardableResult
+    public static func raiseOpenFileLimit() -> Int? {
+        var limit = rlimit()
+        guard getrlimit(Int32(RLIMIT_NOFILE.rawValue), &limit) == 0 else { return nil }
+        if limit.rlim_cur < limit.rlim_max {
+            var raised = limit
+            raised.rlim_cur = limit.rlim_max
+            if setrlimit(Int32(RLIMIT_NOFILE.rawValue), &raised) == 0 { limit = raised }
+        }
+        return limit.rlim_cur == rlim_t.max ? Int.max : Int(limit.rlim_cur)
     }
 
     /// Host name plus a random suffix, so that two nodes on one host differ.

@@ -26,6 +26,7 @@ enum GatewayMetrics {
     static func delivered(latencyMilliseconds: Int64) {
         deliveries.recordNanoseconds(max(0, latencyMilliseconds) * 1_000_000)
     }
+    static func refused(_ reason: String) { Counter(label: "presence_sessions_refused_total", dimensions: [("reason", reason)]).increment() }
     static func errors(_ code: String) { Counter(label: "presence_errors_total", dimensions: [("code", code)]).increment() }
     static func redisLatency(_ command: String, nanoseconds: Int64) {
         Metrics.Timer(label: "presence_redis_latency_seconds", dimensions: [("operation", command)]).recordNanoseconds(nanoseconds)

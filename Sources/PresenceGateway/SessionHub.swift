@@ -23,6 +23,8 @@ final class SessionHub: Service, Sendable {
         var followers: [String: Set<String>] = [:]
         /// Set once the node is shutting down: no new sessions, not ready.
         var draining = false
+        /// WebSocket connections admitted, from the upgrade to their end.
+        var admitted = 0
         /// The catch-up after a pub/sub reconnect; a newer reconnect replaces it.
         var resync: Task<Void, Never>?
     }
@@ -34,6 +36,18 @@ final class SessionHub: Service, Sendable {
     }
 
     var sessionCount: Int { state.withLockedValue { $0.sessions.count } }
+
+    /// Counts one more WebSocket connection, unless `limit` are admitted already.
+    func admit(limit: Int) -> Bool {
+        state.withLockedValue { state in
+            guard state.admitted < limit else { return false }
+            state.admitted += 1
+            return true
+        }
+    }
+
+    /// A connection ``admit(limit:)`` counted has ended.
+    func leave() { state.withLockedValue { $0.admitted -= 1 } }
 
     /// Whether the node is shutting down.
     var isDraining: Bool { state.withLockedValue { $0.draining } }

@@ -93,4 +93,63 @@ struct FloodTests {
         #expect(close == 4029)
         #expect(devices.count == 32)
     }
+    @Test("a flood of connections with good tokens meets PRESENCE_MAX_SESSIONS: the node holds that many, closes each one more with 1013, and keeps serving")
+    func sessionLimitFlood() async throws {
+        let limit = 300
+        let flood = 1_000
+        let node = try await GatewayProcess(nodeID: "full", environment: nodeEnvironment(
+            prefix: TestRedis.uniquePrefix("full"), extra: ["PRESENCE_VISIBILITY": "open", "PRESENCE_MAX_SESSIONS": "\(limit)"]
+        ))
+        let alice = try await LiveClient("alice", device: "phone", nodes: [node])
+        let bob = try await LiveClient("bob", device: "laptop", nodes: [node])
+        try await bob.client.watch(["alice"])
+        #expect(await bob.sees("alice", .online))
+        let memoryBefore = node.residentBytes ?? 0
+        var minted: [String] = []
+        for index in 0..<flood { minted.append(try await mint("flood\(index)")) }
+        let tokens = minted
+
+        // 16 threads open 1,000 sessions of 1,000 users and hold the ones that open.
+        let outcomes = NIOLockedValueBox<[String: Int]>([:])
+        let held = NIOLockedValueBox<[RawWebSocketClient]>([])
+        let started = ContinuousClock.now
+        let threads = (0..<16).map { thread in
+            Thread {
+                for index in stride(from: thread, to: flood, by: 16) {
+                    guard let client = try? RawWebSocketClient(port: node.port, token: tokens[index], device: "d", watching: [], receiveBuffer: nil) else {
+                        outcomes.withLockedValue { $0["no upgrade", default: 0] += 1 }
+                        continue
+                    }
+                    let frames = client.readFrames(within: .milliseconds(500))
+                    let outcome: String
+                    if let close = frames.last(where: { $0.opcode == 8 }) {
+                        outcome = close.payload.count >= 2 ? "\(Int(close.payload[0]) << 8 | Int(close.payload[1]))" : "close without a code"
+                    } else if frames.contains(where: { $0.opcode == 1 && String(decoding: $0.payload, as: UTF8.self).contains("initial_state") }) {
+                        outcome = "open"
+                        held.withLockedValue { $0.append(client) }
+                    } else {
+                        outcome = "nothing"
+                    }
+                    outcomes.withLockedValue { $0[outcome, default: 0] += 1 }
+                }
+            }
+        }
+        for thread in threads { thread.start() }
+        #expect(await eventually(timeout: .seconds(120)) { outcomes.withLockedValue { $0.values.reduce(0, +) } == flood })
+        let elapsed = ContinuousClock.now - started
+        let sessions = SlowReaderTests.sessions(node)
+        let memoryAfter = node.residentBytes ?? 0
+        print("session limit: \(flood) connections in \(elapsed) against a limit of \(limit) with 2 held already: \(outcomes.withLockedValue { $0 }); node sessions \(String(describing: sessions)), RSS \(memoryBefore / 1_048_576) → \(memoryAfter / 1_048_576) MiB")
+        #expect(outcomes.withLockedValue { $0 } == ["open": limit - 2, "1013": flood - limit + 2], "the limit, then 1013 for each one more")
+        #expect(sessions == limit)
+        await alice.client.setStatus(.away)
+        #expect(await bob.sees("alice", .away, within: .seconds(5)), "the node keeps serving its sessions while full")
+        #expect(memoryAfter - memoryBefore < 64 * 1_048_576)
+
+        // Once the flood lets go, the node takes sessions again.
+        held.withLockedValue { $0.removeAll() }
+        #expect(await eventually(timeout: .seconds(10)) { SlowReaderTests.sessions(node) == 2 })
+        let carol = try await LiveClient("carol", device: "phone", nodes: [node])
+        #expect(await carol.connected())
+    }
 }

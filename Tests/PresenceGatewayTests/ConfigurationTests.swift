@@ -12,10 +12,12 @@ struct ConfigurationTests {
         let configuration = try GatewayConfiguration(environment: [
             "PRESENCE_PORT": "9000", "PRESENCE_LEASE_TTL": "20", "PRESENCE_VISIBILITY": "open",
             "PRESENCE_JWT_SECRET": String(repeating: "s", count: 32), "PRESENCE_LOG_LEVEL": "debug",
+            "PRESENCE_MAX_SESSIONS": "5000",
         ])
         #expect(configuration.port == 9000 && configuration.leaseTTL == 20 && configuration.visibility == .open)
+        #expect(configuration.maxSessions == 5000)
         try configuration.validate()
-        for (name, value) in [("PRESENCE_PORT", "http"), ("PRESENCE_LEASE_TTL", "0"), ("PRESENCE_VISIBILITY", "all"), ("PRESENCE_LOG_LEVEL", "loud")] {
+        for (name, value) in [("PRESENCE_PORT", "http"), ("PRESENCE_LEASE_TTL", "0"), ("PRESENCE_VISIBILITY", "all"), ("PRESENCE_LOG_LEVEL", "loud"), ("PRESENCE_MAX_SESSIONS", "0")] {
             do {
                 _ = try GatewayConfiguration(environment: [name: value])
                 Issue.record("\(name)=\(value) must be refused")

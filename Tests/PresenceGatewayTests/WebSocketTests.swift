@@ -199,6 +199,33 @@ struct WebSocketTests {
         }
     }
 
+    @Test("a node holding maxSessions closes one more with 1013, counts it in /metrics, and takes a session again once one has gone")
+    func sessionLimit() async throws {
+        try await withNodes(1, configure: { $0.maxSessions = 2 }) { ports in
+            let first = TestSocket(port: ports[0], token: try await token("ann"), device: "d")
+            let second = TestSocket(port: ports[0], token: try await token("ben"), device: "d")
+            _ = try await first.next("initial_state")
+            _ = try await second.next("initial_state")
+            let third = TestSocket(port: ports[0], token: try await token("cy"), device: "d")
+            #expect(await third.closed() == 1013, "one more than the limit: try again later")
+            let badToken = TestSocket(port: ports[0], token: "garbage", device: "d")
+            #expect(await badToken.closed() == 1013, "counted before the token is checked")
+            first.closeNormally()
+            #expect(await first.closed() == 1000)
+            // The slot is given back once the node has finished with the session, a moment
+            // after the client saw its close.
+            var reopened = false
+            for _ in 0..<10 where !reopened {
+                let again = TestSocket(port: ports[0], token: try await token("cy"), device: "d")
+                if (try? await again.next("initial_state", timeout: .seconds(1))) != nil { reopened = true }
+            }
+            #expect(reopened, "a session opens again once one has gone")
+            // The counter is the process's: other tests' nodes may have added to it, never taken.
+            let refused = GatewayMetrics.render().split(separator: "\n").first { $0.hasPrefix("presence_sessions_refused_total") && $0.contains("full") }
+            #expect(refused.flatMap { Double($0.split(separator: " ").last ?? "") }.map { $0 >= 2 } == true, "\(String(describing: refused))")
+        }
+    }
+
     @Test("a frame over the size limit closes with 1009; a bad token is refused")
     func limits() async throws {
         try await withNodes(1) { ports in
