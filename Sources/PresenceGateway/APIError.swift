@@ -14,6 +14,8 @@ public struct APIError: Error, HTTPResponseError, Sendable {
     public let status: HTTPResponse.Status
     /// Seconds to wait, for `rate_limited`.
     public var retryAfter: Int?
+    /// The methods the path takes, for `method_not_allowed`.
+    public var allow: [String]?
     /// Whether a WebSocket frame that caused it counts towards the bad-frame limit.
     var isBadFrame = true
 
@@ -31,6 +33,12 @@ public struct APIError: Error, HTTPResponseError, Sendable {
     static func notAvailable(_ message: String) -> APIError {
         var error = APIError(code: "invalid_request", message: message, status: .unprocessableContent)
         error.isBadFrame = false
+        return error
+    }
+    /// A path served under other methods only; `allow` lists them for the `Allow` header.
+    public static func methodNotAllowed(allow: [String]) -> APIError {
+        var error = APIError(code: "method_not_allowed", message: "this path takes \(allow.joined(separator: ", ")) only", status: .methodNotAllowed)
+        error.allow = allow
         return error
     }
     public static func `internal`(_ message: String = "internal error") -> APIError { .init(code: "internal", message: message, status: .internalServerError) }
@@ -74,6 +82,7 @@ public struct APIError: Error, HTTPResponseError, Sendable {
     public func response(from request: Request, context: some RequestContext) throws -> Response {
         var headers: HTTPFields = [.contentType: "application/json; charset=utf-8"]
         if let retryAfter { headers[.retryAfter] = String(retryAfter) }
+        if let allow { headers[.allow] = allow.joined(separator: ", ") }
         let data = (try? JSONSerialization.data(withJSONObject: body, options: [.sortedKeys])) ?? Data("{}".utf8)
         return Response(status: status, headers: headers, body: .init(byteBuffer: ByteBuffer(bytes: data)))
     }
@@ -91,6 +100,35 @@ struct APIErrorMiddleware<Context: RequestContext>: RouterMiddleware {
             }
             GatewayMetrics.errors(apiError.code)
             throw apiError
+        }
+    }
+}
+
+/// Answers 405 with `Allow` for a path that is served, but under other methods: a 404 there would
+/// say the path does not exist. Added after every route, so it sees only what no route took.
+struct MethodNotAllowedMiddleware<Context: RequestContext>: RouterMiddleware {
+    /// The path of each route, and the methods it is served under.
+    let routes: [(path: RouterPath, methods: [String])]
+
+    /// From the router's routes, leaving out those whose path starts with one of `hidden`.
+    init(routes: [Router<Context>.RouteDescription], hiding hidden: [String]) {
+        var methods: [String: (path: RouterPath, methods: [String])] = [:]
+        for route in routes where !hidden.contains(where: { route.path.description.hasPrefix($0) }) {
+            methods[route.path.description, default: (route.path, [])].methods.append(route.method.rawValue)
+        }
+        self.routes = methods.values.map { ($0.path, $0.methods.sorted()) }
+    }
+
+    func handle(_ request: Request, context: Context, next: (Request, Context) async throws -> Response) async throws -> Response {
+        do {
+            return try await next(request, context)
+        } catch let error as HTTPError where error.status == .notFound {
+            let segments = request.uri.path.split(separator: "/")
+            let allowed = routes.filter { route in
+                route.path.components.count == segments.count && zip(route.path.components, segments).allSatisfy { $0 ~= $1 }
+            }
+            guard !allowed.isEmpty else { throw error }
+            throw APIError.methodNotAllowed(allow: Array(Set(allowed.flatMap(\.methods))).sorted())
         }
     }
 }

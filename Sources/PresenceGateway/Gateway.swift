@@ -94,6 +94,8 @@ public func buildGateway(
     gateway.addRESTRoutes(to: router)
     gateway.addAdminRoutes(to: router)
     gateway.addWebSocketRoute(to: router)
+    // Admin paths stay 404 under any method while the admin routes are off (API.md).
+    router.add(middleware: MethodNotAllowedMiddleware(routes: router.routes, hiding: gateway.authenticator.adminEnabled ? [] : ["/api/admin"]))
     var app = Application(
         router: router,
         server: .http1WebSocketUpgrade(

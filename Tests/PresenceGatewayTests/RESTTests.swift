@@ -174,6 +174,37 @@ struct RESTTests {
         try await withNodes(1, configure: { $0.adminToken = nil }) { ports in
             let answer = try await call(ports[0], "GET", "/api/admin/nodes", token: adminToken)
             #expect(answer.status == 404)
+            let otherMethod = try await call(ports[0], "POST", "/api/admin/nodes", token: adminToken)
+            #expect(otherMethod.status == 404, "admin paths do not show through a 405 while turned off")
+        }
+    }
+
+    @Test("a path asked with a method it does not take is 405 with Allow; an unknown path is 404")
+    func methodNotAllowed() async throws {
+        try await withNodes(1) { ports in
+            let port = ports[0]
+            let user = try await token("alice")
+            func errorCode(_ answer: (status: Int, json: Any?, headers: [AnyHashable: Any])) -> String? {
+                ((answer.json as? [String: Any])?["error"] as? [String: Any])?["code"] as? String
+            }
+            let cases: [(method: String, path: String, allow: String)] = [
+                ("POST", "/api/presence/users/bob", "GET"),
+                ("DELETE", "/api/presence/status", "POST"),
+                ("GET", "/api/presence/privacy", "PUT"),
+                ("PATCH", "/api/conversations/c1/typing", "POST"),
+                ("POST", "/api/admin/conversations/c1", "DELETE, PUT"),
+                ("PUT", "/api/presence/subscribe", "GET"),
+            ]
+            for (method, path, allow) in cases {
+                let answer = try await call(port, method, path, token: user, body: method == "GET" ? nil : "{}")
+                #expect(answer.status == 405, "\(method) \(path)")
+                #expect(answer.headers["Allow"] as? String == allow, "\(method) \(path): \(answer.headers)")
+                #expect(errorCode(answer) == "method_not_allowed")
+            }
+            let unknown = try await call(port, "GET", "/api/presence/nowhere", token: user)
+            #expect(unknown.status == 404 && errorCode(unknown) == "not_found")
+            let tooDeep = try await call(port, "POST", "/api/presence/users/bob/extra", token: user)
+            #expect(tooDeep.status == 404, "a route's path with a segment more is not that route")
         }
     }
 
