@@ -194,9 +194,10 @@ final class RawWebSocketClient: @unchecked Sendable {
         }
     }
 
-    /// Reads frames until the server's close frame or the end of the connection, for at most
-    /// `timeout`: each frame's opcode and payload (a close frame's payload starts with its code).
-    func readFrames(within timeout: Duration) -> [(opcode: UInt8, payload: [UInt8])] {
+    /// Reads frames until the server's close frame, the end of the connection or `limit`
+    /// frames, for at most `timeout`: each frame's opcode and payload (a close frame's payload
+    /// starts with its code).
+    func readFrames(within timeout: Duration, limit: Int = .max) -> [(opcode: UInt8, payload: [UInt8])] {
         var wait = timeval(tv_sec: 1, tv_usec: 0)
         setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &wait, socklen_t(MemoryLayout<timeval>.size))
         let deadline = ContinuousClock.now + timeout
@@ -223,7 +224,7 @@ final class RawWebSocketClient: @unchecked Sendable {
                 guard stream.count >= header + length else { break }
                 frames.append((stream[0] & 0x0F, Array(stream[header..<(header + length)])))
                 stream.removeFirst(header + length)
-                if frames.last?.opcode == 8 { return frames }
+                if frames.last?.opcode == 8 || frames.count >= limit { return frames }
             }
         }
         return frames
