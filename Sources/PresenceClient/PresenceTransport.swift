@@ -1,6 +1,7 @@
 import Foundation
 import HummingbirdWSClient
 import Logging
+import NIOConcurrencyHelpers
 import NIOCore
 import NIOPosix
 import NIOWebSocket
@@ -38,6 +39,7 @@ public struct WebSocketTransport: PresenceTransport {
     /// How long to wait for the gateway's answer to a close before dropping the connection.
     public var closeTimeout: Duration
     private let logger: Logger
+    private let loops = SessionLoops()
 
     /// A transport; `logger` gets connection-level detail at `debug` and below.
     public init(maxFrameSize: Int = 4 << 20, pingInterval: Duration = .seconds(15), closeTimeout: Duration = .seconds(2), logger: Logger) {
@@ -51,17 +53,20 @@ public struct WebSocketTransport: PresenceTransport {
         let configuration = WebSocketClientConfiguration(
             maxFrameSize: maxFrameSize, closeTimeout: closeTimeout, autoPing: .enabled(timePeriod: pingInterval)
         )
-        // The session runs on an event loop of its own, so that cancelling it closes its
-        // connection even before the upgrade is answered: the library's wait for the upgrade
-        // does not end on cancellation, and a gateway that never answers would hold it forever.
-        let loop = MultiThreadedEventLoopGroup(numberOfThreads: 1)
-        defer { loop.shutdownGracefully { _ in } }
+        // A session that is cancelled before its upgrade is answered has its event loop shut
+        // down, which closes its connection: the library's wait for the upgrade does not end on
+        // cancellation, and a gateway that never answers would hold it forever. Once upgraded,
+        // cancelling ends the session the ordinary way.
+        let loop = loops.current()
+        let upgraded = NIOLockedValueBox(false)
         let close: WebSocketCloseFrame?
         do {
             close = try await withTaskCancellationHandler {
-                try await connect(url: url, configuration: configuration, on: loop, outgoing: outgoing, received: received)
+                try await connect(url: url, configuration: configuration, on: loop, outgoing: outgoing, received: received) {
+                    upgraded.withLockedValue { $0 = true }
+                }
             } onCancel: {
-                loop.shutdownGracefully { _ in }
+                if !upgraded.withLockedValue({ $0 }) { loops.abandon(loop) }
             }
         } catch let error as WebSocketClientError where error == .webSocketUpgradeFailed {
             throw PresenceTransportError.upgradeRefused
@@ -74,10 +79,12 @@ public struct WebSocketTransport: PresenceTransport {
         configuration: WebSocketClientConfiguration,
         on loop: MultiThreadedEventLoopGroup,
         outgoing: AsyncStream<OutgoingFrame>,
-        received: @escaping @Sendable (String) async -> Void
+        received: @escaping @Sendable (String) async -> Void,
+        upgraded: @escaping @Sendable () -> Void
     ) async throws -> WebSocketCloseFrame? {
         let maxFrameSize = self.maxFrameSize
         return try await WebSocketClient.connect(url: url.absoluteString, configuration: configuration, eventLoopGroup: loop, logger: logger) { inbound, outbound, _ in
+            upgraded()
             try await withThrowingTaskGroup(of: Void.self) { group in
                 group.addTask {
                     for await frame in outgoing {
@@ -96,5 +103,35 @@ public struct WebSocketTransport: PresenceTransport {
                 group.cancelAll()
             }
         }
+    }
+}
+
+/// The event loop a transport's sessions run on: one thread, made when first needed, shared by
+/// the transport's copies, and shut down when the last copy goes. An attempt given up before its
+/// upgrade was answered takes the loop down with it, which closes its connection; the next
+/// attempt gets a new one.
+final class SessionLoops: Sendable {
+    private let group = NIOLockedValueBox<MultiThreadedEventLoopGroup?>(nil)
+
+    /// The loop for the next session.
+    func current() -> MultiThreadedEventLoopGroup {
+        group.withLockedValue { group in
+            if let group { return group }
+            let made = MultiThreadedEventLoopGroup(numberOfThreads: 1)
+            group = made
+            return made
+        }
+    }
+
+    /// Shuts `loop` down, closing every connection on it, and forgets it.
+    func abandon(_ loop: MultiThreadedEventLoopGroup) {
+        group.withLockedValue { group in
+            if group === loop { group = nil }
+        }
+        loop.shutdownGracefully { _ in }
+    }
+
+    deinit {
+        group.withLockedValue { $0 }?.shutdownGracefully { _ in }
     }
 }
