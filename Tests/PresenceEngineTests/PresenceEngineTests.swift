@@ -265,7 +265,7 @@ struct PresenceEngineTests {
             #expect(await eventually(timeout: .seconds(5)) { (try? await redis.send("PING")) != nil })
             #expect(try await node.views(of: "petra").real.status == .online, "Redis came back without the change")
             await node.retryOwedStatuses()
-            #expect(try await node.views(of: "petra").real.status == .away, "the lease tick wrote it")
+            #expect(try await node.views(of: "petra").real.status == .away, "retryOwedStatuses, which the lease tick calls, wrote it")
             #expect(node.local.withLockedValue { $0.values.allSatisfy { !$0.statusOwed } }, "nothing is owed any more")
         }
     }

@@ -199,7 +199,7 @@ struct WebSocketTests {
         }
     }
 
-    @Test("a node holding maxSessions closes one more with 1013, counts it in /metrics, and takes a session again once one has gone")
+    @Test("a node holding maxSessions closes one more with 1013, counts it in presence_sessions_refused_total, and takes a session again once one has gone")
     func sessionLimit() async throws {
         try await withNodes(1, configure: { $0.maxSessions = 2 }) { ports in
             let first = TestSocket(port: ports[0], token: try await token("ann"), device: "d")
