@@ -100,12 +100,18 @@ public final class PresenceEngine: Sendable {
             devices[member]?.status = status
             devices[member]?.statusOwed = true
         }
-        let reply = try await upsert(user: user, device: device, status: status, node: configuration.nodeID, session: session, deadline: 0, mode: "status")
+        let change = try await writeStatus(user: user, device: device, session: session, status: status)
         written(member, session: session, status: status)
-        guard reply.first?.int != -3 else {
-            // Another session took the device over; this one is about to be closed.
-            return PresenceChange(changed: false, shownChanged: false, views: try await views(of: user))
-        }
+        if let change { return change }
+        // Another session took the device over; this one is about to be closed.
+        return PresenceChange(changed: false, shownChanged: false, views: try await views(of: user))
+    }
+
+    /// Writes the status of a device held by `session` of this node and settles the change;
+    /// `nil` when another session has taken the device over.
+    private func writeStatus(user: String, device: String, session: String, status: PresenceStatus) async throws(PresenceError) -> PresenceChange? {
+        let reply = try await upsert(user: user, device: device, status: status, node: configuration.nodeID, session: session, deadline: 0, mode: "status")
+        guard reply.first?.int != -3 else { return nil }
         let change = try Self.change(from: reply, user: user)
         await settle(change)
         return change
@@ -147,8 +153,7 @@ public final class PresenceEngine: Sendable {
         for (member, device) in owed {
             do {
                 try await writeCurrentStatus(member, session: device.session) { user, device, session, status throws(PresenceError) in
-                    let reply = try await self.upsert(user: user, device: device, status: status, node: self.configuration.nodeID, session: session, deadline: 0, mode: "status")
-                    if reply.first?.int != -3 { await self.settle(try Self.change(from: reply, user: user)) }
+                    _ = try await self.writeStatus(user: user, device: device, session: session, status: status)
                 }
             } catch {
                 return

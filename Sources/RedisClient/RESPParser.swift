@@ -129,12 +129,29 @@ struct HeaderScanner {
             throw RedisError(.protocolViolation, "a length header of \(lineLength) bytes")
         }
         // Anything else that is not a number, hiredis refuses itself.
-        guard let length = Int(String(decoding: line.dropFirst().prefix { $0 != UInt8(ascii: "\r") }, as: UTF8.self)) else { return }
+        guard let length = Self.number(line.dropFirst().prefix { $0 != UInt8(ascii: "\r") }) else { return }
         if type == UInt8(ascii: "$") {
             if length >= 0 { skip = length + 2 }
         } else if length > RESPParser.maxArrayElements {
             throw RedisError(.protocolViolation, "an array of \(length) elements exceeds the limit of \(RESPParser.maxArrayElements)")
         }
+    }
+
+    /// An optional `-` and decimal digits, as `Int(_:)` reads them (`nil` past `Int`'s range),
+    /// without making a String: this runs for every bulk reply.
+    private static func number(_ text: ArraySlice<UInt8>) -> Int? {
+        let negative = text.first == UInt8(ascii: "-")
+        let digits = negative ? text.dropFirst() : text
+        guard !digits.isEmpty else { return nil }
+        var value = 0
+        for byte in digits {
+            guard byte >= UInt8(ascii: "0"), byte <= UInt8(ascii: "9") else { return nil }
+            let (shifted, overflowA) = value.multipliedReportingOverflow(by: 10)
+            let (next, overflowB) = shifted.addingReportingOverflow(Int(byte - UInt8(ascii: "0")))
+            guard !overflowA, !overflowB else { return nil }
+            value = next
+        }
+        return negative ? -value : value
     }
 }
 

@@ -77,6 +77,12 @@ struct RESPParserTests {
         // Found by the fuzzer: hiredis would calloc 3.2 GB for these 13 bytes.
         let huge = RESPParser()
         #expect(throws: RedisError.self) { try huge.feed(ByteBuffer(string: "*399999999\r\n")) }
+        let nineteenDigits = RESPParser()
+        #expect(throws: RedisError.self) { try nineteenDigits.feed(ByteBuffer(string: "*1000000000000000000\r\n")) }
+        let nullBulk = RESPParser()
+        try nullBulk.feed(ByteBuffer(string: "$-1\r\n*1\r\n:7\r\n"))
+        #expect(try nullBulk.next() == .null)
+        #expect(try nullBulk.next() == .array([.integer(7)]), "a null bulk string skips nothing")
         let padded = RESPParser()
         #expect(throws: RedisError.self) { try padded.feed(ByteBuffer(string: "*00000000000000000399999999\r\n")) }
         // Split anywhere, nested, or after bulk strings that contain the same bytes as data.
