@@ -158,8 +158,13 @@ struct RESTTests {
             let port = ports[0]
             #expect(try await call(port, "GET", "/api/admin/nodes", token: "wrong").status == 401)
             #expect(try await call(port, "GET", "/api/admin/nodes", token: try await token("alice")).status == 401)
-            let nodes = try await call(port, "GET", "/api/admin/nodes", token: adminToken)
-            #expect((nodes.json as? [[String: Any]])?.first?["node_id"] as? String == "node-0")
+            // The node takes its lease as it starts, beside the server: under load, a moment after
+            // the server answers.
+            let listed = try await eventually {
+                let nodes = try await call(port, "GET", "/api/admin/nodes", token: adminToken)
+                return (nodes.json as? [[String: Any]])?.first?["node_id"] as? String == "node-0"
+            }
+            #expect(listed, "node-0 is listed in /api/admin/nodes")
             #expect(try await call(port, "PUT", "/api/admin/conversations/c1", token: adminToken, body: #"{"member_ids":["ok","not ok"]}"#).status == 422)
             #expect(try await call(port, "POST", "/api/admin/conversations/c1/members", token: adminToken, body: #"{"user_ids":["a","b"]}"#).status == 200)
             #expect(try await call(port, "DELETE", "/api/admin/conversations/c1/members/a", token: adminToken).status == 200)
