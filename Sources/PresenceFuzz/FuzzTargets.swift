@@ -34,7 +34,9 @@ private func fuzzRESP(_ bytes: [UInt8]) {
         let end = min(offset + piece, body.count)
         do {
             try parser.feed(ByteBuffer(bytes: body[offset..<end]))
-            while let reply = try parser.next() { precondition(depth(reply) <= 8, "hiredis bounds nesting at 7 levels") }
+            while let reply = try parser.next() {
+                precondition(arrayDepth(reply) <= RESPParser.maxArrayDepth, "a reply nested deeper than the parser's limit got through")
+            }
         } catch {
             break parsing
         }
@@ -55,9 +57,10 @@ private func fuzzRESP(_ bytes: [UInt8]) {
     precondition(completed == 3, "a command was left waiting after the connection closed")
 }
 
-private func depth(_ value: RESPValue) -> Int {
-    if case .array(let items) = value { return 1 + (items.map(depth).max() ?? 0) }
-    return 1
+/// How many arrays nest in `value`, the outermost included (a scalar is 0).
+private func arrayDepth(_ value: RESPValue) -> Int {
+    if case .array(let items) = value { return 1 + (items.map(arrayDepth).max() ?? 0) }
+    return 0
 }
 
 /// The bytes a client sends after the upgrade.

@@ -3,7 +3,9 @@ import NIOCore
 
 /// Incremental RESP2 parser over hiredis's reader: feed bytes as they arrive, take complete replies.
 ///
-/// hiredis keeps partial frames in its own buffer and bounds nesting at 7 levels. On top of that
+/// hiredis keeps partial frames in its own buffer and bounds nesting: arrays at most
+/// ``maxArrayDepth`` deep (the top array and 7 inside it); a deeper reply is a protocol error
+/// (``next()`` throws, and the connection is dropped). On top of that
 /// this type bounds the bytes buffered for one incomplete reply, and the length an array header
 /// may declare: hiredis allocates a pointer for every declared element at once, so 13 bytes
 /// (`*399999999\r\n`) would cost 3.2 GB. Either way a peer cannot make us hold an arbitrary
@@ -16,6 +18,9 @@ package final class RESPParser {
     let maxPendingBytes: Int
     /// The most elements an array header may declare (found by the fuzzer: see above).
     static let maxArrayElements = 1 << 20
+    /// The most arrays a reply may nest, the outermost included: hiredis 0.14's own bound
+    /// ("nested multi bulk replies with depth > 7" counts the levels inside the top one).
+    package static let maxArrayDepth = 8
     private var scanner = HeaderScanner()
 
     package init(maxPendingBytes: Int = 512 * 1024 * 1024) {

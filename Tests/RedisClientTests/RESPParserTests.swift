@@ -55,11 +55,22 @@ struct RESPParserTests {
         #expect(throws: RedisError.self) { try parser.next() }
     }
 
-    @Test("nesting deeper than hiredis allows is an error")
-    func tooDeep() throws {
-        let parser = RESPParser()
-        try parser.feed(ByteBuffer(string: String(repeating: "*1\r\n", count: 12) + ":1\r\n"))
-        #expect(throws: RedisError.self) { try parser.next() }
+    @Test("arrays nest at most 8 deep (the top one and 7 inside it); a deeper reply is an error")
+    func nestingLimit() throws {
+        // Eight arrays around an error reply: what the `resp` fuzzer sent when its own check
+        // wrongly counted the innermost element as a level (Fuzz/regressions/resp/).
+        let eight = RESPParser()
+        try eight.feed(ByteBuffer(string: String(repeating: "*1\r\n", count: 8) + "-*1\r\n"))
+        var expected = RESPValue.error("*1")
+        for _ in 0..<8 { expected = .array([expected]) }
+        #expect(try eight.next() == expected)
+        #expect(RESPParser.maxArrayDepth == 8)
+
+        for depth in [9, 12] {
+            let parser = RESPParser()
+            try parser.feed(ByteBuffer(string: String(repeating: "*1\r\n", count: depth) + ":1\r\n"))
+            #expect(throws: RedisError.self, "\(depth) levels") { try parser.next() }
+        }
     }
 
     @Test("an incomplete reply larger than the limit is rejected")
