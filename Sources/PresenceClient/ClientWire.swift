@@ -36,11 +36,11 @@ enum ClientWire {
         case "presence_update":
             return snapshot(data).map { .presenceUpdate($0) }
         case "typing_update":
-            guard let user = data["user_id"] as? String, let conversation = data["conversation_id"] as? String,
+            guard let user = identifier(data["user_id"]), let conversation = identifier(data["conversation_id"]),
                   let isTyping = data["is_typing"] as? Bool else { return nil }
             return .typingUpdate(userID: user, conversationID: conversation, isTyping: isTyping)
         case "group_presence":
-            guard let conversation = data["conversation_id"] as? String, let total = data["total"] as? Int,
+            guard let conversation = identifier(data["conversation_id"]), let total = data["total"] as? Int,
                   let online = data["online"] as? Int, let away = data["away"] as? Int else { return nil }
             return .groupPresence(GroupPresence(conversationID: conversation, total: total, online: online, away: away), id: id)
         case "ack":
@@ -55,9 +55,17 @@ enum ClientWire {
     }
 
     static func snapshot(_ object: [String: Any]) -> PresenceSnapshot? {
-        guard let user = object["user_id"] as? String, let raw = object["status"] as? String,
+        guard let user = identifier(object["user_id"]), let raw = object["status"] as? String,
               let status = PresenceStatus(rawValue: raw) else { return nil }
         return PresenceSnapshot(userID: user, status: status, lastSeen: (object["last_seen"] as? String).flatMap(date))
+    }
+
+    /// A user or conversation id: a string, or a number from a gateway that runs with
+    /// `PRESENCE_ID_FORMAT=numeric` (the SDK keeps ids as strings either way).
+    static func identifier(_ value: Any?) -> String? {
+        if let text = value as? String { return text }
+        guard let number = value as? NSNumber, String(cString: number.objCType) != "c", let whole = value as? Int64 else { return nil }
+        return String(whole)
     }
 
     /// Parses `2026-11-21T12:00:00.123Z` (milliseconds optional).

@@ -121,28 +121,3 @@ public struct PresenceError: Error, Sendable, CustomStringConvertible {
 
     public var description: String { message }
 }
-
-/// Validation of ids (API.md: 1–128 characters of `[A-Za-z0-9._:@-]`).
-public enum PresenceID {
-    /// Whether `id` is a valid user, device or conversation id.
-    public static func isValid(_ id: some StringProtocol) -> Bool {
-        guard (1...128).contains(id.utf8.count) else { return false }
-        return id.utf8.allSatisfy { byte in
-            switch byte {
-            case UInt8(ascii: "a")...UInt8(ascii: "z"), UInt8(ascii: "A")...UInt8(ascii: "Z"), UInt8(ascii: "0")...UInt8(ascii: "9"):
-                return true
-            case UInt8(ascii: "."), UInt8(ascii: "_"), UInt8(ascii: ":"), UInt8(ascii: "@"), UInt8(ascii: "-"):
-                return true
-            default:
-                return false
-            }
-        }
-    }
-
-    /// Throws ``PresenceError/Code/invalidRequest`` naming `what` unless `id` is valid.
-    public static func validate(_ id: String, as what: String) throws(PresenceError) {
-        guard isValid(id) else {
-            throw PresenceError(.invalidRequest, "\(what) must be 1-128 characters of A-Z a-z 0-9 . _ : @ -")
-        }
-    }
-}

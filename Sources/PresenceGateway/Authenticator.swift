@@ -4,13 +4,44 @@ import PresenceEngine
 
 /// The claims a client token must carry: `sub` (the user id) and `exp`; `nbf` is honoured.
 struct ClientClaims: JWTPayload {
-    var sub: SubjectClaim
+    var sub: Subject
     var exp: ExpirationClaim
     var nbf: NotBeforeClaim?
 
     func verify(using algorithm: some JWTAlgorithm) async throws {
         try exp.verifyNotExpired()
         try nbf?.verifyNotBefore()
+    }
+
+    /// `sub` as a string, or as a whole number (issuers of integer user ids write it so).
+    enum Subject: Codable {
+        case string(String)
+        case number(Int64)
+
+        init(from decoder: any Decoder) throws {
+            let container = try decoder.singleValueContainer()
+            if let number = try? container.decode(Int64.self) {
+                self = .number(number)
+            } else {
+                self = .string(try container.decode(String.self))
+            }
+        }
+
+        func encode(to encoder: any Encoder) throws {
+            var container = encoder.singleValueContainer()
+            switch self {
+            case .string(let text): try container.encode(text)
+            case .number(let number): try container.encode(number)
+            }
+        }
+
+        /// The user id in its stored spelling, or `nil` if it is not one in `format`.
+        func userID(_ format: PresenceIDFormat) -> String? {
+            switch self {
+            case .string(let text): format.canonical(text)
+            case .number(let number): format.canonical(number: number)
+            }
+        }
     }
 }
 
@@ -28,6 +59,8 @@ public struct Authenticator: Sendable {
     /// The `alg` values a token's header may name: those of the configured keys.
     private let algorithms: Set<String>
     private let adminToken: String?
+    /// Which `sub` values are user ids.
+    private let idFormat: PresenceIDFormat
     /// Tokens longer than this are refused before parsing.
     static let maxTokenLength = 8 * 1024
 
@@ -53,6 +86,7 @@ public struct Authenticator: Sendable {
         self.keys = keys
         self.algorithms = algorithms
         self.adminToken = configuration.adminToken
+        self.idFormat = configuration.idFormat
     }
 
     /// The user a bearer token stands for; throws ``APIError`` `unauthorized` for anything else.
@@ -73,10 +107,10 @@ public struct Authenticator: Sendable {
         } catch {
             throw .unauthorized("the token is malformed or its signature is not valid")
         }
-        guard PresenceID.isValid(claims.sub.value) else {
-            throw .unauthorized("the token's sub is not a valid user id")
+        guard let userID = claims.sub.userID(idFormat) else {
+            throw .unauthorized("the token's sub is not a valid user id: it must be \(idFormat.rule)")
         }
-        return AuthenticatedUser(userID: claims.sub.value, expiresAt: claims.exp.value)
+        return AuthenticatedUser(userID: userID, expiresAt: claims.exp.value)
     }
 
     /// The `alg` of a compact JWT's header, or nil when the header cannot be read.

@@ -6,39 +6,39 @@ extension Gateway {
     func addAdminRoutes(to router: Router<GatewayRequestContext>) {
         router.put("/api/admin/conversations/{conversation_id}") { request, context in
             try self.requireAdmin(request)
-            let conversation = try Self.pathID(context, "conversation_id", "conversation id")
+            let conversation = try self.pathID(context, "conversation_id", "conversation id")
             let body = try await Self.decode(MembersBody.self, request, context)
-            let members = try Self.validIDs(body.member_ids)
+            let members = try self.validIDs(body.member_ids)
             try await self.engine.setMembers(of: conversation, to: members)
-            return Self.json(["conversation_id": conversation, "member_ids": Array(Set(members)).sorted()])
+            return Self.json(["conversation_id": self.wire.id(conversation), "member_ids": Array(Set(members)).sorted().map(self.wire.id)])
         }
         router.post("/api/admin/conversations/{conversation_id}/members") { request, context in
             try self.requireAdmin(request)
-            let conversation = try Self.pathID(context, "conversation_id", "conversation id")
+            let conversation = try self.pathID(context, "conversation_id", "conversation id")
             let body = try await Self.decode(UsersBody.self, request, context)
-            let users = try Self.validIDs(body.user_ids)
+            let users = try self.validIDs(body.user_ids)
             try await self.engine.addMembers(to: conversation, users)
-            return Self.json(["conversation_id": conversation, "member_ids": try await self.engine.members(of: conversation) ?? []])
+            return Self.json(["conversation_id": self.wire.id(conversation), "member_ids": (try await self.engine.members(of: conversation) ?? []).map(self.wire.id)])
         }
         router.delete("/api/admin/conversations/{conversation_id}/members/{user_id}") { request, context in
             try self.requireAdmin(request)
-            let conversation = try Self.pathID(context, "conversation_id", "conversation id")
-            let user = try Self.pathID(context, "user_id", "user id")
+            let conversation = try self.pathID(context, "conversation_id", "conversation id")
+            let user = try self.pathID(context, "user_id", "user id")
             guard try await self.engine.members(of: conversation) != nil else { throw APIError.notFound("no such conversation") }
             let removed = try await self.engine.removeMember(from: conversation, user)
-            return Self.json(["conversation_id": conversation, "user_id": user, "removed": removed])
+            return Self.json(["conversation_id": self.wire.id(conversation), "user_id": self.wire.id(user), "removed": removed])
         }
         router.delete("/api/admin/conversations/{conversation_id}") { request, context in
             try self.requireAdmin(request)
-            let conversation = try Self.pathID(context, "conversation_id", "conversation id")
+            let conversation = try self.pathID(context, "conversation_id", "conversation id")
             guard try await self.engine.deleteConversation(conversation) else { throw APIError.notFound("no such conversation") }
-            return Self.json(["conversation_id": conversation, "deleted": true])
+            return Self.json(["conversation_id": self.wire.id(conversation), "deleted": true])
         }
         router.post("/api/admin/users/{user_id}/disconnect") { request, context in
             try self.requireAdmin(request)
-            let user = try Self.pathID(context, "user_id", "user id")
+            let user = try self.pathID(context, "user_id", "user id")
             try await self.engine.requestDisconnect(user: user)
-            return Self.json(["user_id": user])
+            return Self.json(["user_id": self.wire.id(user)])
         }
         router.get("/api/admin/nodes") { request, _ in
             try self.requireAdmin(request)
@@ -47,12 +47,18 @@ extension Gateway {
         }
     }
 
-    struct MembersBody: Decodable { var member_ids: [String] }
-    struct UsersBody: Decodable { var user_ids: [String] }
+    struct MembersBody: Decodable { var member_ids: [RequestID] }
+    struct UsersBody: Decodable { var user_ids: [RequestID] }
 
-    static func validIDs(_ ids: [String]) throws(APIError) -> [String] {
+    /// User ids of a body, each valid in the node's id format, in their stored spelling.
+    func validIDs(_ ids: [RequestID]) throws(APIError) -> [String] {
         guard ids.count <= 100_000 else { throw .invalid("at most 100000 ids at once") }
-        for id in ids where !PresenceID.isValid(id) { throw .invalid("user ids must be 1-128 characters of A-Z a-z 0-9 . _ : @ -") }
-        return ids
+        var valid: [String] = []
+        valid.reserveCapacity(ids.count)
+        for id in ids {
+            guard let canonical = id.canonical(configuration.idFormat) else { throw .invalid("user ids must be \(configuration.idFormat.rule)") }
+            valid.append(canonical)
+        }
+        return valid
     }
 }

@@ -21,21 +21,25 @@ extension Gateway {
             let body = try await Self.decode(StatusBody.self, request, context)
             guard let status = PresenceStatus(rawValue: body.status) else { throw APIError.invalid("status must be one of online, away, offline") }
             let device = body.device_id ?? "rest"
-            guard PresenceID.isValid(device) else { throw APIError.invalid("device_id must be 1-128 characters of A-Z a-z 0-9 . _ : @ -") }
+            guard PresenceID.isValid(device) else { throw APIError.invalid("device_id must be \(PresenceID.rule)") }
             if let wait = self.restLimiter.take(user.userID) { throw APIError.rateLimited("too many status posts", retryAfter: wait) }
             let change = try await self.engine.post(user: user.userID, device: device, status: status)
             if change.changed { GatewayMetrics.transition() }
-            return Self.json(Wire.presence(change.views.real))
+            return Self.json(self.wire.presence(change.views.real))
         }
         router.get("/api/presence/users") { request, _ in
             let user = try await self.authenticate(request)
             var targets: [String]
             if let list = request.uri.queryParameters.get("user_ids") {
-                targets = list.split(separator: ",", omittingEmptySubsequences: false).map { String($0) }
-                guard targets.count <= self.configuration.maxIDsPerRequest else {
+                let listed = list.split(separator: ",", omittingEmptySubsequences: false)
+                guard listed.count <= self.configuration.maxIDsPerRequest else {
                     throw APIError.invalid("at most \(self.configuration.maxIDsPerRequest) user ids per request")
                 }
-                for id in targets where !PresenceID.isValid(id) { throw APIError.invalid("user ids must be 1-128 characters of A-Z a-z 0-9 . _ : @ -") }
+                let format = self.configuration.idFormat
+                targets = try listed.map { id throws(APIError) in
+                    guard let canonical = format.canonical(id) else { throw APIError.invalid("user ids must be \(format.rule)") }
+                    return canonical
+                }
                 var seen = Set<String>()
                 targets = targets.filter { seen.insert($0).inserted }
                 var visible: [String] = []
@@ -48,17 +52,17 @@ extension Gateway {
             var objects: [[String: Any]] = []
             for view in views {
                 let typing = try await self.engine.isTyping(view.real.userID, sharedWith: user.userID)
-                objects.append(Wire.presence(view.seen(by: user.userID), isTyping: typing))
+                objects.append(self.wire.presence(view.seen(by: user.userID), isTyping: typing))
             }
             return Self.json(objects)
         }
         router.get("/api/presence/users/{user_id}") { request, context in
             let user = try await self.authenticate(request)
-            let target = try Self.pathID(context, "user_id", "user id")
+            let target = try self.pathID(context, "user_id", "user id")
             guard try await self.engine.canSee(viewer: user.userID, target: target) else { throw APIError.notFound("no such user") }
             let view = try await self.engine.views(of: target)
             let typing = try await self.engine.isTyping(target, sharedWith: user.userID)
-            return Self.json(Wire.presence(view.seen(by: user.userID), isTyping: typing))
+            return Self.json(self.wire.presence(view.seen(by: user.userID), isTyping: typing))
         }
         router.put("/api/presence/privacy") { request, context in
             let user = try await self.authenticate(request)
@@ -68,26 +72,50 @@ extension Gateway {
         }
         router.get("/api/conversations/{conversation_id}/presence") { request, context in
             let user = try await self.authenticate(request)
-            let conversation = try Self.pathID(context, "conversation_id", "conversation id")
+            let conversation = try self.pathID(context, "conversation_id", "conversation id")
             guard let members = try await self.engine.members(of: conversation) else { throw APIError.notFound("no such conversation") }
             guard members.contains(user.userID) else { throw APIError.forbidden("you are not a member of this conversation") }
             let presences = try await self.engine.views(of: members).map { $0.seen(by: user.userID) }
             let typing = try await self.engine.typingUsers(in: conversation)
             return Self.json([
-                "conversation_id": conversation,
+                "conversation_id": self.wire.id(conversation),
                 "total": presences.count,
                 "online": presences.count { $0.status == .online },
                 "away": presences.count { $0.status == .away },
-                "members": presences.map { Wire.presence($0, isTyping: typing.contains($0.userID)) },
+                "members": presences.map { self.wire.presence($0, isTyping: typing.contains($0.userID)) },
             ])
         }
         router.post("/api/conversations/{conversation_id}/typing") { request, context in
             let user = try await self.authenticate(request)
-            let conversation = try Self.pathID(context, "conversation_id", "conversation id")
+            let conversation = try self.pathID(context, "conversation_id", "conversation id")
             let body = try await Self.decode(TypingBody.self, request, context)
             if let wait = self.typingLimiter.take(user.userID) { throw APIError.rateLimited("too many typing posts", retryAfter: wait) }
             try await self.engine.setTyping(user: user.userID, conversation: conversation, isTyping: body.is_typing)
             return Self.json([String: Any]())
+        }
+    }
+
+    /// A user or conversation id in a request body: a string, or (with the numeric id format) a
+    /// whole number.
+    enum RequestID: Decodable {
+        case string(String)
+        case number(Int64)
+
+        init(from decoder: any Decoder) throws {
+            let container = try decoder.singleValueContainer()
+            if let number = try? container.decode(Int64.self) {
+                self = .number(number)
+            } else {
+                self = .string(try container.decode(String.self))
+            }
+        }
+
+        /// The stored spelling of this id, or `nil` if it is not an id in `format`.
+        func canonical(_ format: PresenceIDFormat) -> String? {
+            switch self {
+            case .string(let text): format.canonical(text)
+            case .number(let number): format.canonical(number: number)
+            }
         }
     }
 
@@ -134,12 +162,13 @@ extension Gateway {
         }
     }
 
-    /// A path parameter that must be a valid id (422 otherwise).
-    static func pathID(_ context: GatewayRequestContext, _ name: String, _ what: String) throws(APIError) -> String {
+    /// A path parameter that must be a valid user or conversation id in the node's id format
+    /// (422 otherwise), in its stored spelling.
+    func pathID(_ context: GatewayRequestContext, _ name: String, _ what: String) throws(APIError) -> String {
         // Routes match the raw path: `a%40b` is the id `a@b`, as any URL encoder writes it.
-        guard let value = context.parameters.get(name)?.removingPercentEncoding, PresenceID.isValid(value) else {
-            throw .invalid("the \(what) must be 1-128 characters of A-Z a-z 0-9 . _ : @ -")
+        guard let value = context.parameters.get(name)?.removingPercentEncoding, let id = configuration.idFormat.canonical(value) else {
+            throw .invalid("the \(what) must be \(configuration.idFormat.rule)")
         }
-        return value
+        return id
     }
 }

@@ -30,12 +30,20 @@ extension Gateway {
         })
     }
 
+    /// The upgrade's `device_id`; without one, a device of the connection's own (see
+    /// ``connectionDeviceID()``).
     static func deviceID(_ request: Request) throws(APIError) -> String {
-        guard let device = request.uri.queryParameters.get("device_id") else {
-            throw .invalid("device_id is required, as in /api/presence/subscribe?device_id=phone-1")
-        }
-        guard PresenceID.isValid(device) else { throw .invalid("device_id must be 1-128 characters of A-Z a-z 0-9 . _ : @ -") }
-        return device
+        guard let device = request.uri.queryParameters.get("device_id") else { return connectionDeviceID() }
+        guard PresenceID.isValid(device) else { throw .invalid("device_id must be \(PresenceID.rule)") }
+        return String(device)
+    }
+
+    /// The id of a device that lives as long as one connection, for clients that send no
+    /// `device_id` (those written against the original presence API). It starts with `~`, which
+    /// no client's `device_id` may hold, so no later connection can take the device over; it
+    /// lingers after a drop like any device.
+    static func connectionDeviceID() -> String {
+        "~" + UUID().uuidString.lowercased()
     }
 
     /// The status a session opens with: `online` unless the upgrade says `status=away` or
@@ -65,7 +73,7 @@ extension Gateway {
             return
         }
         let recorder = await CloseCodeRecorder.install(on: channel)
-        let session = Session(userID: user.userID, deviceID: device, queueLimit: configuration.outboundQueueLimit)
+        let session = Session(userID: user.userID, deviceID: device, wire: wire, queueLimit: configuration.outboundQueueLimit)
         var logger = self.logger
         logger[metadataKey: "presence.user_id"] = "\(user.userID)"
         logger[metadataKey: "presence.device_id"] = "\(device)"
@@ -161,12 +169,12 @@ extension Gateway {
 
     private func sendInitialState(to session: Session, user: String) async throws {
         guard configuration.visibility == .conversations else {
-            session.send(Wire.frame("initial_state", ["presences": [Any]()]))
+            session.send(wire.initialState([]))
             return
         }
         let contacts = try await engine.contacts(of: user)
         try await hub.watchAndRead(session, contacts) { presences in
-            [Wire.frame("initial_state", ["presences": presences.map { Wire.presence($0) }])]
+            [self.wire.initialState(presences)]
         }
     }
 }

@@ -15,6 +15,8 @@ public final class Gateway: Sendable {
     /// The presence engine.
     public let engine: PresenceEngine
     let hub: SessionHub
+    /// Writes frames and bodies with the configured id format.
+    let wire: Wire
     let authenticator: Authenticator
     let restLimiter: RateLimiter
     let typingLimiter: RateLimiter
@@ -34,7 +36,8 @@ public final class Gateway: Sendable {
         let redis = RedisClient(configuration: redisConfiguration, logger: logger)
         let subscriber = RedisSubscriber(configuration: redisConfiguration, logger: logger)
         engine = PresenceEngine(redis: redis, configuration: configuration.engineConfiguration, logger: logger)
-        hub = SessionHub(engine: engine, subscriber: subscriber, logger: logger)
+        wire = Wire(ids: configuration.idFormat)
+        hub = SessionHub(engine: engine, subscriber: subscriber, wire: wire, logger: logger)
         authenticator = try await Authenticator(configuration: configuration)
         restLimiter = RateLimiter(rate: configuration.statusRate)
         typingLimiter = RateLimiter(rate: configuration.typingRate)

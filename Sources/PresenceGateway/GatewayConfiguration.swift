@@ -23,6 +23,8 @@ public struct GatewayConfiguration: Sendable {
     public var adminToken: String?
     /// Who may see whom.
     public var visibility = Visibility.conversations
+    /// What user and conversation ids look like in requests and answers.
+    public var idFormat = PresenceIDFormat.string
     /// Node lease, seconds.
     public var leaseTTL = 10
     /// Linger after an abrupt drop, seconds.
@@ -101,6 +103,12 @@ public struct GatewayConfiguration: Sendable {
                 throw GatewayConfigurationError("PRESENCE_VISIBILITY=\(value) must be 'conversations' or 'open'")
             }
             visibility = parsed
+        }
+        if let value = values["PRESENCE_ID_FORMAT"] {
+            guard let parsed = PresenceIDFormat(rawValue: value) else {
+                throw GatewayConfigurationError("PRESENCE_ID_FORMAT=\(value) must be 'string' or 'numeric'")
+            }
+            idFormat = parsed
         }
         if let value = try integer("PRESENCE_LEASE_TTL", 1...3600) { leaseTTL = value }
         if let value = try integer("PRESENCE_LINGER", 0...3600) { linger = value }

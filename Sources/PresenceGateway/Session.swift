@@ -16,6 +16,8 @@ final class Session: Sendable {
     let id: String
     let userID: String
     let deviceID: String
+    /// Writes this session's frames.
+    let wire: Wire
     let outbound: AsyncStream<Outbound>
     private let continuation: AsyncStream<Outbound>.Continuation
     /// Finishes when the server decides to close the session.
@@ -77,10 +79,11 @@ final class Session: Sendable {
         var away: Int
     }
 
-    init(userID: String, deviceID: String, queueLimit: Int) {
+    init(userID: String, deviceID: String, wire: Wire, queueLimit: Int) {
         self.id = UUID().uuidString.lowercased()
         self.userID = userID
         self.deviceID = deviceID
+        self.wire = wire
         (outbound, continuation) = AsyncStream.makeStream(of: Outbound.self, bufferingPolicy: .bufferingOldest(queueLimit))
         (closing, closingContinuation) = AsyncStream.makeStream(of: Never.self)
     }
@@ -196,7 +199,7 @@ final class Session: Sendable {
         let dirty = state.withLockedValue { state in
             let dirty = users.filter { state.reading.removeValue(forKey: $0) == true }
             let remembered = snapshot.map { Self.remember($0, in: &state) }
-            let answer = answering.map { Self.groupFrames([$0.conversation], id: $0.id, in: &state) } ?? []
+            let answer = answering.map { Self.groupFrames([$0.conversation], id: $0.id, wire: wire, in: &state) } ?? []
             for frame in answer + frames(remembered) where !enqueue(frame) { overflow = true }
             return dirty
         }
@@ -291,21 +294,21 @@ final class Session: Sendable {
     func sendGroupCounts(involving user: String? = nil, id: String? = nil) {
         let frames: [String] = state.withLockedValue { state in
             let conversations = user.map { state.memberOf[$0].map(Array.init) ?? [] } ?? Array(state.conversations.keys)
-            return Self.groupFrames(conversations, id: id, in: &state)
+            return Self.groupFrames(conversations, id: id, wire: wire, in: &state)
         }
         for frame in frames { send(frame) }
     }
 
     /// `group_presence` frames for the conversations whose counts changed since last sent; with
     /// an `id`, for all of them regardless (an answer).
-    private static func groupFrames(_ conversations: [String], id: String?, in state: inout State) -> [String] {
+    private static func groupFrames(_ conversations: [String], id: String?, wire: Wire, in state: inout State) -> [String] {
         var frames: [String] = []
         for conversation in conversations {
             guard let view = state.conversations[conversation] else { continue }
             let counts = GroupCounts(total: view.members.count, online: view.online, away: view.away)
             guard counts != view.sent || id != nil else { continue }
             state.conversations[conversation]?.sent = counts
-            frames.append(Wire.frame("group_presence", ["conversation_id": conversation, "total": counts.total, "online": counts.online, "away": counts.away], id: id))
+            frames.append(wire.groupPresence(conversation, total: counts.total, online: counts.online, away: counts.away, id: id))
         }
         return frames
     }

@@ -10,6 +10,7 @@ import ServiceLifecycle
 final class SessionHub: Service, Sendable {
     let engine: PresenceEngine
     let subscriber: RedisSubscriber
+    let wire: Wire
     let logger: Logger
     private let state = NIOLockedValueBox(HubState())
 
@@ -29,9 +30,10 @@ final class SessionHub: Service, Sendable {
         var resync: Task<Void, Never>?
     }
 
-    init(engine: PresenceEngine, subscriber: RedisSubscriber, logger: Logger) {
+    init(engine: PresenceEngine, subscriber: RedisSubscriber, wire: Wire, logger: Logger) {
         self.engine = engine
         self.subscriber = subscriber
+        self.wire = wire
         self.logger = logger
     }
 
@@ -155,7 +157,7 @@ final class SessionHub: Service, Sendable {
             let dirty = session.endRead(pending, snapshot: presences) { remembered in
                 zip(presences, remembered).compactMap { presence, change in
                     if change.statusChanged { countsChanged.append(presence.userID) }
-                    return change.tell ? Wire.frame("presence_update", Wire.presence(presence)) : nil
+                    return change.tell ? wire.presenceUpdate(presence) : nil
                 }
             }
             for user in countsChanged { session.sendGroupCounts(involving: user) }
@@ -164,22 +166,25 @@ final class SessionHub: Service, Sendable {
         return true
     }
 
-    /// Watches `users` (plus `extra`, already watched) and reads their presence: `snapshot`
-    /// makes the frames to queue from what was read (an `initial_state`), queued before any event
-    /// about them. Then catches up on users an event arrived for during the read.
-    func watchAndRead(_ session: Session, _ users: [String], alsoRead extra: [String] = [], snapshot: ([Presence]) -> [String]) async throws {
-        session.beginRead(users + extra)
-        let added = await watch(session, users) + extra
-        let notRead = Array(Set(users + extra).subtracting(added))
+    /// Watches `users` and reads their presence, whether they were watched already or not:
+    /// `snapshot` makes the frames to queue from what was read (an `initial_state` holding every
+    /// one of them), queued before any event about them. Then catches up on users an event
+    /// arrived for during the read.
+    func watchAndRead(_ session: Session, _ users: [String], snapshot: ([Presence]) -> [String]) async throws {
+        // Marked before subscribing: an event that arrives between the two is held, not lost.
+        session.beginRead(users)
+        await watch(session, users)
+        // A session unregistered meanwhile watches nothing: read only what it watches.
+        let read = users.filter { session.isWatching($0) }
         let presences: [Presence]
         do {
-            presences = try await engine.views(of: added).map { $0.seen(by: session.userID) }
+            presences = try await engine.views(of: read).map { $0.seen(by: session.userID) }
         } catch {
-            _ = session.endRead(users + extra, snapshot: [])
+            _ = session.endRead(users, snapshot: [])
             throw error
         }
-        _ = session.endRead(notRead, snapshot: [])
-        let dirty = session.endRead(added, snapshot: presences) { _ in snapshot(presences) }
+        _ = session.endRead(Array(Set(users).subtracting(read)), snapshot: [])
+        let dirty = session.endRead(read, snapshot: presences) { _ in snapshot(presences) }
         if !dirty.isEmpty { await catchUp(session, dirty) }
     }
 
@@ -251,7 +256,7 @@ final class SessionHub: Service, Sendable {
                 guard let update = event.update(for: session.userID) else { continue }
                 let remembered = session.rememberEvent(update) {
                     if let encoded, encoded.update == update { return encoded.frame }
-                    let frame = Wire.frame("presence_update", Wire.presence(update))
+                    let frame = wire.presenceUpdate(update)
                     encoded = (update, frame)
                     return frame
                 }
@@ -271,7 +276,7 @@ final class SessionHub: Service, Sendable {
     private func deliverConversation(_ conversation: String, payload: [UInt8]) async {
         let followers = state.withLockedValue { state in (state.followers[conversation] ?? []).compactMap { state.sessions[$0] } }
         if let typing = engine.decodeTyping(payload) {
-            let frame = Wire.frame("typing_update", ["user_id": typing.userID, "conversation_id": conversation, "is_typing": typing.isTyping])
+            let frame = wire.typingUpdate(user: typing.userID, conversation: conversation, isTyping: typing.isTyping)
             for session in followers where session.userID != typing.userID && !session.deviceStatus.saidOffline {
                 session.send(frame)
                 GatewayMetrics.delivered(latencyMilliseconds: engine.clock.nowMilliseconds() - typing.at)

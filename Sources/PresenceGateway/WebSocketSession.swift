@@ -145,9 +145,7 @@ struct WebSocketSession {
             session.send(Wire.frame("ack", [:], id: id))
         case "subscribe", "unsubscribe":
             if let raw = data["conversation_id"] {
-                guard let conversation = raw as? String, PresenceID.isValid(conversation) else {
-                    throw APIError.invalid("conversation_id must be 1-128 characters of A-Z a-z 0-9 . _ : @ -")
-                }
+                let conversation = try conversationID(raw)
                 if type == "unsubscribe" {
                     await gateway.hub.unfollow(session, conversation)
                     session.send(Wire.frame("ack", [:], id: id))
@@ -177,18 +175,16 @@ struct WebSocketSession {
             // Users watched so far only for a large group's counts become fully watched.
             let promoted = visible.filter { session.isQuiet($0) }
             session.unquiet(promoted)
-            try await gateway.hub.watchAndRead(session, visible, alsoRead: promoted) { presences in
-                [Wire.frame("initial_state", ["presences": presences.map { Wire.presence($0) }], id: id)]
+            try await gateway.hub.watchAndRead(session, visible) { presences in
+                [gateway.wire.initialState(presences, id: id)]
             }
         case "typing":
-            guard let raw = data["conversation_id"] as? String, PresenceID.isValid(raw) else {
-                throw APIError.invalid("conversation_id must be 1-128 characters of A-Z a-z 0-9 . _ : @ -")
-            }
+            let conversation = try conversationID(data["conversation_id"] as Any)
             guard let isTyping = data["is_typing"] as? Bool else { throw APIError.invalid("is_typing must be true or false") }
             if let wait = typingBucket.take() { throw APIError.rateLimited("too many typing frames", retryAfter: wait) }
             // A device that said offline sends no typing.
             if !session.deviceStatus.saidOffline {
-                try await gateway.engine.setTyping(user: user.userID, conversation: raw, isTyping: isTyping)
+                try await gateway.engine.setTyping(user: user.userID, conversation: conversation, isTyping: isTyping)
             }
             session.send(Wire.frame("ack", [:], id: id))
         default:
@@ -226,20 +222,30 @@ struct WebSocketSession {
         // A large group gets counts and typing only, not every member's presence.
         let shown = members.count > Session.largeGroup ? [] : presences
         let dirty = session.endRead(memberList, snapshot: presences, answering: (conversation, id)) { _ in
-            [Wire.frame("initial_state", ["presences": shown.map { Wire.presence($0) }], id: id)]
+            [gateway.wire.initialState(shown, id: id)]
         }
         if !dirty.isEmpty { await gateway.hub.catchUp(session, dirty) }
     }
 
+    /// A frame's `conversation_id`, in its stored spelling.
+    private func conversationID(_ raw: Any) throws(APIError) -> String {
+        let format = gateway.configuration.idFormat
+        guard let conversation = format.canonical(json: raw) else { throw .invalid("conversation_id must be \(format.rule)") }
+        return conversation
+    }
+
     private func userIDs(_ data: [String: Any]) throws(APIError) -> [String] {
-        guard let ids = data["user_ids"] as? [String] else { throw .invalid("user_ids must be an array of user ids") }
-        guard ids.count <= gateway.configuration.maxIDsPerRequest else {
+        guard let raw = data["user_ids"] as? [Any] else { throw .invalid("user_ids must be an array of user ids") }
+        guard raw.count <= gateway.configuration.maxIDsPerRequest else {
             throw .invalid("at most \(gateway.configuration.maxIDsPerRequest) user ids per frame")
         }
-        for id in ids where !PresenceID.isValid(id) {
-            throw .invalid("user ids must be 1-128 characters of A-Z a-z 0-9 . _ : @ -")
-        }
+        let format = gateway.configuration.idFormat
+        var ids: [String] = []
         var seen = Set<String>()
-        return ids.filter { seen.insert($0).inserted }
+        for item in raw {
+            guard let id = format.canonical(json: item) else { throw .invalid("user ids must be \(format.rule)") }
+            if seen.insert(id).inserted { ids.append(id) }
+        }
+        return ids
     }
 }

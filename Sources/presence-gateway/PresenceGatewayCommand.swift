@@ -21,6 +21,7 @@ struct PresenceGatewayCommand: AsyncParsableCommand {
     @Option(help: "RS256/ES256 public key, PEM text [PRESENCE_JWT_PUBLIC_KEY].") var jwtPublicKey: String?
     @Option(help: "Admin bearer token; admin routes are off without it [PRESENCE_ADMIN_TOKEN].") var adminToken: String?
     @Option(help: "conversations or open [PRESENCE_VISIBILITY].") var visibility: String?
+    @Option(help: "string or numeric: user and conversation ids as JSON strings or numbers [PRESENCE_ID_FORMAT].") var idFormat: String?
     @Option(help: "Seconds a node lease lives [PRESENCE_LEASE_TTL].") var leaseTTL: String?
     @Option(help: "Seconds an abruptly disconnected device stays live [PRESENCE_LINGER].") var linger: String?
     @Option(help: "Seconds a REST device stays live after a post [PRESENCE_HEARTBEAT_TTL].") var heartbeatTTL: String?
@@ -33,7 +34,7 @@ struct PresenceGatewayCommand: AsyncParsableCommand {
         let flags: [(String, String?)] = [
             ("PRESENCE_HOST", host), ("PRESENCE_PORT", port), ("PRESENCE_REDIS_URL", redisURL), ("PRESENCE_KEY_PREFIX", keyPrefix),
             ("PRESENCE_NODE_ID", nodeID), ("PRESENCE_JWT_SECRET", jwtSecret), ("PRESENCE_JWT_PUBLIC_KEY", jwtPublicKey),
-            ("PRESENCE_ADMIN_TOKEN", adminToken), ("PRESENCE_VISIBILITY", visibility), ("PRESENCE_LEASE_TTL", leaseTTL),
+            ("PRESENCE_ADMIN_TOKEN", adminToken), ("PRESENCE_VISIBILITY", visibility), ("PRESENCE_ID_FORMAT", idFormat), ("PRESENCE_LEASE_TTL", leaseTTL),
             ("PRESENCE_LINGER", linger), ("PRESENCE_HEARTBEAT_TTL", heartbeatTTL), ("PRESENCE_TYPING_TTL", typingTTL),
             ("PRESENCE_MAX_SESSIONS", maxSessions), ("PRESENCE_LOG_LEVEL", logLevel),
         ]

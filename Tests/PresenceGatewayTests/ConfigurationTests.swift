@@ -12,12 +12,13 @@ struct ConfigurationTests {
         let configuration = try GatewayConfiguration(environment: [
             "PRESENCE_PORT": "9000", "PRESENCE_LEASE_TTL": "20", "PRESENCE_VISIBILITY": "open",
             "PRESENCE_JWT_SECRET": String(repeating: "s", count: 32), "PRESENCE_LOG_LEVEL": "debug",
-            "PRESENCE_MAX_SESSIONS": "5000",
+            "PRESENCE_MAX_SESSIONS": "5000", "PRESENCE_ID_FORMAT": "numeric",
         ])
         #expect(configuration.port == 9000 && configuration.leaseTTL == 20 && configuration.visibility == .open)
+        #expect(configuration.idFormat == .numeric && GatewayConfiguration().idFormat == .string)
         #expect(configuration.maxSessions == 5000)
         try configuration.validate()
-        for (name, value) in [("PRESENCE_PORT", "http"), ("PRESENCE_LEASE_TTL", "0"), ("PRESENCE_VISIBILITY", "all"), ("PRESENCE_LOG_LEVEL", "loud"), ("PRESENCE_MAX_SESSIONS", "0")] {
+        for (name, value) in [("PRESENCE_PORT", "http"), ("PRESENCE_LEASE_TTL", "0"), ("PRESENCE_VISIBILITY", "all"), ("PRESENCE_LOG_LEVEL", "loud"), ("PRESENCE_MAX_SESSIONS", "0"), ("PRESENCE_ID_FORMAT", "integer")] {
             do {
                 _ = try GatewayConfiguration(environment: [name: value])
                 Issue.record("\(name)=\(value) must be refused")
@@ -25,6 +26,23 @@ struct ConfigurationTests {
                 #expect(error.description.contains(name))
             }
         }
+    }
+
+    @Test("id formats: which strings and JSON values are ids, their stored spelling, and how they are written")
+    func idFormats() throws {
+        let numeric = PresenceIDFormat.numeric, string = PresenceIDFormat.string
+        #expect(numeric.canonical("42") == "42" && numeric.canonical("007") == "7" && numeric.canonical("0") == "0")
+        #expect(numeric.canonical(String(repeating: "9", count: 18)) == String(repeating: "9", count: 18))
+        for bad in ["", "-1", "+1", "1.0", "1e3", "abc", " 1", String(repeating: "1", count: 19)] {
+            #expect(numeric.canonical(bad) == nil, "\(bad.debugDescription) is not a numeric id")
+        }
+        #expect(string.canonical("alice@x") == "alice@x" && string.canonical("007") == "007" && string.canonical("a b") == nil)
+        // JSON values as JSONSerialization gives them.
+        let parsed = try JSONSerialization.jsonObject(with: Data(#"[1, "2", true, false, 1.5, -3, null, 0]"#.utf8)) as! [Any]
+        #expect(parsed.map { numeric.canonical(json: $0) } == ["1", "2", nil, nil, nil, nil, nil, "0"])
+        #expect(parsed.map { string.canonical(json: $0) } == [nil, "2", nil, nil, nil, nil, nil, nil], "numbers are ids only in the numeric format")
+        #expect(numeric.json("42") as? Int64 == 42 && numeric.json("alice") as? String == "alice", "a stored id that is not a number stays a string")
+        #expect(string.json("42") as? String == "42")
     }
 
     @Test("a missing or short secret and a bad Redis URL fail validation with a clear message")
@@ -52,11 +70,11 @@ struct ConfigurationTests {
         let authenticator = try await Authenticator(configuration: configuration)
         let signer = JWTKeyCollection()
         await signer.add(ecdsa: key)
-        let good = try await signer.sign(ClientClaims(sub: .init(value: "alice"), exp: .init(value: .distantFuture), nbf: nil))
+        let good = try await signer.sign(ClientClaims(sub: .string("alice"), exp: .init(value: .distantFuture), nbf: nil))
         #expect(try await authenticator.authenticate(token: good).userID == "alice")
         let hs = try await token("alice")
         await #expect(throws: APIError.self) { try await authenticator.authenticate(token: hs) }
-        let notYet = try await signer.sign(ClientClaims(sub: .init(value: "alice"), exp: .init(value: .distantFuture), nbf: .init(value: .distantFuture)))
+        let notYet = try await signer.sign(ClientClaims(sub: .string("alice"), exp: .init(value: .distantFuture), nbf: .init(value: .distantFuture)))
         await #expect(throws: APIError.self) { try await authenticator.authenticate(token: notYet) }
     }
 }

@@ -35,7 +35,7 @@ func testConfiguration(prefix: String, node: String, redisURL: String = TestRedi
 func token(_ user: String, expiresIn: TimeInterval = 3600, secret: String = testSecret) async throws -> String {
     let keys = JWTKeyCollection()
     await keys.add(hmac: HMACKey(from: secret), digestAlgorithm: .sha256)
-    return try await keys.sign(ClientClaims(sub: .init(value: user), exp: .init(value: Date(timeIntervalSinceNow: expiresIn)), nbf: nil))
+    return try await keys.sign(ClientClaims(sub: .string(user), exp: .init(value: Date(timeIntervalSinceNow: expiresIn)), nbf: nil))
 }
 
 /// Runs `body` with live gateway nodes sharing one Redis and one key prefix.
@@ -89,7 +89,15 @@ final class TestSocket: Sendable {
     private let outgoing: AsyncStream<String?>.Continuation
     private let task: Task<Void, Never>
 
-    init(port: Int, token: String, device: String) {
+    /// Connects as `device` (`nil`: no `device_id`, as clients of the original API connect), with
+    /// the token in the query or, with `tokenInHeader`, as `Authorization: Bearer`.
+    init(port: Int, token: String, device: String?, tokenInHeader: Bool = false) {
+        var query: [String] = tokenInHeader ? [] : ["token=\(token)"]
+        if let device { query.append("device_id=\(device)") }
+        let url = "ws://127.0.0.1:\(port)/api/presence/subscribe" + (query.isEmpty ? "" : "?" + query.joined(separator: "&"))
+        var headers = HTTPFields()
+        if tokenInHeader { headers[.authorization] = "Bearer \(token)" }
+        let configuration = WebSocketClientConfiguration(additionalHeaders: headers)
         let (stream, continuation) = AsyncStream.makeStream(of: String?.self)
         self.outgoing = continuation
         let received = self.received
@@ -97,7 +105,7 @@ final class TestSocket: Sendable {
         task = Task {
             do {
                 let close = try await WebSocketClient.connect(
-                    url: "ws://127.0.0.1:\(port)/api/presence/subscribe?token=\(token)&device_id=\(device)",
+                    url: url, configuration: configuration,
                     logger: TestRedis.logger()
                 ) { inbound, outbound, _ in
                     try await withThrowingTaskGroup(of: Void.self) { group in
