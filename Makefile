@@ -29,8 +29,8 @@ test: build-tests check-deploy fuzz-build
 	  && timeout --kill-after=10 900 $(SWIFT) test --skip-build --no-parallel $(BUILD_FLAGS) --filter "$(HEAVY_TESTS)" \
 	  && timeout --kill-after=10 300 .build/debug/presence-bench soak --duration 60'
 	API_FUZZ_SEED=$(TEST_SEED) timeout --kill-after=10 300 scripts/api-fuzz
-	timeout --kill-after=10 300 scripts/fuzz --runs 20000 --seed $(TEST_SEED) resp
-	timeout --kill-after=10 300 scripts/fuzz --runs 6000 --seed $(TEST_SEED) frames
+	timeout --kill-after=10 300 scripts/fuzz --runs 30000 --seed $(TEST_SEED) resp
+	timeout --kill-after=10 300 scripts/fuzz --runs 15000 --seed $(TEST_SEED) frames
 
 # schemathesis against openapi.yaml on a live node: no 5xx, every answer as documented. A short
 # run with a random (printed) seed; API_FUZZ_EXAMPLES=500 for a long one, API_FUZZ_SEED to replay.
