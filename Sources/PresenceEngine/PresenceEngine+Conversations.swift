@@ -129,8 +129,7 @@ extension PresenceEngine {
     private func applyMembership(_ conversation: String, adding: Set<String>, removing: Set<String>, notifying: Set<String>, create: Bool) async throws(PresenceError) -> MembershipEvent {
         let event = MembershipEvent(conversationID: conversation, added: adding.sorted(), removed: removing.sorted())
         // A removed member stops typing there.
-        let now = clock.nowMilliseconds()
-        for user in event.removed { _ = try await writeTyping(user: user, conversation: conversation, isTyping: false, now: now) }
+        for user in event.removed { _ = try await writeTyping(user: user, conversation: conversation, isTyping: false) }
         var commands: [[RedisArgument]] = []
         if create { commands.append(["SADD", RedisArgument(keys.conversations), RedisArgument(conversation)]) }
         if !adding.isEmpty {

@@ -34,57 +34,59 @@ extension PresenceEngine {
 
     /// Registers this node: lease, registry entry and info, as after a start or a lost lease.
     public func registerNode() async throws(PresenceError) {
+        _ = try await leaseScript(mode: "register")
+        registered.withLockedValue { $0 = true }
+    }
+
+    /// Runs the lease script (`register` or `renew`); returns the renewal's moment, 0 if a
+    /// renewal found the lease gone.
+    private func leaseScript(mode: String) async throws(PresenceError) -> Int {
         let node = configuration.nodeID
-        let now = clock.nowMilliseconds()
-        let lease = configuration.leaseTTL.milliseconds
-        let keep = RedisArgument(Int(configuration.deviceKeyTTL.milliseconds))
-        let results = try await run {
-            try await self.redis.pipeline([
-                ["SET", RedisArgument(keys.lease(node)), RedisArgument(Int(now + lease)), "PX", RedisArgument(Int(lease))],
-                ["ZADD", RedisArgument(keys.nodes), RedisArgument(Int(now + lease)), RedisArgument(node)],
-                ["HSET", RedisArgument(keys.nodeInfo(node)), "renewed_at", RedisArgument(Int(now)), "sessions", RedisArgument(localDeviceCount)],
-                ["PEXPIRE", RedisArgument(keys.nodeInfo(node)), keep],
-                ["PEXPIRE", RedisArgument(keys.nodes), keep],
-            ])
+        let reply = try await run {
+            try await self.redis.evaluate(
+                PresenceScripts.renewLease,
+                keys: [keys.lease(node), keys.nodes, keys.nodeInfo(node)],
+                arguments: [nowArgument, RedisArgument(Int(configuration.leaseTTL.milliseconds)), RedisArgument(node),
+                            RedisArgument(localDeviceCount), RedisArgument(Int(configuration.deviceKeyTTL.milliseconds)), RedisArgument(mode)]
+            )
         }
-        for result in results {
-            if case .failure(let error) = result { throw Self.presenceError(error) }
+        return reply.int ?? 0
+    }
+
+    /// Waits until this process has taken its lease, at most `timeout`; returns whether it has.
+    /// A session is written only after that: until then, what an earlier process under this node
+    /// id left may still be reaped as its predecessor's.
+    public func waitUntilRegistered(timeout: Duration) async -> Bool {
+        let deadline = ContinuousClock.now + timeout
+        while !registered.withLockedValue({ $0 }) {
+            guard ContinuousClock.now < deadline, (try? await Task.sleep(for: .milliseconds(10))) != nil else { return false }
         }
+        return true
     }
 
     /// Before this process first registers: takes offline the devices an earlier process under
     /// the same node id left behind. That process was killed and this one started before its
-    /// lease ran out, so no reaper would ever take them. Devices this process has written
-    /// already are newer than its start and stay. Returns how many users' aggregates changed.
+    /// lease ran out, so no reaper would ever take them. This process writes no device before it
+    /// has registered, so every device of this node id is the earlier one's. Returns how many
+    /// users' aggregates changed.
     @discardableResult
     public func reapPredecessor() async throws(PresenceError) -> Int {
         let node = configuration.nodeID
         let listed = try await run { try await self.redis.send("ZSCORE", RedisArgument(keys.nodes), RedisArgument(node)) }
         guard !listed.isNull else { return 0 }
-        return try await reapNode(node, now: clock.nowMilliseconds(), leaseEnded: startedAt - 1, predecessor: true) ?? 0
+        return try await reapNode(node, leaseEnded: try await storeNow(), predecessor: true) ?? 0
     }
 
     /// Renews the lease. Returns `false` when the lease was gone: the node was reaped or Redis
     /// lost its data, and the caller must ``reregister()``.
     public func renewLease() async throws(PresenceError) -> Bool {
-        let node = configuration.nodeID
-        let now = clock.nowMilliseconds()
-        let keep = RedisArgument(Int(configuration.deviceKeyTTL.milliseconds))
-        let renewed = try await run {
-            try await self.redis.evaluate(
-                PresenceScripts.renewLease,
-                keys: [keys.lease(node), keys.nodes],
-                arguments: [RedisArgument(Int(now)), RedisArgument(Int(configuration.leaseTTL.milliseconds)), RedisArgument(node)]
-            )
-        }
-        guard renewed.int == 1 else { return false }
+        guard try await leaseScript(mode: "renew") > 0 else { return false }
         // The node's other keys follow the lease; their safety TTL is refreshed at the same time.
+        let node = configuration.nodeID
+        let keep = RedisArgument(Int(configuration.deviceKeyTTL.milliseconds))
         _ = try await run {
             try await self.redis.pipeline([
-                ["HSET", RedisArgument(keys.nodeInfo(node)), "renewed_at", RedisArgument(Int(now)), "sessions", RedisArgument(localDeviceCount)],
-                ["PEXPIRE", RedisArgument(keys.nodeInfo(node)), keep],
                 ["PEXPIRE", RedisArgument(keys.nodeDevices(node)), keep],
-                ["PEXPIRE", RedisArgument(keys.nodes), keep],
                 ["PEXPIRE", RedisArgument(keys.deadlines), keep],
                 ["PEXPIRE", RedisArgument(keys.typingDeadlines), keep],
             ])
@@ -131,10 +133,7 @@ extension PresenceEngine {
     public func deregisterNode() async throws(PresenceError) {
         let node = configuration.nodeID
         _ = try await run {
-            try await self.redis.pipeline([
-                ["DEL", RedisArgument(keys.lease(node))],
-                ["ZADD", RedisArgument(keys.nodes), RedisArgument(Int(clock.nowMilliseconds())), RedisArgument(node)],
-            ])
+            try await self.redis.evaluate(PresenceScripts.releaseLease, keys: [keys.lease(node), keys.nodes], arguments: [nowArgument, RedisArgument(node)])
         }
     }
 
@@ -145,7 +144,7 @@ extension PresenceEngine {
 
     /// The registered nodes, live and lapsed-but-not-reaped.
     public func nodes() async throws(PresenceError) -> [NodeRecord] {
-        let now = clock.nowMilliseconds()
+        let now = try await storeNow()
         let reply = try await run { try await self.redis.send("ZRANGE", RedisArgument(keys.nodes), "0", "-1", "WITHSCORES") }
         let values = reply.array ?? []
         var pairs: [(String, Int64)] = []
@@ -167,7 +166,7 @@ extension PresenceEngine {
                 sessions: fields.first?.int ?? 0,
                 leaseExpiresAt: leaseExists ? pair.1 : min(pair.1, (renewed ?? now) + configuration.leaseTTL.milliseconds),
                 renewedAt: renewed,
-                lapsed: pair.1 <= now || !leaseExists
+                lapsed: !leaseExists
             )
         }
     }
@@ -176,51 +175,44 @@ extension PresenceEngine {
     /// devices offline, with `last_seen` the last moment each was known alive.
     public func reapOnce(limit: Int = 500) async throws(PresenceError) -> ReapReport {
         var report = ReapReport()
-        let now = clock.nowMilliseconds()
-        let retry = RedisArgument(Int(now + Self.claimMilliseconds))
         // Just after Redis was unreachable, a lapsed lease says nothing: live nodes could not
-        // renew either. They get the grace to come back before anyone is reaped.
-        let recovering = lastRedisFailure.withLockedValue { $0 }.map { now - $0 < configuration.recoveryGrace.milliseconds } ?? false
-        let nodes: RESPValue = recovering ? .array([]) : try await run {
-            try await self.redis.evaluate(PresenceScripts.claimDue, keys: [keys.nodes], arguments: [RedisArgument(Int(now)), retry, 16])
-        }
-        for (node, leaseEnded) in Self.pairs(nodes) {
-            if let changed = try await reapNode(node, now: now, leaseEnded: Int64(leaseEnded)) {
-                report.changedUsers += changed
-                report.nodes.append(node)
+        // renew either. They get the grace to come back before anyone is reaped. (A local
+        // timer: this node's clock measures only its own waiting.)
+        let local = clock.nowMilliseconds()
+        let recovering = lastRedisFailure.withLockedValue { $0 }.map { local - $0 < configuration.recoveryGrace.milliseconds } ?? false
+        if !recovering {
+            let nodes = try await claim(keys.nodes, limit: 16)
+            for (node, leaseEnded) in nodes.entries {
+                if let changed = try await reapNode(node, leaseEnded: Int64(leaseEnded)) {
+                    report.changedUsers += changed
+                    report.nodes.append(node)
+                }
+                _ = try await run { try await self.redis.evaluate(PresenceScripts.removeIfScore, keys: [keys.nodes], arguments: [RedisArgument(node), nodes.retry]) }
             }
-            _ = try await run { try await self.redis.evaluate(PresenceScripts.removeIfScore, keys: [keys.nodes], arguments: [RedisArgument(node), retry]) }
         }
-        let due = try await run {
-            try await self.redis.evaluate(PresenceScripts.claimDue, keys: [keys.deadlines], arguments: [RedisArgument(Int(now)), retry, RedisArgument(limit)])
-        }
-        for (member, _) in Self.pairs(due) {
+        let due = try await claim(keys.deadlines, limit: limit)
+        for (member, _) in due.entries {
             guard let (user, device) = keys.splitDeviceMember(member) else {
                 _ = try await run { try await self.redis.send("ZREM", RedisArgument(keys.deadlines), RedisArgument(member)) }
                 continue
             }
+            // The script keeps the device's entry in `deadlines` right whatever it finds.
             let reply = try await run {
                 try await self.redis.evaluate(
                     PresenceScripts.removeDevice,
-                    keys: [keys.devices(user), keys.state(user)],
-                    arguments: [RedisArgument(Int(now)), RedisArgument(user), RedisArgument(device), "", "expire", "0",
+                    keys: [keys.devices(user), keys.state(user), keys.deadlines],
+                    arguments: [nowArgument, RedisArgument(user), RedisArgument(device), "", "expire", "0",
                                 RedisArgument(keys.userChannel(user)), deviceTTLArgument]
                 )
             }
             let values = reply.array ?? []
-            if let flag = values.first?.int, flag == -1, values.count == 2, let deadline = values[1].int, deadline > 0 {
-                // Renewed since it was scheduled: keep it indexed at its real deadline.
-                _ = try await run { try await self.redis.send("ZADD", RedisArgument(keys.deadlines), RedisArgument(deadline), RedisArgument(member)) }
-                continue
-            }
-            _ = try await run { try await self.redis.evaluate(PresenceScripts.removeIfScore, keys: [keys.deadlines], arguments: [RedisArgument(member), retry]) }
             if let flag = values.first?.int, flag >= 0 {
                 report.expiredDevices += 1
                 if flag == 1 || values.count > 3 && values[3].int == 1 { report.changedUsers += 1 }
                 if let change = try? Self.change(from: values, user: user) { await settle(change) }
             }
         }
-        report.typingEnded = try await reapTyping(now: now, limit: limit)
+        report.typingEnded = try await reapTyping(limit: limit)
         if !report.nodes.isEmpty || report.expiredDevices > 0 {
             logger.info("reaped", metadata: ["presence.nodes": "\(report.nodes)", "presence.devices": "\(report.expiredDevices)"])
         }
@@ -235,20 +227,20 @@ extension PresenceEngine {
     ///   its lease and index are never deleted.
     ///   With `predecessor`, this process reaps what the previous one under its own id left:
     ///   the lease is not checked and the index is kept (this process may have added to it).
-    private func reapNode(_ node: String, now: Int64, leaseEnded: Int64, predecessor: Bool = false) async throws(PresenceError) -> Int? {
-        let lapse = [RedisArgument(Int(leaseEnded))]
+    private func reapNode(_ node: String, leaseEnded: Int64, predecessor: Bool = false) async throws(PresenceError) -> Int? {
         if !predecessor {
-            let renewed = try await run {
-                try await self.redis.evaluate(PresenceScripts.leaseRenewedSince, keys: [keys.lease(node)], arguments: lapse)
+            let live = try await run {
+                try await self.redis.evaluate(PresenceScripts.leaseLive, keys: [keys.lease(node), keys.nodes], arguments: [nowArgument, RedisArgument(node)])
             }
-            guard renewed.int != 1 else {
-                logger.info("a lapsed node is live again; not reaped", metadata: ["presence.node_id": "\(node)"])
+            guard live.int != 1 else {
+                logger.info("a node claimed as lapsed holds its lease; not reaped", metadata: ["presence.node_id": "\(node)"])
                 return nil
             }
         }
         let info = try await run { try await self.redis.send("HGET", RedisArgument(keys.nodeInfo(node)), "renewed_at") }
-        // Without its info (lost with Redis data), the best known moment is a lease ago.
-        let renewed = Self.timestamp(info) ?? (now - configuration.leaseTTL.milliseconds)
+        // Without its info (lost with Redis data), the best known moment is a lease before the
+        // lease's end.
+        let renewed = Self.timestamp(info) ?? (leaseEnded - configuration.leaseTTL.milliseconds)
         var cursor = "0"
         var byUser: [String: Int] = [:]
         repeat {
@@ -265,7 +257,7 @@ extension PresenceEngine {
             let batch = users[start..<min(start + 200, users.count)]
             let calls = batch.map { user in
                 (keys: [keys.devices(user), keys.state(user)],
-                 arguments: [RedisArgument(Int(now)), RedisArgument(user), RedisArgument(node), RedisArgument(Int(renewed)),
+                 arguments: [nowArgument, RedisArgument(user), RedisArgument(node), RedisArgument(Int(renewed)),
                              RedisArgument(keys.userChannel(user)), deviceTTLArgument, RedisArgument(Int(leaseEnded))])
             }
             let results = try await run { try await self.redis.evaluate(PresenceScripts.reapNode, calls: calls) }
@@ -278,19 +270,34 @@ extension PresenceEngine {
         }
         if !predecessor {
             _ = try await run {
-                try await self.redis.evaluate(PresenceScripts.dropNode, keys: [keys.lease(node), keys.nodeDevices(node), keys.nodeInfo(node)], arguments: lapse)
+                try await self.redis.evaluate(PresenceScripts.dropNode, keys: [keys.lease(node), keys.nodeDevices(node), keys.nodeInfo(node)], arguments: [nowArgument])
             }
         }
         logger.info("reaped a dead node", metadata: ["presence.node_id": "\(node)", "presence.users": "\(byUser.count)", "presence.last_renewal": "\(renewed)"])
         return changed
     }
 
-    private static func pairs(_ reply: RESPValue) -> [(String, Double)] {
-        let values = reply.array ?? []
-        var pairs: [(String, Double)] = []
-        for index in stride(from: 0, to: values.count - 1, by: 2) {
-            if let member = values[index].string, let score = values[index + 1].double { pairs.append((member, score)) }
+    /// What a claim took: the retry score it gave the entries, and the entries with their
+    /// scores before it.
+    struct Claim {
+        var retry: RedisArgument
+        var entries: [(String, Double)]
+    }
+
+    /// Claims up to `limit` due entries of a deadline sorted set (see ``PresenceScripts/claimDue``).
+    func claim(_ key: String, limit: Int) async throws(PresenceError) -> Claim {
+        let reply = try await run {
+            try await self.redis.evaluate(
+                PresenceScripts.claimDue, keys: [key],
+                arguments: [nowArgument, RedisArgument(Int(Self.claimMilliseconds)), RedisArgument(limit)]
+            )
         }
-        return pairs
+        let values = reply.array ?? []
+        guard values.count >= 2, let retry = values[1].int else { throw PresenceError(.internal, "unexpected reply from the claim script") }
+        var entries: [(String, Double)] = []
+        for index in stride(from: 2, to: values.count - 1, by: 2) {
+            if let member = values[index].string, let score = values[index + 1].double { entries.append((member, score)) }
+        }
+        return Claim(retry: RedisArgument(retry), entries: entries)
     }
 }

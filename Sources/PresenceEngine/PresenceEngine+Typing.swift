@@ -44,22 +44,14 @@ extension PresenceEngine {
             let views = try await views(of: user)
             if views.real.status == .offline || views.hidden { return false }
         }
-        let now = clock.nowMilliseconds()
-        let ttl = configuration.typingTTL.milliseconds
-        if isTyping {
-            // Indexed before it exists, so a crash leaves at most an entry the reaper drops.
-            try await run {
-                try await self.redis.send("ZADD", RedisArgument(keys.typingDeadlines), RedisArgument(Int(now + ttl)), RedisArgument("\(conversation)|\(user)"))
-            }
-        }
-        return try await writeTyping(user: user, conversation: conversation, isTyping: isTyping, now: now) == 1
+        return try await writeTyping(user: user, conversation: conversation, isTyping: isTyping) == 1
     }
 
-    func writeTyping(user: String, conversation: String, isTyping: Bool, now: Int64) async throws(PresenceError) -> Int {
+    func writeTyping(user: String, conversation: String, isTyping: Bool) async throws(PresenceError) -> Int {
         let reply = try await run {
             try await self.redis.evaluate(
-                PresenceScripts.setTyping, keys: [keys.typing(conversation)],
-                arguments: [RedisArgument(Int(now)), RedisArgument(conversation), RedisArgument(user), isTyping ? "1" : "0",
+                PresenceScripts.setTyping, keys: [keys.typing(conversation), keys.typingDeadlines],
+                arguments: [nowArgument, RedisArgument(conversation), RedisArgument(user), isTyping ? "1" : "0",
                             RedisArgument(Int(configuration.typingTTL.milliseconds)), RedisArgument(Int(Self.typingCoalescingMilliseconds)),
                             RedisArgument(keys.conversationChannel(conversation))]
             )
@@ -69,16 +61,15 @@ extension PresenceEngine {
 
     /// Ends every typing state of `user`, as when they go offline.
     public func clearTyping(user: String) async throws(PresenceError) {
-        let now = clock.nowMilliseconds()
         for conversation in try await conversations(of: user) {
-            _ = try await writeTyping(user: user, conversation: conversation, isTyping: false, now: now)
+            _ = try await writeTyping(user: user, conversation: conversation, isTyping: false)
         }
     }
 
     /// Who is typing in a conversation now.
     public func typingUsers(in conversation: String) async throws(PresenceError) -> Set<String> {
         let all = try await run { try await self.redis.send("HGETALL", RedisArgument(keys.typing(conversation))) }.strings
-        let now = clock.nowMilliseconds()
+        let now = try await storeNow()
         var users = Set<String>()
         for index in stride(from: 0, to: all.count - 1, by: 2) {
             if let expiry = Int64(all[index + 1].prefix { $0 != "|" }), expiry > now { users.insert(all[index]) }
@@ -93,7 +84,7 @@ extension PresenceEngine {
         }.strings
         guard !shared.isEmpty else { return false }
         let replies = try await run { try await self.redis.pipeline(shared.map { ["HGET", RedisArgument(keys.typing($0)), RedisArgument(user)] }) }
-        let now = clock.nowMilliseconds()
+        let now = try await storeNow()
         return replies.contains { result in
             guard let raw = (try? result.get())?.string, let expiry = Int64(raw.prefix { $0 != "|" }) else { return false }
             return expiry > now
@@ -101,22 +92,18 @@ extension PresenceEngine {
     }
 
     /// Ends typing states whose expiry passed; part of every reaper pass.
-    func reapTyping(now: Int64, limit: Int) async throws(PresenceError) -> Int {
-        let retry = RedisArgument(Int(now + Self.claimMilliseconds))
-        let due = try await run {
-            try await self.redis.evaluate(PresenceScripts.claimDue, keys: [keys.typingDeadlines], arguments: [RedisArgument(Int(now)), retry, RedisArgument(limit)])
-        }
+    func reapTyping(limit: Int) async throws(PresenceError) -> Int {
+        let due = try await claim(keys.typingDeadlines, limit: limit)
+        let retry = due.retry
         var ended = 0
-        let values = due.array ?? []
-        for index in stride(from: 0, to: values.count - 1, by: 2) {
-            guard let member = values[index].string else { continue }
+        for (member, _) in due.entries {
             let parts = member.split(separator: "|", maxSplits: 1).map(String.init)
             var reply = RESPValue.integer(0)
             if parts.count == 2 {
                 reply = try await run {
                     try await self.redis.evaluate(
                         PresenceScripts.expireTyping, keys: [keys.typing(parts[0])],
-                        arguments: [RedisArgument(Int(now)), RedisArgument(parts[0]), RedisArgument(parts[1]), RedisArgument(keys.conversationChannel(parts[0]))]
+                        arguments: [nowArgument, RedisArgument(parts[0]), RedisArgument(parts[1]), RedisArgument(keys.conversationChannel(parts[0]))]
                     )
                 }
             }

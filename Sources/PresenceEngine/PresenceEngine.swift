@@ -23,8 +23,9 @@ public final class PresenceEngine: Sendable {
     /// When a Redis call last failed for want of Redis (clock, ms): the start of the reaper's
     /// ``PresenceConfiguration/recoveryGrace``.
     let lastRedisFailure = NIOLockedValueBox<Int64?>(nil)
-    /// When this engine was made (ms): every device this process writes is at least this new.
-    let startedAt: Int64
+    /// Whether this process has taken its lease: sessions wait for it (``waitUntilRegistered(timeout:)``),
+    /// so that none is written before what an earlier process under this node id left is reaped.
+    let registered = NIOLockedValueBox(false)
 
     /// A disconnect Redis could not take yet.
     struct PendingRelease: Sendable {
@@ -51,7 +52,6 @@ public final class PresenceEngine: Sendable {
         self.keys = PresenceKeys(prefix: configuration.keyPrefix)
         self.clock = clock
         self.logger = logger
-        self.startedAt = clock.nowMilliseconds()
     }
 
     /// The outcome of opening a session.
@@ -85,7 +85,7 @@ public final class PresenceEngine: Sendable {
         // The node's device index is written first: if the script then fails, a stale entry
         // costs the reaper one no-op; the other order could leave a device nobody reaps.
         try await run { try await self.redis.send("SADD", RedisArgument(self.keys.nodeDevices(self.configuration.nodeID)), RedisArgument(member)) }
-        let reply = try await upsert(user: user, device: device, status: status, node: configuration.nodeID, session: session, deadline: 0, mode: "session")
+        let reply = try await upsert(user: user, device: device, status: status, node: configuration.nodeID, session: session, mode: "session")
         let previousSession = reply.count > 7 ? reply[6].string ?? "" : ""
         let previousNode = reply.count > 7 ? reply[7].string ?? "" : ""
         let replaced = !previousSession.isEmpty && previousSession != session ? (previousNode, previousSession) : nil
@@ -110,7 +110,7 @@ public final class PresenceEngine: Sendable {
     /// Writes the status of a device held by `session` of this node and settles the change;
     /// `nil` when another session has taken the device over.
     private func writeStatus(user: String, device: String, session: String, status: PresenceStatus) async throws(PresenceError) -> PresenceChange? {
-        let reply = try await upsert(user: user, device: device, status: status, node: configuration.nodeID, session: session, deadline: 0, mode: "status")
+        let reply = try await upsert(user: user, device: device, status: status, node: configuration.nodeID, session: session, mode: "status")
         guard reply.first?.int != -3 else { return nil }
         let change = try Self.change(from: reply, user: user)
         await settle(change)
@@ -194,17 +194,12 @@ public final class PresenceEngine: Sendable {
 
     private func release(user: String, device: String, session: String, clean: Bool) async throws(PresenceError) -> PresenceChange? {
         let member = keys.deviceMember(user: user, device: device)
-        let now = clock.nowMilliseconds()
-        let lingerDeadline = now + configuration.linger.milliseconds
-        if !clean {
-            try await run { try await self.redis.send("ZADD", RedisArgument(self.keys.deadlines), RedisArgument(Int(lingerDeadline)), RedisArgument(member)) }
-        }
         let reply = try await run {
             try await self.redis.evaluate(
                 PresenceScripts.removeDevice,
-                keys: [self.keys.devices(user), self.keys.state(user)],
-                arguments: [RedisArgument(Int(now)), RedisArgument(user), RedisArgument(device), RedisArgument(session),
-                            clean ? "clean" : "linger", RedisArgument(Int(lingerDeadline)), RedisArgument(self.keys.userChannel(user)), self.deviceTTLArgument]
+                keys: [self.keys.devices(user), self.keys.state(user), self.keys.deadlines],
+                arguments: [self.nowArgument, RedisArgument(user), RedisArgument(device), RedisArgument(session),
+                            clean ? "clean" : "linger", RedisArgument(Int(configuration.linger.milliseconds)), RedisArgument(self.keys.userChannel(user)), self.deviceTTLArgument]
             )
         }
         let values = reply.array ?? []
@@ -226,18 +221,15 @@ public final class PresenceEngine: Sendable {
     /// A status post from a client without a WebSocket: a heartbeat that keeps the device live
     /// for the heartbeat TTL; `offline` takes it away at once.
     public func post(user: String, device: String, status: PresenceStatus) async throws(PresenceError) -> PresenceChange {
-        let member = keys.deviceMember(user: user, device: device)
         if status == .offline {
-            let now = clock.nowMilliseconds()
             let reply = try await run {
                 try await self.redis.evaluate(
                     PresenceScripts.removeDevice,
-                    keys: [self.keys.devices(user), self.keys.state(user)],
-                    arguments: [RedisArgument(Int(now)), RedisArgument(user), RedisArgument(device), "", "clean", "0",
+                    keys: [self.keys.devices(user), self.keys.state(user), self.keys.deadlines],
+                    arguments: [self.nowArgument, RedisArgument(user), RedisArgument(device), "", "clean", "0",
                                 RedisArgument(self.keys.userChannel(user)), self.deviceTTLArgument]
                 )
             }
-            _ = try? await redis.send("ZREM", RedisArgument(keys.deadlines), RedisArgument(member))
             if let values = reply.array, let first = values.first?.int, first >= 0 {
                 let change = try Self.change(from: values, user: user)
                 await settle(change)
@@ -245,9 +237,7 @@ public final class PresenceEngine: Sendable {
             }
             return PresenceChange(changed: false, shownChanged: false, views: try await views(of: user))
         }
-        let deadline = clock.nowMilliseconds() + configuration.heartbeatTTL.milliseconds
-        try await run { try await self.redis.send("ZADD", RedisArgument(self.keys.deadlines), RedisArgument(Int(deadline)), RedisArgument(member)) }
-        let reply = try await upsert(user: user, device: device, status: status, node: "", session: "", deadline: deadline, mode: "rest")
+        let reply = try await upsert(user: user, device: device, status: status, node: "", session: "", mode: "rest")
         return try Self.change(from: reply, user: user)
     }
 
@@ -260,7 +250,7 @@ public final class PresenceEngine: Sendable {
             try await self.redis.evaluate(
                 PresenceScripts.setPrivacy,
                 keys: [self.keys.devices(user), self.keys.state(user)],
-                arguments: [RedisArgument(Int(self.clock.nowMilliseconds())), RedisArgument(user), showOnlineStatus ? "1" : "0",
+                arguments: [self.nowArgument, RedisArgument(user), showOnlineStatus ? "1" : "0",
                             RedisArgument(self.keys.userChannel(user)), self.deviceTTLArgument]
             )
         }
@@ -278,10 +268,9 @@ public final class PresenceEngine: Sendable {
     /// The presence of many users, read in one pipeline, in the order given.
     public func views(of users: [String]) async throws(PresenceError) -> [PresenceViews] {
         guard !users.isEmpty else { return [] }
-        let now = RedisArgument(Int(clock.nowMilliseconds()))
+        let now = nowArgument
         let calls = users.map { user in (keys: [keys.devices(user), keys.state(user)], arguments: [now]) }
         let results = try await run { try await self.redis.evaluate(PresenceScripts.read, calls: calls) }
-        let nowMilliseconds = clock.nowMilliseconds()
         return try zip(users, results).map { (user, result) throws(PresenceError) in
             let reply: RESPValue
             switch result {
@@ -289,11 +278,11 @@ public final class PresenceEngine: Sendable {
             case .failure(let error): throw Self.presenceError(error)
             }
             let values = reply.array ?? []
-            guard values.count == 5, let status = values[0].string.flatMap(PresenceStatus.init(rawValue:)) else {
+            guard values.count == 6, let status = values[0].string.flatMap(PresenceStatus.init(rawValue:)) else {
                 throw PresenceError(.internal, "unexpected reply from the read script")
             }
-            // Online or away: the latest moment seen live is now.
-            let lastSeen: Int64? = status == .offline ? Self.timestamp(values[1]) : nowMilliseconds
+            // Online or away: the latest moment seen live is now, by Redis's clock.
+            let lastSeen: Int64? = status == .offline ? Self.timestamp(values[1]) : Self.timestamp(values[5])
             let hidden = values[2].string == "1"
             let real = Presence(userID: user, status: status, lastSeen: lastSeen)
             let shown = hidden ? Presence(userID: user, status: .offline, lastSeen: Self.timestamp(values[3])) : real
@@ -348,13 +337,26 @@ public final class PresenceEngine: Sendable {
 
     var deviceTTLArgument: RedisArgument { RedisArgument(Int(configuration.deviceKeyTTL.milliseconds)) }
 
-    private func upsert(user: String, device: String, status: PresenceStatus, node: String, session: String, deadline: Int64, mode: String) async throws(PresenceError) -> [RESPValue] {
+    /// Every script's ARGV[1]: empty, so that it reads Redis's clock, or a test clock's time.
+    var nowArgument: RedisArgument { clock.scriptTime.map { RedisArgument(Int($0)) } ?? "" }
+
+    /// Now by the clock the scripts use: Redis's (one `TIME`), or a test clock's.
+    func storeNow() async throws(PresenceError) -> Int64 {
+        if let fixed = clock.scriptTime { return fixed }
+        let reply = try await run { try await self.redis.send("TIME") }
+        guard let parts = reply.array, parts.count == 2, let seconds = parts[0].int, let micros = parts[1].int else {
+            throw PresenceError(.internal, "unexpected reply to TIME")
+        }
+        return Int64(seconds) * 1000 + Int64(micros) / 1000
+    }
+
+    private func upsert(user: String, device: String, status: PresenceStatus, node: String, session: String, mode: String) async throws(PresenceError) -> [RESPValue] {
         let reply = try await run {
             try await self.redis.evaluate(
                 PresenceScripts.upsertDevice,
-                keys: [self.keys.devices(user), self.keys.state(user)],
-                arguments: [RedisArgument(Int(self.clock.nowMilliseconds())), RedisArgument(user), RedisArgument(device), RedisArgument(status.rawValue),
-                            RedisArgument(node), RedisArgument(session), RedisArgument(Int(deadline)), RedisArgument(self.configuration.maxDevicesPerUser),
+                keys: [self.keys.devices(user), self.keys.state(user), self.keys.deadlines],
+                arguments: [self.nowArgument, RedisArgument(user), RedisArgument(device), RedisArgument(status.rawValue),
+                            RedisArgument(node), RedisArgument(session), RedisArgument(Int(self.configuration.heartbeatTTL.milliseconds)), RedisArgument(self.configuration.maxDevicesPerUser),
                             RedisArgument(self.keys.userChannel(user)), RedisArgument(mode), self.deviceTTLArgument]
             )
         }

@@ -8,9 +8,34 @@ import RedisClient
 /// `status|node|session|since|deadline|alive` — `node` and `session` are empty for a REST
 /// device or a lingering one, `deadline` is 0 while a live session on a leased node holds the
 /// device, and `alive` is the last moment the device was known to be alive (all times in ms).
+///
+/// Every script takes ARGV[1] as now: empty, it reads Redis's clock (`TIME`), the one clock all
+/// nodes share; a number is a test's manual clock. Deadlines are passed as durations and turned
+/// into moments here, never by a node's own clock.
 enum PresenceScripts {
-    /// Shared by every script: parsing a device, the aggregate, and the finishing step.
-    private static let prelude = """
+    /// Now in ms: ARGV[1] when a test drives the time, else Redis's clock. And whether a node's
+    /// lease is held: its key exists. Under a test's clock, whose time Redis's key expiry does
+    /// not follow, a lease whose end (its value) that clock has passed counts as expired too.
+    private static let clock = """
+    local function clock(given)
+      if given ~= '' then return tonumber(given) end
+      local t = redis.call('TIME')
+      return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+    end
+    local function leaseLeft(key, given)
+      local left = redis.call('PTTL', key)
+      if left == -2 then return nil end
+      if given ~= '' then
+        left = (tonumber(redis.call('GET', key)) or 0) - tonumber(given)
+        if left <= 0 then return nil end
+      end
+      return left
+    end
+
+    """
+
+    /// Shared by the device scripts: parsing a device, the aggregate, and the finishing step.
+    private static let prelude = clock + """
     local function parse(raw)
       local s, n, ses, since, dl, alive = string.match(raw, '^([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)|([^|]*)$')
       return {status = s, node = n, session = ses, since = tonumber(since), deadline = tonumber(dl), alive = tonumber(alive)}
@@ -39,8 +64,10 @@ enum PresenceScripts {
       local oldStatus = old[1] or 'offline'
       local lastSeen = tonumber(old[2] or '0')
       local newStatus = aggregate(devicesKey)
+      -- last_seen never moves backwards, even if Redis's clock does (a failover to a replica
+      -- whose clock is behind).
       if removedAlive > lastSeen then lastSeen = removedAlive end
-      if newStatus ~= 'offline' then lastSeen = now end
+      if newStatus ~= 'offline' and now > lastSeen then lastSeen = now end
       local hidden = old[3] or '0'
       local hiddenLastSeen = tonumber(old[4] or '0')
       local oldPublicStatus, oldPublicSeen = view(oldStatus, tonumber(old[2] or '0'), hidden, hiddenLastSeen)
@@ -60,16 +87,20 @@ enum PresenceScripts {
     end
     """
 
-    /// Adds or updates a device. KEYS: devices, state. ARGV: now, user, device, status, node,
-    /// session, deadline, max devices, channel, mode (`session` to open a session, `status` for a
-    /// change from a session, `rest`), device TTL. Returns finish()'s array plus the previous
-    /// session and its node; {-3} when a `status` comes from a session that lost the device; or
-    /// an error reply `TOO_MANY_DEVICES`.
+    /// Adds or updates a device. KEYS: devices, state, deadlines. ARGV: now, user, device,
+    /// status, node, session, heartbeat ms (a REST device's time to live), max devices, channel,
+    /// mode (`session` to open a session, `status` for a change from a session, `rest`), device
+    /// TTL. A REST device's deadline is indexed in `deadlines` in the same step, and a device a
+    /// session holds is taken out of it, so no device is left with a deadline nobody reaps.
+    /// Returns finish()'s array plus the previous session and its node; {-3} when a `status`
+    /// comes from a session that lost the device; or an error reply `TOO_MANY_DEVICES`.
     static let upsertDevice = RedisScript(prelude + """
 
-    local now = tonumber(ARGV[1])
+    local now = clock(ARGV[1])
     local user, device, status, node, session = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
-    local deadline, maxDevices, channel, mode = tonumber(ARGV[7]), tonumber(ARGV[8]), ARGV[9], ARGV[10]
+    local heartbeat, maxDevices, channel, mode = tonumber(ARGV[7]), tonumber(ARGV[8]), ARGV[9], ARGV[10]
+    local deadline = 0
+    if mode == 'rest' then deadline = now + heartbeat end
     local raw = redis.call('HGET', KEYS[1], device)
     local prevSession, prevNode = '', ''
     local since = now
@@ -89,6 +120,11 @@ enum PresenceScripts {
       return redis.error_reply('TOO_MANY_DEVICES the user has ' .. maxDevices .. ' devices already')
     end
     redis.call('HSET', KEYS[1], device, encode({status = status, node = node, session = session, since = since, deadline = deadline, alive = now}))
+    if deadline > 0 then
+      redis.call('ZADD', KEYS[3], deadline, user .. '|' .. device)
+    else
+      redis.call('ZREM', KEYS[3], user .. '|' .. device)
+    end
     -- A device that says offline was alive until now: that is the user's last_seen if it was the last.
     local result = finish(KEYS[2], KEYS[1], channel, now, wentOffline, user)
     table.insert(result, prevSession)
@@ -96,63 +132,82 @@ enum PresenceScripts {
     return result
     """)
 
-    /// Takes a device away. KEYS: devices, state. ARGV: now, user, device, session ('' for any),
-    /// mode, linger deadline, channel, device TTL. Modes: `clean` removes at once; `linger` keeps
-    /// the device live until the deadline without its session; `expire` removes it only if its
-    /// deadline has passed. Returns finish()'s array; {-1, deadline} when the device stays live
-    /// (lingering, or not due yet); {-2} when there is no such device; {-3} when another session
-    /// holds it now.
+    /// Takes a device away. KEYS: devices, state, deadlines. ARGV: now, user, device, session
+    /// ('' for any), mode, linger ms, channel, device TTL. Modes: `clean` removes at once;
+    /// `linger` keeps the device live for the linger without its session; `expire` (the reaper)
+    /// removes it only if its deadline has passed. The device's entry in `deadlines` follows in
+    /// the same step: set to its deadline while it has one, removed otherwise. Returns
+    /// finish()'s array; {-1, deadline} when the device stays live (lingering, or not due yet);
+    /// {-2} when there is no such device; {-3} when another session holds it now.
     static let removeDevice = RedisScript(prelude + """
 
-    local now = tonumber(ARGV[1])
-    local user, device, session, mode, lingerDeadline, channel = ARGV[2], ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6]), ARGV[7]
+    local now = clock(ARGV[1])
+    local user, device, session, mode, linger, channel = ARGV[2], ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6]), ARGV[7]
+    local member = user .. '|' .. device
     local raw = redis.call('HGET', KEYS[1], device)
-    if not raw then return {-2} end
+    if not raw then
+      redis.call('ZREM', KEYS[3], member)
+      return {-2}
+    end
     local d = parse(raw)
     if session ~= '' and d.session ~= session then return {-3} end
     if mode == 'linger' then
-      d.node, d.session, d.deadline, d.alive = '', '', lingerDeadline, now
+      d.node, d.session, d.deadline, d.alive = '', '', now + linger, now
       redis.call('HSET', KEYS[1], device, encode(d))
-      return {-1, tostring(lingerDeadline)}
+      redis.call('ZADD', KEYS[3], d.deadline, member)
+      return {-1, tostring(d.deadline)}
     end
     -- A device that already said offline was last alive when it said so.
     local alive = now
     if d.status == 'offline' then alive = d.alive end
     if mode == 'expire' then
-      if d.deadline == 0 or d.deadline > now then return {-1, tostring(d.deadline)} end
+      if d.deadline == 0 then
+        redis.call('ZREM', KEYS[3], member)
+        return {-1, '0'}
+      end
+      if d.deadline > now then
+        redis.call('ZADD', KEYS[3], d.deadline, member)
+        return {-1, tostring(d.deadline)}
+      end
       alive = d.alive
     end
     redis.call('HDEL', KEYS[1], device)
+    redis.call('ZREM', KEYS[3], member)
     return finish(KEYS[2], KEYS[1], channel, now, alive, user)
     """)
 
     /// Removes every device a dead node's sessions held. KEYS: devices, state. ARGV: now, user,
     /// node, the node's last renewal, channel, device TTL, the moment its lease ended. A device
     /// written after that moment belongs to a new process under the same node id and stays.
-    /// Returns finish()'s array, or {-2} when the node held none of this user's devices.
+    /// Returns finish()'s array, or {-2} when the node held none of this user's devices. A
+    /// removed device that had said `offline` was last alive when it said so, not at the renewal.
     static let reapNode = RedisScript(prelude + """
 
-    local now = tonumber(ARGV[1])
+    local now = clock(ARGV[1])
     local user, node, renewed, channel = ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
     local ended = tonumber(ARGV[7])
     local all = redis.call('HGETALL', KEYS[1])
     local removed = 0
+    local alive = 0
     for i = 1, #all, 2 do
       local d = parse(all[i + 1])
       if d.node == node and d.deadline == 0 and d.alive <= ended then
         redis.call('HDEL', KEYS[1], all[i])
         removed = removed + 1
+        local last = renewed
+        if d.status == 'offline' then last = d.alive end
+        if last > alive then alive = last end
       end
     end
     if removed == 0 then return {-2} end
-    return finish(KEYS[2], KEYS[1], channel, now, renewed, user)
+    return finish(KEYS[2], KEYS[1], channel, now, alive, user)
     """)
 
     /// Turns `show_online_status` on or off. KEYS: devices, state. ARGV: now, user, show (1/0),
     /// channel, device TTL. Returns finish()'s array.
     static let setPrivacy = RedisScript(prelude + """
 
-    local now = tonumber(ARGV[1])
+    local now = clock(ARGV[1])
     local user, show, channel = ARGV[2], ARGV[3], ARGV[4]
     local state = redis.call('HMGET', KEYS[2], 'status', 'last_seen', 'hidden')
     local wasHidden = state[3] == '1'
@@ -184,51 +239,50 @@ enum PresenceScripts {
     """)
 
     /// Reads a user. KEYS: devices, state. ARGV: now. Returns {status, last_seen, hidden,
-    /// hidden_last_seen, seen_ever}; a stored aggregate whose devices are all gone (their safety
-    /// TTL ran out with every node dead) reads as offline.
-    static let read = RedisScript("""
+    /// hidden_last_seen, seen_ever, now}; a stored aggregate whose devices are all gone (their
+    /// safety TTL ran out with every node dead) reads as offline. `now` is the `last_seen` of a
+    /// user who is online or away.
+    static let read = RedisScript(clock + """
     local s = redis.call('HMGET', KEYS[2], 'status', 'last_seen', 'hidden', 'hidden_last_seen')
     local status = s[1] or 'offline'
     if status ~= 'offline' and redis.call('EXISTS', KEYS[1]) == 0 then status = 'offline' end
-    return {status, s[2] or '0', s[3] or '0', s[4] or '0', s[2] and 1 or 0}
+    return {status, s[2] or '0', s[3] or '0', s[4] or '0', s[2] and 1 or 0, tostring(clock(ARGV[1]))}
     """)
 
     /// Claims up to ARGV[3] due entries of a deadline sorted set (KEYS[1]): entries scored at or
-    /// before ARGV[1] are re-scored to ARGV[2] (a retry time, should the claimer die) and
-    /// returned with their old scores, so exactly one reaper works on each.
-    static let claimDue = RedisScript("""
-    local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'WITHSCORES', 'LIMIT', 0, tonumber(ARGV[3]))
+    /// before now (ARGV[1]) are re-scored to now + ARGV[2] ms (a retry time, should the claimer
+    /// die), so exactly one reaper works on each. Returns {now, retry, member, old score, ...}.
+    static let claimDue = RedisScript(clock + """
+    local now = clock(ARGV[1])
+    local retry = now + tonumber(ARGV[2])
+    local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'WITHSCORES', 'LIMIT', 0, tonumber(ARGV[3]))
     for i = 1, #due, 2 do
-      redis.call('ZADD', KEYS[1], ARGV[2], due[i])
+      redis.call('ZADD', KEYS[1], retry, due[i])
     end
+    table.insert(due, 1, tostring(retry))
+    table.insert(due, 1, tostring(now))
     return due
     """)
 
-    /// Whether a node's lease was renewed (or taken by a new process under the same id) after
-    /// the lapse a reaper claimed. KEYS: lease. ARGV: the claimed lease end (ms).
-    static let leaseRenewedSince = RedisScript(leaseRenewed + """
-
-    return renewedSince(tonumber(ARGV[1])) and 1 or 0
-    """)
-
-    /// Deletes a reaped node's device index and info, unless the lease was taken again since the
-    /// claimed lapse. KEYS: lease, node devices, node info. ARGV as ``leaseRenewedSince``.
-    /// Returns 1 if deleted.
-    static let dropNode = RedisScript(leaseRenewed + """
-
-    if renewedSince(tonumber(ARGV[1])) then return 0 end
-    redis.call('DEL', KEYS[2], KEYS[3])
+    /// Whether a node's lease key still exists: that, and nothing a clock says, is whether the
+    /// node is alive. A live node claimed by a reaper (its score passed a moment before its key
+    /// expired, or it was renewed meanwhile) is put back in the registry at its lease's real end.
+    /// KEYS: lease, nodes registry. ARGV: now, node id. Returns 1 when the lease is live.
+    static let leaseLive = RedisScript(clock + """
+    local left = leaseLeft(KEYS[1], ARGV[1])
+    if not left then return 0 end
+    if left > 0 then redis.call('ZADD', KEYS[2], clock(ARGV[1]) + left, ARGV[2]) end
     return 1
     """)
 
-    /// The lease's value is the end its last renewal set (ms): a later end means a renewal after
-    /// the claimed one, whatever lease TTL either process runs with.
-    private static let leaseRenewed = """
-    local function renewedSince(ended)
-      local ends = tonumber(redis.call('GET', KEYS[1]) or '')
-      return ends ~= nil and ends > ended
-    end
-    """
+    /// Deletes a reaped node's device index and info, unless its lease is held again (a new
+    /// process under the same id took it). KEYS: lease, node devices, node info. ARGV: now.
+    /// Returns 1 if deleted.
+    static let dropNode = RedisScript(clock + """
+    if leaseLeft(KEYS[1], ARGV[1]) then return 0 end
+    redis.call('DEL', KEYS[2], KEYS[3])
+    return 1
+    """)
 
     /// Removes member ARGV[1] from sorted set KEYS[1] only if its score is still ARGV[2].
     static let removeIfScore = RedisScript("""
@@ -239,26 +293,41 @@ enum PresenceScripts {
     return 0
     """)
 
-    /// Renews a node's lease. KEYS: lease, nodes registry. ARGV: now, lease ms, node id. The
-    /// lease's value and the node's score become the new lease end.
-    /// Returns 1, or 0 when the lease was gone (reaped, or Redis lost its data): the caller
-    /// re-registers, which recreates it with `register`.
-    static let renewLease = RedisScript("""
-    local ends = tonumber(ARGV[1]) + tonumber(ARGV[2])
-    if redis.call('SET', KEYS[1], ends, 'XX', 'PX', ARGV[2]) then
-      redis.call('ZADD', KEYS[2], ends, ARGV[3])
-      return 1
-    end
-    return 0
+    /// Renews a node's lease, or with ARGV[6] = `register` takes it whether or not it exists.
+    /// KEYS: lease, nodes registry, node info. ARGV: now, lease ms, node id, sessions, safety TTL
+    /// ms, mode. The lease's value and the node's score become the new lease end, and the info
+    /// records the renewal (the last moment the node was known alive). Returns the renewal's
+    /// moment, or 0 when a renewal found the lease gone (reaped, or Redis lost its data): the
+    /// caller registers again.
+    static let renewLease = RedisScript(clock + """
+    local now = clock(ARGV[1])
+    local ends = now + tonumber(ARGV[2])
+    if ARGV[6] ~= 'register' and not leaseLeft(KEYS[1], ARGV[1]) then return 0 end
+    redis.call('SET', KEYS[1], ends, 'PX', ARGV[2])
+    redis.call('ZADD', KEYS[2], ends, ARGV[3])
+    redis.call('HSET', KEYS[3], 'renewed_at', now, 'sessions', ARGV[4])
+    redis.call('PEXPIRE', KEYS[3], ARGV[5])
+    redis.call('PEXPIRE', KEYS[2], ARGV[5])
+    return now
+    """)
+
+    /// Gives up a node's lease on a graceful shutdown: the node stays in the registry, lapsed
+    /// now, so that a reaper takes any device it still held. KEYS: lease, nodes registry. ARGV:
+    /// now, node id.
+    static let releaseLease = RedisScript(clock + """
+    redis.call('DEL', KEYS[1])
+    redis.call('ZADD', KEYS[2], clock(ARGV[1]), ARGV[2])
+    return 1
     """)
 
     /// Sets or clears a user's typing state in a conversation. KEYS: the conversation's typing
-    /// hash (user → `expiry|forwarded`). ARGV: now, conversation, user, is_typing (1/0), TTL ms,
-    /// coalescing window ms, channel. A start, or a refresh at least a window after the last
-    /// forwarded one, is published; other refreshes only extend the expiry. A stop is published
-    /// only if the user was typing. Returns 1 when something was published.
-    static let setTyping = RedisScript("""
-    local now, conversation, user = tonumber(ARGV[1]), ARGV[2], ARGV[3]
+    /// hash (user → `expiry|forwarded`), the typing deadlines. ARGV: now, conversation, user,
+    /// is_typing (1/0), TTL ms, coalescing window ms, channel. A start, or a refresh at least a
+    /// window after the last forwarded one, is published; other refreshes only extend the
+    /// expiry. A stop is published only if the user was typing. The expiry is indexed for the
+    /// reaper in the same step. Returns 1 when something was published.
+    static let setTyping = RedisScript(clock + """
+    local now, conversation, user = clock(ARGV[1]), ARGV[2], ARGV[3]
     local ttl, window, channel = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7]
     local raw = redis.call('HGET', KEYS[1], user)
     local expiry, forwarded = 0, 0
@@ -272,6 +341,7 @@ enum PresenceScripts {
       if publish then forwarded = now end
       redis.call('HSET', KEYS[1], user, (now + ttl) .. '|' .. forwarded)
       redis.call('PEXPIRE', KEYS[1], ttl * 10)
+      redis.call('ZADD', KEYS[2], now + ttl, conversation .. '|' .. user)
       if publish then
         redis.call('PUBLISH', channel, cjson.encode({type = 'typing', conversation_id = conversation, user_id = user, is_typing = true, at = now}))
         return 1
@@ -282,6 +352,7 @@ enum PresenceScripts {
     -- one), even if its expiry has just passed: publish it now.
     if raw then
       redis.call('HDEL', KEYS[1], user)
+      redis.call('ZREM', KEYS[2], conversation .. '|' .. user)
       redis.call('PUBLISH', channel, cjson.encode({type = 'typing', conversation_id = conversation, user_id = user, is_typing = false, at = now}))
       return 1
     end
@@ -291,8 +362,8 @@ enum PresenceScripts {
     /// Ends a typing state whose expiry passed. KEYS: the typing hash. ARGV: now, conversation,
     /// user, channel. Returns 1 when it ended (and `is_typing: false` was published), the
     /// expiry when it is still running, 0 when there is none.
-    static let expireTyping = RedisScript("""
-    local now, conversation, user, channel = tonumber(ARGV[1]), ARGV[2], ARGV[3], ARGV[4]
+    static let expireTyping = RedisScript(clock + """
+    local now, conversation, user, channel = clock(ARGV[1]), ARGV[2], ARGV[3], ARGV[4]
     local raw = redis.call('HGET', KEYS[1], user)
     if not raw then return 0 end
     local expiry = tonumber(string.match(raw, '^([^|]*)|'))

@@ -72,6 +72,12 @@ extension Gateway {
             await refuse(outbound, .policyViolation, reason: error.message)
             return
         }
+        // A node that has not taken its lease yet writes no device: until it has, what an earlier
+        // process under its node id left is still being taken offline.
+        guard await engine.waitUntilRegistered(timeout: .seconds(5)) else {
+            await refuse(outbound, .unknown(1013), reason: "this node is starting; try again")
+            return
+        }
         let recorder = await CloseCodeRecorder.install(on: channel)
         let session = Session(userID: user.userID, deviceID: device, wire: wire, queueLimit: configuration.outboundQueueLimit)
         var logger = self.logger
