@@ -91,6 +91,26 @@ public final class GatewayProcess: @unchecked Sendable {
     /// A request on a loopback port with a plain socket (no URLSession state between tests):
     /// the status and the body, or `nil` when nothing answers.
     public static func http(port: Int, method: String, path: String, headers: [String: String] = [:], body: String? = nil) -> (status: Int, body: String)? {
+        guard let text = exchange(port: port, method: method, path: path, headers: headers, body: body),
+              let status = Int(text.dropFirst(9).prefix(3)) else { return nil }
+        let body = text.range(of: "\r\n\r\n").map { String(text[$0.upperBound...]) } ?? ""
+        return (status, body)
+    }
+
+    /// The node's wall clock as its `Date` header gives it (whole seconds), from a GET of `/healthz`.
+    public static func wallClock(port: Int) -> Date? {
+        guard let text = exchange(port: port, method: "GET", path: "/healthz", headers: [:], body: nil),
+              let head = text.range(of: "\r\n\r\n").map({ text[..<$0.lowerBound] }),
+              let line = head.split(separator: "\r\n").first(where: { $0.lowercased().hasPrefix("date:") }) else { return nil }
+        let formatter = DateFormatter()
+        formatter.locale = Locale(identifier: "en_US_POSIX")
+        formatter.timeZone = TimeZone(identifier: "GMT")
+        formatter.dateFormat = "EEE, dd MMM yyyy HH:mm:ss zzz"
+        return formatter.date(from: line.dropFirst(5).trimmingCharacters(in: .whitespaces))
+    }
+
+    /// One request and the whole response as text, or `nil` when nothing answers.
+    private static func exchange(port: Int, method: String, path: String, headers: [String: String], body: String?) -> String? {
         guard let fd = connectLoopback(port: port) else { return nil }
         defer { close(fd) }
         var timeout = timeval(tv_sec: 5, tv_usec: 0)
@@ -110,9 +130,7 @@ public final class GatewayProcess: @unchecked Sendable {
             response += buffer[..<count]
         }
         let text = String(decoding: response, as: UTF8.self)
-        guard text.hasPrefix("HTTP/1.1 "), let status = Int(text.dropFirst(9).prefix(3)) else { return nil }
-        let body = text.range(of: "\r\n\r\n").map { String(text[$0.upperBound...]) } ?? ""
-        return (status, body)
+        return text.hasPrefix("HTTP/1.1 ") ? text : nil
     }
 }
 
