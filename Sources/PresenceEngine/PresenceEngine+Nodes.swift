@@ -94,29 +94,6 @@ extension PresenceEngine {
         return true
     }
 
-    /// Registers the node and every device its live sessions hold again, with their statuses.
-    /// Watchers get events for every aggregate this brings back.
-    @discardableResult
-    public func reregister() async throws(PresenceError) -> Int {
-        try await registerNode()
-        let devices = local.withLockedValue { Array($0) }
-        for (member, device) in devices {
-            // A session that closed meanwhile is no longer in `local`, and is skipped. The status
-            // written is the one the session holds as it is written, not the one listed above:
-            // a `status` frame may have changed it since.
-            try await writeCurrentStatus(member, session: device.session) { user, device, session, status throws(PresenceError) in
-                _ = try await self.register(user: user, device: device, session: session, status: status)
-            }
-            // The session may have closed while this ran: its close must win.
-            let closedMeanwhile = local.withLockedValue { $0[member]?.session != device.session }
-            if closedMeanwhile {
-                _ = try? await disconnect(user: device.user, device: device.device, session: device.session, clean: false)
-            }
-        }
-        logger.info("re-registered this node's sessions", metadata: ["presence.node_id": "\(configuration.nodeID)", "presence.devices": "\(devices.count)"])
-        return devices.count
-    }
-
     /// Refreshes the safety TTL of the devices hash of every user this node holds a device of.
     public func refreshDeviceKeys() async throws(PresenceError) {
         let users = Set(local.withLockedValue { $0.values.map(\.user) })

@@ -26,6 +26,12 @@ public final class PresenceEngine: Sendable {
     /// Whether this process has taken its lease: sessions wait for it (``waitUntilRegistered(timeout:)``),
     /// so that none is written before what an earlier process under this node id left is reaped.
     let registered = NIOLockedValueBox(false)
+    /// Devices of this node's sessions still to be written again since Redis was found to have
+    /// lost them (``restorePending()``): what is left when a re-registration was cut short.
+    let unrestored = NIOLockedValueBox(Set<String>())
+    /// What the node's upkeep found (``UpkeepEvent``), for the gateway to act on.
+    public let upkeepEvents: AsyncStream<UpkeepEvent>
+    let upkeep: AsyncStream<UpkeepEvent>.Continuation
 
     /// A disconnect Redis could not take yet.
     struct PendingRelease: Sendable {
@@ -52,6 +58,7 @@ public final class PresenceEngine: Sendable {
         self.keys = PresenceKeys(prefix: configuration.keyPrefix)
         self.clock = clock
         self.logger = logger
+        (upkeepEvents, upkeep) = AsyncStream.makeStream(bufferingPolicy: .bufferingNewest(1024))
     }
 
     /// The outcome of opening a session.
@@ -109,7 +116,7 @@ public final class PresenceEngine: Sendable {
 
     /// Writes the status of a device held by `session` of this node and settles the change;
     /// `nil` when another session has taken the device over.
-    private func writeStatus(user: String, device: String, session: String, status: PresenceStatus) async throws(PresenceError) -> PresenceChange? {
+    func writeStatus(user: String, device: String, session: String, status: PresenceStatus) async throws(PresenceError) -> PresenceChange? {
         let reply = try await upsert(user: user, device: device, status: status, node: configuration.nodeID, session: session, mode: "status")
         guard reply.first?.int != -3 else { return nil }
         let change = try Self.change(from: reply, user: user)
@@ -351,17 +358,18 @@ public final class PresenceEngine: Sendable {
     }
 
     private func upsert(user: String, device: String, status: PresenceStatus, node: String, session: String, mode: String) async throws(PresenceError) -> [RESPValue] {
-        let reply = try await run {
-            try await self.redis.evaluate(
-                PresenceScripts.upsertDevice,
-                keys: [self.keys.devices(user), self.keys.state(user), self.keys.deadlines],
-                arguments: [self.nowArgument, RedisArgument(user), RedisArgument(device), RedisArgument(status.rawValue),
-                            RedisArgument(node), RedisArgument(session), RedisArgument(Int(self.configuration.heartbeatTTL.milliseconds)), RedisArgument(self.configuration.maxDevicesPerUser),
-                            RedisArgument(self.keys.userChannel(user)), RedisArgument(mode), self.deviceTTLArgument]
-            )
-        }
+        let call = upsertCall(user: user, device: device, status: status, node: node, session: session, mode: mode)
+        let reply = try await run { try await self.redis.evaluate(PresenceScripts.upsertDevice, keys: call.keys, arguments: call.arguments) }
         guard let values = reply.array else { throw PresenceError(.internal, "unexpected reply from the device script") }
         return values
+    }
+
+    /// The keys and arguments of ``PresenceScripts/upsertDevice`` for one device.
+    func upsertCall(user: String, device: String, status: PresenceStatus, node: String, session: String, mode: String) -> (keys: [String], arguments: [RedisArgument]) {
+        (keys: [keys.devices(user), keys.state(user), keys.deadlines],
+         arguments: [nowArgument, RedisArgument(user), RedisArgument(device), RedisArgument(status.rawValue),
+                     RedisArgument(node), RedisArgument(session), RedisArgument(Int(configuration.heartbeatTTL.milliseconds)), RedisArgument(configuration.maxDevicesPerUser),
+                     RedisArgument(keys.userChannel(user)), RedisArgument(mode), deviceTTLArgument])
     }
 
     /// Runs a Redis call, mapping its errors to presence errors.

@@ -89,11 +89,12 @@ enum PresenceScripts {
 
     /// Adds or updates a device. KEYS: devices, state, deadlines. ARGV: now, user, device,
     /// status, node, session, heartbeat ms (a REST device's time to live), max devices, channel,
-    /// mode (`session` to open a session, `status` for a change from a session, `rest`), device
-    /// TTL. A REST device's deadline is indexed in `deadlines` in the same step, and a device a
-    /// session holds is taken out of it, so no device is left with a deadline nobody reaps.
-    /// Returns finish()'s array plus the previous session and its node; {-3} when a `status`
-    /// comes from a session that lost the device; or an error reply `TOO_MANY_DEVICES`.
+    /// mode (`session` to open a session, `restore` to write a session's device again after
+    /// Redis lost it, `status` for a change from a session, `rest`), device TTL. A REST device's
+    /// deadline is indexed in `deadlines` in the same step, and a device a session holds is taken
+    /// out of it, so no device is left with a deadline nobody reaps. Returns finish()'s array
+    /// plus the previous session and its node; {-3} when a `status` or a `restore` comes from a
+    /// session that lost the device to another; or an error reply `TOO_MANY_DEVICES`.
     static let upsertDevice = RedisScript(prelude + """
 
     local now = clock(ARGV[1])
@@ -109,6 +110,8 @@ enum PresenceScripts {
       local d = parse(raw)
       -- A status change from a session that no longer holds the device changes nothing.
       if mode == 'status' and d.session ~= '' and d.session ~= session then return {-3} end
+      -- Written again after a loss, a device that another session took meanwhile stays its.
+      if mode == 'restore' and d.session ~= '' and d.session ~= session then return {-3} end
       prevSession, prevNode = d.session, d.node
       if d.status == status then since = d.since end
       if status == 'offline' and d.status ~= 'offline' then wentOffline = now end
@@ -130,6 +133,36 @@ enum PresenceScripts {
     table.insert(result, prevSession)
     table.insert(result, prevNode)
     return result
+    """)
+
+    /// Checks devices this node's sessions hold against what Redis has, reading only. KEYS: the
+    /// node's device index, then each device's devices hash. ARGV: for each device, its index
+    /// member, its id and the session holding it here. Returns one code per device: 0 as it
+    /// should be; 1 gone, or held by no session (lost); 2 missing from the index; 3 held by
+    /// another session now.
+    static let auditDevices = RedisScript(prelude + """
+
+    local codes = {}
+    for i = 2, #KEYS do
+      local base = (i - 2) * 3
+      local member, device, session = ARGV[base + 1], ARGV[base + 2], ARGV[base + 3]
+      local raw = redis.call('HGET', KEYS[i], device)
+      local code = 0
+      if not raw then
+        code = 1
+      else
+        local held = parse(raw).session
+        if held == '' then
+          code = 1
+        elseif held ~= session then
+          code = 3
+        elseif redis.call('SISMEMBER', KEYS[1], member) == 0 then
+          code = 2
+        end
+      end
+      codes[#codes + 1] = code
+    end
+    return codes
     """)
 
     /// Takes a device away. KEYS: devices, state, deadlines. ARGV: now, user, device, session

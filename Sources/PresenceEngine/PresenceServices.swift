@@ -2,8 +2,10 @@ import Logging
 import RedisClient
 import ServiceLifecycle
 
-/// Keeps this node's lease: renews it every third of the lease TTL, re-registers every session
-/// when it finds the lease gone, and gives it up on graceful shutdown.
+/// Keeps this node's lease: renews it every third of the lease TTL, registers every session
+/// again when it finds the lease gone (resuming on the next tick if that was cut short), audits
+/// the devices its sessions hold every ``PresenceConfiguration/auditInterval``, and gives the
+/// lease up on graceful shutdown.
 public struct PresenceLeaseService: Service {
     let engine: PresenceEngine
 
@@ -13,6 +15,7 @@ public struct PresenceLeaseService: Service {
     public func run() async throws {
         let interval = engine.configuration.leaseTTL / 3
         let refreshEvery = max(1, Int(engine.configuration.deviceKeyTTL.milliseconds / 3 / max(1, interval.milliseconds)))
+        let auditEvery = max(1, Int(engine.configuration.auditInterval / interval))
         var registered = false
         var tick = 0
         while !Task.isShuttingDownGracefully, !Task.isCancelled {
@@ -24,11 +27,14 @@ public struct PresenceLeaseService: Service {
                 } else if try await !engine.renewLease() {
                     engine.logger.warning("this node's lease was gone; registering its sessions again", metadata: ["presence.node_id": "\(engine.configuration.nodeID)"])
                     try await engine.reregister()
+                } else if engine.restoreOwed {
+                    try await engine.restorePending()
                 }
                 await engine.retryPendingReleases()
                 await engine.retryOwedStatuses()
                 tick += 1
                 if tick % refreshEvery == 0 { try await engine.refreshDeviceKeys() }
+                if tick % auditEvery == 0 { try await engine.audit() }
             } catch {
                 engine.logger.warning("cannot renew the lease", metadata: ["error": "\(error)"])
             }

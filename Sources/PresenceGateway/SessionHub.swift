@@ -220,22 +220,52 @@ final class SessionHub: Service, Sendable {
     /// Consumes the subscriber's events until it stops.
     func run() async throws {
         try? await subscriber.retain([engine.keys.nodeChannel(engine.configuration.nodeID), engine.keys.broadcastChannel])
+        let upkeep = Task { await self.followUpkeep() }
+        defer { upkeep.cancel() }
         for await event in subscriber.events.cancelOnGracefulShutdown() {
             switch event {
             case .message(let channel, let payload):
                 await deliver(channel: channel, payload: payload)
             case .subscribed(reconnect: true):
                 logger.info("pub/sub reconnected; re-reading the presence every session watches")
-                let task = Task { await self.resync() }
-                state.withLockedValue { state in
-                    state.resync?.cancel()
-                    state.resync = task
-                }
+                startResync(grace: engine.configuration.recoveryGrace)
             case .subscribed(reconnect: false), .disconnected:
                 break
             }
         }
         state.withLockedValue { $0.resync?.cancel() }
+    }
+
+    /// Acts on what the engine's upkeep finds: after a data loss every node's watchers are read
+    /// again (this node's at once, the others' through the broadcast channel: a loss one node
+    /// sees may have taken what any node told its watchers); a session whose device was taken
+    /// over while Redis had lost it is closed, as after any takeover.
+    private func followUpkeep() async {
+        for await event in engine.upkeepEvents {
+            switch event {
+            case .dataLost:
+                startResync(grace: Self.dataLossGrace(engine.configuration))
+                let message = Wire.json(["type": "resync", "node": engine.configuration.nodeID])
+                _ = try? await engine.redis.send("PUBLISH", RedisArgument(engine.keys.broadcastChannel), RedisArgument(message))
+            case .deviceTakenOver(let id):
+                state.withLockedValue { $0.sessions[id] }?.close(code: 4009, reason: "this device connected again in another session")
+            }
+        }
+    }
+
+    /// How long after a data loss a re-read may tell watchers "offline": every live node finds
+    /// its lease gone within a third of a lease and writes its sessions again; 2 s more for that.
+    static func dataLossGrace(_ configuration: PresenceConfiguration) -> Duration {
+        configuration.leaseTTL / 3 + .seconds(2)
+    }
+
+    /// Starts a catch-up of every session (see ``resync(grace:)``); a newer one replaces it.
+    private func startResync(grace: Duration) {
+        let task = Task { await self.resync(grace: grace) }
+        state.withLockedValue { state in
+            state.resync?.cancel()
+            state.resync = task
+        }
     }
 
     private func deliver(channel: String, payload: [UInt8]) async {
@@ -309,6 +339,11 @@ final class SessionHub: Service, Sendable {
                 let count = disconnect(user: user, code: 4003, reason: "disconnected by an administrator")
                 if count > 0 { logger.info("admin disconnect", metadata: ["presence.user_id": "\(user)", "presence.sessions": "\(count)"]) }
             }
+        case "resync":
+            if object["node"] as? String != engine.configuration.nodeID {
+                logger.info("another node found Redis had lost data; re-reading the presence every session watches")
+                startResync(grace: Self.dataLossGrace(engine.configuration))
+            }
         case "close_session":
             if let id = object["session"] as? String, let session = state.withLockedValue({ $0.sessions[id] }) {
                 session.close(code: 4009, reason: "this device connected again in another session")
@@ -318,16 +353,17 @@ final class SessionHub: Service, Sendable {
         }
     }
 
-    /// After a pub/sub reconnect: every session gets what changed while events could be missed.
+    /// After a pub/sub reconnect or a data loss: every session gets what changed while events
+    /// could be missed, or what Redis no longer has.
     ///
     /// Reads are retried until Redis answers: the command connection may come back later than
     /// the subscriber's. A user read as offline whom a session was told is online is told so only
-    /// after ``PresenceConfiguration/recoveryGrace``, in a second pass. Redis may have lost its
-    /// data, and the nodes holding live sessions register them again within that grace; the
-    /// first read would show those users offline for a moment.
-    private func resync() async {
+    /// after `grace`, in a second pass. Redis may have lost its data, and the nodes holding live
+    /// sessions write them again within that grace; the first read would show those users
+    /// offline for a moment.
+    private func resync(grace: Duration) async {
         await catchUpEverySession(holdingBackOffline: true)
-        guard (try? await Task.sleep(for: engine.configuration.recoveryGrace)) != nil else { return }
+        guard (try? await Task.sleep(for: grace)) != nil else { return }
         await catchUpEverySession(holdingBackOffline: false)
     }
 

@@ -81,6 +81,60 @@ struct PresenceEngineTests {
         }
     }
 
+    @Test("an online and an offline post of one REST device at the same time leave nothing that never expires")
+    func concurrentPosts() async throws {
+        try await EngineCluster.with { cluster in
+            let engine = cluster.engine(node: "n1")
+            let users = (0..<200).map { "racer\($0)" }
+            // Each pair races on one pipelined connection; which wins differs from user to user.
+            try await withThrowingTaskGroup(of: Void.self) { group in
+                for (index, user) in users.enumerated() {
+                    let order: [PresenceStatus] = index % 2 == 0 ? [.online, .offline] : [.offline, .online]
+                    for status in order { group.addTask { _ = try await engine.post(user: user, device: "web", status: status) } }
+                }
+                try await group.waitForAll()
+            }
+            // Whatever each race left, a device that is there has its heartbeat deadline indexed.
+            let online = try await engine.views(of: users).filter { $0.real.status != .offline }.map(\.real.userID)
+            let indexed = try await cluster.redis.send("ZRANGE", RedisArgument(cluster.prefixKeys.deadlines), "0", "-1").strings
+            let unindexed = online.filter { !indexed.contains("\($0)|web") }
+            #expect(unindexed.isEmpty, "devices with no deadline entry: \(unindexed)")
+            cluster.clock.advance(.seconds(61))
+            _ = try await engine.reapOnce()
+            let left = try await engine.views(of: users).filter { $0.real.status != .offline }.map(\.real.userID)
+            #expect(left.isEmpty, "online after their heartbeat ran out: \(left) (\(online.count) were online before)")
+        }
+    }
+
+    @Test("reaping a dead node leaves the last_seen of a device that had said offline where it was")
+    func reapKeepsOfflineLastSeen() async throws {
+        try await EngineCluster.with { cluster in
+            let dying = cluster.engine(node: "dying")
+            let survivor = cluster.engine(node: "survivor")
+            try await dying.registerNode()
+            try await survivor.registerNode()
+            _ = try await dying.connect(user: "olga", device: "phone", session: "s1")
+            cluster.clock.advance(.seconds(1))
+            let hiddenAt = cluster.clock.nowMilliseconds()
+            _ = try await dying.setStatus(user: "olga", device: "phone", session: "s1", status: .offline)
+            #expect(try await survivor.views(of: "olga").real == Presence(userID: "olga", status: .offline, lastSeen: hiddenAt))
+            try await withRecorder(survivor, users: ["olga"]) { recorder in
+                cluster.clock.advance(.seconds(5))
+                #expect(try await dying.renewLease())
+                #expect(try await survivor.renewLease())
+                for _ in 0..<2 {
+                    cluster.clock.advance(.seconds(6))
+                    #expect(try await survivor.renewLease())
+                }
+                #expect(try await survivor.reapOnce().nodes == ["dying"])
+                #expect(try await survivor.views(of: "olga").real == Presence(userID: "olga", status: .offline, lastSeen: hiddenAt),
+                        "last seen when she went offline, not at the dead node's last renewal")
+                try await Task.sleep(for: .milliseconds(200))
+                #expect(recorder.events.isEmpty, "nothing anyone sees changed: \(recorder.events)")
+            }
+        }
+    }
+
     @Test("a node id taken back by a new process: the reaper takes only the old process's devices and keeps the new lease")
     func reusedNodeID() async throws {
         try await EngineCluster.with { cluster in
@@ -231,6 +285,56 @@ struct PresenceEngineTests {
             #expect(try await node.views(of: "frank").real.status == .away)
             #expect(try await node.views(of: "gina").real.status == .online)
             #expect(try await node.renewLease())
+        }
+    }
+
+    @Test("writing sessions again after a loss leaves a device another session took meanwhile to it, and says which local session lost it")
+    func reregisterRespectsTakeover() async throws {
+        try await EngineCluster.with { cluster in
+            let lost = cluster.engine(node: "n1")
+            let other = cluster.engine(node: "n2")
+            try await lost.registerNode()
+            try await other.registerNode()
+            _ = try await lost.connect(user: "kai", device: "phone", session: "old")
+            _ = try await lost.connect(user: "lea", device: "phone", session: "s2", status: .away)
+            try await cluster.wipe()
+            // The phone reconnected to the other node while Redis had lost everything.
+            try await other.registerNode()
+            _ = try await other.connect(user: "kai", device: "phone", session: "new")
+            var events = lost.upkeepEvents.makeAsyncIterator()
+            #expect(try await !lost.renewLease())
+            #expect(try await lost.reregister() == 1, "only lea's device is written again")
+            #expect(try await lost.devices(of: "kai").map(\.node) == ["n2"], "kai's phone stays with the session that took it")
+            #expect(try await lost.views(of: "lea").real.status == .away)
+            #expect(await events.next() == .dataLost)
+            #expect(await events.next() == .deviceTakenOver(session: "old"))
+            #expect(lost.localDeviceCount == 1)
+        }
+    }
+
+    @Test("the audit writes again a device Redis lost or left out of the node's index, and lets go of one another session holds")
+    func audit() async throws {
+        try await EngineCluster.with { cluster in
+            let node = cluster.engine(node: "n1")
+            let other = cluster.engine(node: "n2")
+            try await node.registerNode()
+            try await other.registerNode()
+            for user in ["u1", "u2", "u3", "u4"] { _ = try await node.connect(user: user, device: "phone", session: "s-\(user)") }
+            #expect(try await node.audit() == PresenceEngine.AuditReport(checked: 4, restored: 0, takenOver: 0), "nothing to do")
+            let keys = cluster.prefixKeys
+            try await cluster.redis.send("DEL", RedisArgument(keys.devices("u2")))
+            try await cluster.redis.send("SREM", RedisArgument(keys.nodeDevices("n1")), "u3|phone")
+            _ = try await other.connect(user: "u4", device: "phone", session: "elsewhere")
+            #expect(try await node.views(of: "u2").real.status == .offline, "the loss is real")
+            var events = node.upkeepEvents.makeAsyncIterator()
+            #expect(try await node.audit() == PresenceEngine.AuditReport(checked: 4, restored: 2, takenOver: 1))
+            #expect(await events.next() == .deviceTakenOver(session: "s-u4"))
+            #expect(await events.next() == .dataLost)
+            #expect(try await node.views(of: "u2").real.status == .online)
+            let indexed = try await cluster.redis.send("SMEMBERS", RedisArgument(keys.nodeDevices("n1"))).strings.sorted()
+            #expect(indexed == ["u1|phone", "u2|phone", "u3|phone"])
+            #expect(try await node.devices(of: "u4").map(\.node) == ["n2"])
+            #expect(try await node.audit() == PresenceEngine.AuditReport(checked: 3, restored: 0, takenOver: 0), "healed")
         }
     }
 

@@ -1,0 +1,175 @@
+import Logging
+import NIOConcurrencyHelpers
+import RedisClient
+
+/// What a node's upkeep found, for the gateway to act on.
+public enum UpkeepEvent: Sendable, Equatable {
+    /// Redis had lost what this node wrote (its lease, or devices its sessions hold), and the
+    /// node is writing it again. What watchers were told may be stale: read it again.
+    case dataLost
+    /// While Redis had lost a device, another session took it over; this node's session that
+    /// held it must close, as after any takeover.
+    case deviceTakenOver(session: String)
+}
+
+extension PresenceEngine {
+    /// Devices written per pipelined batch when writing them again.
+    static let restoreBatch = 200
+    /// Devices checked per audit script.
+    static let auditBatch = 500
+
+    /// Registers the node and every device its live sessions hold again, with their statuses,
+    /// after the lease was found gone (a reaper took the node, or Redis lost its data).
+    /// Watchers get events for every aggregate this brings back. Resumable: what a failure
+    /// leaves unwritten is written by the next ``restorePending()``.
+    @discardableResult
+    public func reregister() async throws(PresenceError) -> Int {
+        try await registerNode()
+        unrestored.withLockedValue { $0 = Set(local.withLockedValue { $0.keys }) }
+        upkeep.yield(.dataLost)
+        return try await restorePending()
+    }
+
+    /// Whether devices found lost are still to be written.
+    public var restoreOwed: Bool { !unrestored.withLockedValue { $0.isEmpty } }
+
+    /// Writes the devices found lost, in pipelined batches, each only if no other session has
+    /// taken it meanwhile (such a session of this node is reported, ``UpkeepEvent/deviceTakenOver(session:)``).
+    /// The lease is renewed between batches, so that a long run does not let it lapse and have
+    /// reapers remove what it wrote. Returns how many devices were written.
+    @discardableResult
+    public func restorePending() async throws(PresenceError) -> Int {
+        var written = 0
+        var renewed = ContinuousClock.now
+        while true {
+            let members = unrestored.withLockedValue { Array($0.prefix(Self.restoreBatch)) }
+            if members.isEmpty { break }
+            let batch = local.withLockedValue { devices in members.compactMap { member in devices[member].map { (member: member, device: $0) } } }
+            if !batch.isEmpty { written += try await restore(batch) }
+            // Written now, or closed since and nothing to write; a failure above leaves them owed.
+            unrestored.withLockedValue { $0.subtract(members) }
+            if ContinuousClock.now - renewed >= configuration.leaseTTL / 3 {
+                if try await !renewLease() { try await registerNode() }
+                renewed = .now
+            }
+        }
+        if written > 0 {
+            logger.info("wrote this node's sessions again", metadata: ["presence.node_id": "\(configuration.nodeID)", "presence.devices": "\(written)"])
+        }
+        return written
+    }
+
+    /// Writes one batch of devices again: the index first (a stale entry costs a reaper a no-op),
+    /// then each device, pipelined.
+    private func restore(_ batch: [(member: String, device: LocalDevice)]) async throws(PresenceError) -> Int {
+        let node = configuration.nodeID
+        try await run {
+            try await self.redis.send([RedisArgument("SADD"), RedisArgument(self.keys.nodeDevices(node))] + batch.map { RedisArgument($0.member) })
+        }
+        let calls = batch.map { entry in
+            upsertCall(user: entry.device.user, device: entry.device.device, status: entry.device.status, node: node, session: entry.device.session, mode: "restore")
+        }
+        let results = try await run { try await self.redis.evaluate(PresenceScripts.upsertDevice, calls: calls) }
+        var written = 0
+        var overtaken: [(member: String, device: LocalDevice)] = []
+        for (entry, result) in zip(batch, results) {
+            let values: [RESPValue]
+            switch result {
+            case .success(let reply):
+                values = reply.array ?? []
+            case .failure(let error):
+                // A server error (the device limit, say) is this device's alone; anything else
+                // stops the run, and the batch is written again on the next tick.
+                guard error.code == .server else { throw Self.presenceError(error) }
+                logger.warning("cannot write a device again", metadata: ["presence.user_id": "\(entry.device.user)", "error": "\(error)"])
+                continue
+            }
+            if values.first?.int == -3 {
+                await takenOver(entry.member, session: entry.device.session)
+                continue
+            }
+            written += 1
+            if let change = try? Self.change(from: values, user: entry.device.user) { await settle(change) }
+            let now = local.withLockedValue { $0[entry.member] }
+            if now?.session != entry.device.session || now?.status != entry.device.status { overtaken.append(entry) }
+        }
+        // What changed while the batch was in flight: a status frame whose own write reached Redis
+        // before this one must not lose, and a close must win.
+        for (member, device) in overtaken {
+            if local.withLockedValue({ $0[member]?.session == device.session }) {
+                try await writeCurrentStatus(member, session: device.session) { user, device, session, status throws(PresenceError) in
+                    _ = try await self.writeStatus(user: user, device: device, session: session, status: status)
+                }
+            } else {
+                _ = try? await disconnect(user: device.user, device: device.device, session: device.session, clean: false)
+            }
+        }
+        return written
+    }
+
+    /// Another session holds the device of `session` now: this node lets it go, and takes it out
+    /// of its index unless a session here holds it again (should that race a new session, the
+    /// next audit puts the entry back).
+    private func takenOver(_ member: String, session: String) async {
+        let dropped = local.withLockedValue { devices in
+            guard devices[member]?.session == session else { return false }
+            devices[member] = nil
+            return true
+        }
+        guard dropped else { return }
+        upkeep.yield(.deviceTakenOver(session: session))
+        if local.withLockedValue({ $0[member] == nil }) {
+            _ = try? await run { try await self.redis.send("SREM", RedisArgument(self.keys.nodeDevices(self.configuration.nodeID)), RedisArgument(member)) }
+        }
+    }
+
+    /// What an audit found.
+    public struct AuditReport: Sendable, Equatable {
+        /// Devices checked.
+        public var checked = 0
+        /// Devices Redis had lost, or had out of this node's index; written again.
+        public var restored = 0
+        /// Devices another session holds now; their sessions here are let go.
+        public var takenOver = 0
+    }
+
+    /// Compares what Redis holds with the devices this node's sessions hold: a device lost
+    /// (partial data loss while the lease survived, or a write Redis acknowledged and then lost
+    /// in a failover) is written again, and a device another session took is let go. One script
+    /// per ``auditBatch`` devices, reading only unless something is wrong.
+    @discardableResult
+    public func audit() async throws(PresenceError) -> AuditReport {
+        let devices = local.withLockedValue { Array($0) }
+        var report = AuditReport()
+        var lost: [String] = []
+        let node = configuration.nodeID
+        for start in stride(from: 0, to: devices.count, by: Self.auditBatch) {
+            let slice = devices[start..<min(start + Self.auditBatch, devices.count)]
+            let reply = try await run {
+                try await self.redis.evaluate(
+                    PresenceScripts.auditDevices,
+                    keys: [self.keys.nodeDevices(node)] + slice.map { self.keys.devices($0.value.user) },
+                    arguments: slice.flatMap { [RedisArgument($0.key), RedisArgument($0.value.device), RedisArgument($0.value.session)] }
+                )
+            }
+            let codes = reply.array ?? []
+            report.checked += slice.count
+            for ((member, device), code) in zip(slice, codes) {
+                switch code.int {
+                case 1, 2: lost.append(member)
+                case 3:
+                    report.takenOver += 1
+                    await takenOver(member, session: device.session)
+                default: break
+                }
+            }
+        }
+        if !lost.isEmpty {
+            logger.warning("Redis had lost devices this node's sessions hold; writing them again", metadata: ["presence.node_id": "\(node)", "presence.devices": "\(lost.count)"])
+            unrestored.withLockedValue { $0.formUnion(lost) }
+            upkeep.yield(.dataLost)
+            report.restored = try await restorePending()
+        }
+        return report
+    }
+}

@@ -1,0 +1,81 @@
+import Foundation
+import RedisTestSupport
+import Testing
+
+@testable import PresenceClient
+
+/// Redis loses data under live nodes without dropping a connection: what a failover to an empty
+/// or lagging replica looks like to them. The nodes must find out and heal, and every watcher
+/// must come to the truth.
+///
+/// Run with the heavy tests: two nodes and a Redis of their own.
+@Suite("Presence that heals itself", .serialized)
+struct SelfHealingTests {
+    /// `redis-cli` against `redis`.
+    static func cli(_ redis: RedisServerProcess, _ arguments: String...) throws -> String {
+        let process = Process()
+        process.executableURL = URL(fileURLWithPath: "/usr/bin/env")
+        process.arguments = ["redis-cli", "-p", "\(redis.port)"] + arguments
+        let output = Pipe()
+        process.standardOutput = output
+        try process.run()
+        process.waitUntilExit()
+        return String(decoding: output.fileHandleForReading.readDataToEndOfFile(), as: UTF8.self)
+    }
+
+    @Test("FLUSHALL, then a lost devices hash: live users stay online, a REST user no device holds any more goes offline for every watcher within a lease + 2 s, and a lost device is written again")
+    func dataLoss() async throws {
+        let redis = try RedisServerProcess()
+        let prefix = TestRedis.uniquePrefix("heal")
+        let lease = 3
+        let environment = nodeEnvironment(prefix: prefix, redisURL: redis.url(), extra: ["PRESENCE_VISIBILITY": "open", "PRESENCE_LEASE_TTL": "\(lease)"])
+        let a = try await GatewayProcess(nodeID: "a", environment: environment)
+        let b = try await GatewayProcess(nodeID: "b", environment: environment)
+        let alice = try await LiveClient("alice", device: "phone", nodes: [a])
+        let bob = try await LiveClient("bob", device: "laptop", nodes: [b])
+        let dora = try await LiveClient("dora", device: "tablet", nodes: [a])
+        let carolToken = try await mint("carol")
+        let posted = GatewayProcess.http(port: b.port, method: "POST", path: "/api/presence/status",
+                                         headers: ["Authorization": "Bearer \(carolToken)"], body: #"{"status":"online","device_id":"web"}"#)
+        #expect(posted?.status == 200)
+        try await bob.client.watch(["alice", "carol", "dora"])
+        try await dora.client.watch(["alice", "carol"])
+        for peer in ["alice", "carol"] {
+            #expect(await bob.sees(peer, .online), "bob sees \(peer) online")
+            #expect(await dora.sees(peer, .online), "dora sees \(peer) online")
+        }
+        #expect(await bob.sees("dora", .online))
+        let reader = try await mint("reader")
+        func rest(_ user: String) -> String? {
+            guard let read = GatewayProcess.httpGet(port: a.port, path: "/api/presence/users/\(user)", headers: ["Authorization": "Bearer \(reader)"]),
+                  let body = try? JSONSerialization.jsonObject(with: Data(read.body.utf8)) as? [String: Any] else { return nil }
+            return body["status"] as? String
+        }
+
+        // Everything is gone at once; no connection drops.
+        let flushed = ContinuousClock.now
+        #expect(try Self.cli(redis, "FLUSHALL").contains("OK"))
+        // carol's REST device is gone for good: every watcher on either node hears it.
+        for watcher in [bob, dora] {
+            #expect(await watcher.sees("carol", .offline, within: .seconds(lease + 2)), "\(watcher.user) sees carol offline within a lease + 2 s: \(watcher.timeline(since: flushed, peer: "carol"))")
+        }
+        print("FLUSHALL: bob heard carol offline after \(bob.arrivals(of: "carol").first { $0.at >= flushed && $0.status == .offline }.map { $0.at - flushed } ?? .zero)")
+        // alice and dora are connected: their nodes write them again, and nobody is told otherwise.
+        #expect(await eventually(timeout: .seconds(lease + 2), poll: .milliseconds(100)) { rest("alice") == "online" && rest("dora") == "online" },
+                "REST has alice and dora online again")
+        try await Task.sleep(for: .seconds(2))
+        for (watcher, peer) in [(bob, "alice"), (bob, "dora"), (dora, "alice")] {
+            #expect(!watcher.statuses(of: peer).contains(.offline), "\(watcher.user) never heard \(peer) go offline: \(watcher.timeline(since: flushed, peer: peer))")
+        }
+
+        // A partial loss that leaves the leases: alice's devices hash alone. Her node's audit
+        // (every three leases) finds it and writes her device again.
+        let lost = ContinuousClock.now
+        #expect(try Self.cli(redis, "DEL", "\(prefix):{u:alice}:devices").contains("1"))
+        #expect(rest("alice") == "offline", "the loss is real")
+        #expect(await eventually(timeout: .seconds(3 * lease + 3), poll: .milliseconds(100)) { rest("alice") == "online" }, "alice is written again")
+        print("partial loss: alice online again in REST after \(ContinuousClock.now - lost)")
+        #expect(!bob.statuses(of: "alice").contains(.offline), "bob never heard alice go offline")
+        #expect(await alice.client.connectionState == .connected, "alice's session was never closed")
+    }
+}
