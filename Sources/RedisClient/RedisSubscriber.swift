@@ -221,11 +221,13 @@ public final class RedisSubscriber: Service, Sendable {
                     attempt = 0
                     continuation.yield(.subscribed(reconnect: everConnected))
                     everConnected = true
+                    let keepAlive = Task { await self.keepAlive(connection) }
                     await withTaskCancellationHandler {
                         await connection.closed()
                     } onCancel: {
                         Task { await connection.close() }
                     }
+                    keepAlive.cancel()
                     state.withLockedValue { $0.connection = nil }
                     guard !Task.isCancelled, !state.withLockedValue({ $0.shutdown }) else { break }
                     logger.warning("lost the pub/sub connection to Redis; reconnecting")
@@ -243,6 +245,31 @@ public final class RedisSubscriber: Service, Sendable {
         }
         shutdown()
         continuation.finish()
+    }
+
+    /// PINGs the connection every ``RedisConfiguration/subscriberPingInterval`` (RESP2 allows
+    /// PING in subscribed mode) and closes it when an answer does not come within as long: a
+    /// subscriber that only listens would otherwise never notice a connection that died without
+    /// a FIN, and the node would stay deaf while it looked ready.
+    private func keepAlive(_ connection: RedisConnection) async {
+        let interval = configuration.subscriberPingInterval
+        while connection.isActive {
+            guard (try? await Task.sleep(for: interval)) != nil else { return }
+            let answered = await withTaskGroup(of: Bool.self) { group in
+                group.addTask { (try? await connection.sendRaw(["PING"], expectedReplies: 1)) != nil }
+                group.addTask { (try? await Task.sleep(for: interval)) == nil }
+                let first = await group.next() ?? false
+                if !first { await connection.close() }
+                group.cancelAll()
+                return first
+            }
+            guard answered else {
+                if !Task.isCancelled {
+                    logger.warning("the pub/sub connection did not answer PING; making a new one", metadata: ["redis.url": "\(configuration.redactedURL)"])
+                }
+                return
+            }
+        }
     }
 
     /// Sends SUBSCRIBE for every wanted channel, then publishes the connection for changes.

@@ -37,6 +37,38 @@ struct RedisSubscriberTests {
         }
     }
 
+    @Test("a server that stops answering is found out by PING: the connection is dropped, not ready, and made again once it answers")
+    func deafConnection() async throws {
+        let server = try RedisServerProcess()
+        defer { server.thaw() }
+        var configuration = try RedisConfiguration(url: server.url())
+        configuration.subscriberPingInterval = .milliseconds(500)
+        configuration.maximumBackoff = .milliseconds(200)
+        try await RedisSubscriber.withSubscriber(configuration: configuration, logger: logger) { subscriber in
+            let events = subscriber.events
+            /// The next event, or nil when none comes within `timeout`.
+            func next(within timeout: Duration) async -> RedisSubscriberEvent? {
+                await withTaskGroup(of: RedisSubscriberEvent?.self) { group in
+                    group.addTask { var iterator = events.makeAsyncIterator(); return await iterator.next() }
+                    group.addTask { try? await Task.sleep(for: timeout); return nil }
+                    let first = await group.next() ?? nil
+                    group.cancelAll()
+                    return first
+                }
+            }
+            #expect(await next(within: .seconds(5)) == .subscribed(reconnect: false))
+            try await subscriber.subscribe(["deaf:a"])
+            server.freeze()
+            let frozen = ContinuousClock.now
+            #expect(await next(within: .seconds(5)) == .disconnected, "the dead connection is dropped")
+            print("frozen server: the subscriber dropped its connection after \(ContinuousClock.now - frozen)")
+            #expect(!subscriber.isConnected)
+            server.thaw()
+            #expect(await next(within: .seconds(10)) == .subscribed(reconnect: true))
+            #expect(subscriber.isConnected && subscriber.channels == ["deaf:a"])
+        }
+    }
+
     @Test("the event stream ends cleanly when the subscriber stops")
     func endsCleanly() async throws {
         let subscriber = RedisSubscriber(configuration: TestRedis.configuration(), logger: logger)

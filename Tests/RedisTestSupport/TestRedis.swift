@@ -90,6 +90,17 @@ public final class RedisServerProcess: @unchecked Sendable {
         self.process = nil
     }
 
+    /// Stops the server without closing anything (SIGSTOP): connections stay open and the
+    /// kernel still takes bytes, but nothing answers, as with a hung server or a half-open path.
+    public func freeze() {
+        if let process { kill(process.processIdentifier, SIGSTOP) }
+    }
+
+    /// Lets a frozen server run again (SIGCONT).
+    public func thaw() {
+        if let process { kill(process.processIdentifier, SIGCONT) }
+    }
+
     private func waitUntilListening() throws {
         for _ in 0..<200 {
             guard process?.isRunning == true else { break }
