@@ -38,9 +38,11 @@ final class Session: Sendable {
         var memberOf: [String: Set<String>] = [:]
         /// Users watched only for a large group's counts: no `presence_update` for them.
         var quiet: Set<String> = []
-        /// Users whose presence is being read for this session, and whether an event about them
-        /// arrived meanwhile (then the read may be older than what the event said).
-        var reading: [String: Bool] = [:]
+        /// Users whose presence is being read for this session: how many reads are under way,
+        /// and how many events about them arrived meanwhile (a read that an event crossed may be
+        /// older than what the event said). Reads overlap (a watch, a catch-up, a resync): events
+        /// stay held back until the last one ends.
+        var reading: [String: Reading] = [:]
 
         /// Counts a conversation's members from what is known of them (on follow and membership
         /// changes only; presence changes adjust the counts in O(1)).
@@ -51,6 +53,18 @@ final class Session: Sendable {
             for member in view.members { view.count(watched[member]??.status ?? .offline, +1) }
             conversations[conversation] = view
         }
+    }
+
+    /// Reads of one user under way for a session, and how many events about the user were held
+    /// back since the first of them began.
+    struct Reading {
+        var count = 0
+        var events = 0
+    }
+
+    /// Where a read began: for each user, how many events had been held back by then.
+    struct ReadMark: Sendable {
+        fileprivate var heldBefore: [String: Int]
     }
 
     /// Above this many members a conversation subscription gets counts and typing only.
@@ -159,10 +173,15 @@ final class Session: Sendable {
     /// Records the latest presence of a watched user. The client is told when the status changes,
     /// or an offline user's `last_seen` does (an online user's `last_seen` moves all the time and
     /// is not news), unless the user is watched only for a large group's counts.
-    /// Marks `users` as being read: events about them are held back until `endRead`.
-    func beginRead(_ users: [String]) {
+    /// Marks `users` as being read: events about them are held back until the last `endRead`.
+    func beginRead(_ users: [String]) -> ReadMark {
         state.withLockedValue { state in
-            for user in users { state.reading[user] = state.reading[user] ?? false }
+            var held: [String: Int] = [:]
+            for user in users {
+                state.reading[user, default: Reading()].count += 1
+                held[user] = state.reading[user]?.events
+            }
+            return ReadMark(heldBefore: held)
         }
     }
 
@@ -174,7 +193,7 @@ final class Session: Sendable {
         var overflow = false
         let result = state.withLockedValue { state -> Remembered in
             guard state.reading[presence.userID] == nil else {
-                state.reading[presence.userID] = true
+                state.reading[presence.userID]?.events += 1
                 return Remembered(tell: false, statusChanged: false)
             }
             let result = Self.remember(presence, in: &state)
@@ -187,17 +206,23 @@ final class Session: Sendable {
 
     /// Ends the read of `users`: remembers `snapshot` (what was read) and queues the frames
     /// `frames` makes from what each entry changed, in one step, so that no event about them can
-    /// be queued before the snapshot. Returns the users an event arrived for during the read:
-    /// they must be read again, after that event. `frames` runs under the session's lock.
+    /// be queued before the snapshot. Returns the users an event arrived for during the read (or
+    /// during an overlapping one): they must be read again, after that event. Events stay held
+    /// back until the last overlapping read of a user ends. `frames` runs under the session's lock.
     /// With `answering`, the answer to a conversation subscribe (its `group_presence`, with the
     /// frame's id) is queued first.
     func endRead(
-        _ users: [String], snapshot: [Presence], answering: (conversation: String, id: String?)? = nil,
+        _ users: [String], _ mark: ReadMark, snapshot: [Presence], answering: (conversation: String, id: String?)? = nil,
         frames: ([Remembered]) -> [String] = { _ in [] }
     ) -> [String] {
         var overflow = false
         let dirty = state.withLockedValue { state in
-            let dirty = users.filter { state.reading.removeValue(forKey: $0) == true }
+            let dirty = users.filter { user in
+                guard var reading = state.reading[user], let before = mark.heldBefore[user] else { return false }
+                reading.count -= 1
+                state.reading[user] = reading.count > 0 ? reading : nil
+                return reading.events > before
+            }
             let remembered = snapshot.map { Self.remember($0, in: &state) }
             let answer = answering.map { Self.groupFrames([$0.conversation], id: $0.id, wire: wire, in: &state) } ?? []
             for frame in answer + frames(remembered) where !enqueue(frame) { overflow = true }

@@ -120,20 +120,51 @@ final class SessionHub: Service, Sendable {
         if index[user]?.isEmpty == true { index[user] = nil }
     }
 
-    /// Subscribes `session` to a conversation: its typing, its counts, and its members' presence.
-    func follow(_ session: Session, _ conversation: String, members: [String]) async {
-        let added = await watch(session, members)
-        session.follow(conversation, members: Set(members), large: members.count > Session.largeGroup, quiet: added)
+    /// Subscribes this node to a conversation's channel for `session`, before anything of the
+    /// conversation is read: a membership change after the read then arrives as an event.
+    func subscribeConversation(_ session: Session, _ conversation: String) async {
         let first = state.withLockedValue { $0.followers[conversation, default: []].insert(session.id).inserted }
         if first { try? await subscriber.retain([engine.keys.conversationChannel(conversation)]) }
     }
 
-    /// Ends a conversation subscription.
+    /// Starts following a conversation whose channel ``subscribeConversation(_:_:)`` subscribed:
+    /// its counts, and its members' presence.
+    func follow(_ session: Session, _ conversation: String, members: [String]) async {
+        let added = await watch(session, members)
+        session.follow(conversation, members: Set(members), large: members.count > Session.largeGroup, quiet: added)
+    }
+
+    /// Reads a followed conversation's members again and applies what changed: new members are
+    /// watched and caught up on, and a session whose user left stops following it. After a
+    /// membership event, after following (a change between the first read and the session's
+    /// view being set up), and after events may have been missed.
+    func refreshMembers(_ session: Session, _ conversation: String) async {
+        let read: [String]?
+        do {
+            read = try await engine.members(of: conversation)
+        } catch {
+            return
+        }
+        // Gone, or the user left it: the subscription ends.
+        guard let members = read, members.contains(session.userID) else {
+            await unfollow(session, conversation)
+            return
+        }
+        let added = await watch(session, members)
+        session.updateMembers(conversation, Set(members), quiet: added)
+        await catchUp(session, added)
+        session.sendGroupCounts(involving: nil)
+    }
+
+    /// Ends a conversation subscription (or one that failed on its way in).
     func unfollow(_ session: Session, _ conversation: String) async {
-        guard let unneeded = session.unfollow(conversation) else { return }
-        await unwatch(session, unneeded)
-        state.withLockedValue { state in Self.drop(session.id, from: conversation, in: &state.followers) }
-        try? await subscriber.release([engine.keys.conversationChannel(conversation)])
+        if let unneeded = session.unfollow(conversation) { await unwatch(session, unneeded) }
+        let subscribed = state.withLockedValue { state in
+            let subscribed = state.followers[conversation]?.contains(session.id) == true
+            Self.drop(session.id, from: conversation, in: &state.followers)
+            return subscribed
+        }
+        if subscribed { try? await subscriber.release([engine.keys.conversationChannel(conversation)]) }
     }
 
     /// Sends `session` the current presence of `users` it has not been told yet, as updates.
@@ -144,9 +175,9 @@ final class SessionHub: Service, Sendable {
     func catchUp(_ session: Session, _ users: [String], holdingBackOffline: Bool = false) async -> Bool {
         var pending = users
         for _ in 0..<4 where !pending.isEmpty {
-            session.beginRead(pending)
+            let mark = session.beginRead(pending)
             guard let views = try? await engine.views(of: pending) else {
-                _ = session.endRead(pending, snapshot: [])
+                _ = session.endRead(pending, mark, snapshot: [])
                 return false
             }
             var presences = views.map { $0.seen(by: session.userID) }
@@ -154,7 +185,7 @@ final class SessionHub: Service, Sendable {
                 presences.removeAll { $0.status == .offline && session.lastTold($0.userID) != .offline }
             }
             var countsChanged: [String] = []
-            let dirty = session.endRead(pending, snapshot: presences) { remembered in
+            let dirty = session.endRead(pending, mark, snapshot: presences) { remembered in
                 zip(presences, remembered).compactMap { presence, change in
                     if change.statusChanged { countsChanged.append(presence.userID) }
                     return change.tell ? wire.presenceUpdate(presence) : nil
@@ -172,7 +203,7 @@ final class SessionHub: Service, Sendable {
     /// arrived for during the read.
     func watchAndRead(_ session: Session, _ users: [String], snapshot: ([Presence]) -> [String]) async throws {
         // Marked before subscribing: an event that arrives between the two is held, not lost.
-        session.beginRead(users)
+        let mark = session.beginRead(users)
         await watch(session, users)
         // A session unregistered meanwhile watches nothing: read only what it watches.
         let read = users.filter { session.isWatching($0) }
@@ -180,11 +211,11 @@ final class SessionHub: Service, Sendable {
         do {
             presences = try await engine.views(of: read).map { $0.seen(by: session.userID) }
         } catch {
-            _ = session.endRead(users, snapshot: [])
+            _ = session.endRead(users, mark, snapshot: [])
             throw error
         }
-        _ = session.endRead(Array(Set(users).subtracting(read)), snapshot: [])
-        let dirty = session.endRead(read, snapshot: presences) { _ in snapshot(presences) }
+        _ = session.endRead(Array(Set(users).subtracting(read)), mark, snapshot: [])
+        let dirty = session.endRead(read, mark, snapshot: presences) { _ in snapshot(presences) }
         if !dirty.isEmpty { await catchUp(session, dirty) }
     }
 
@@ -311,18 +342,8 @@ final class SessionHub: Service, Sendable {
                 session.send(frame)
                 GatewayMetrics.delivered(latencyMilliseconds: engine.clock.nowMilliseconds() - typing.at)
             }
-        } else if let membership = engine.decodeMembership(payload) {
-            let members = (try? await engine.members(of: conversation)) ?? []
-            for session in followers {
-                if membership.removed.contains(session.userID) {
-                    await unfollow(session, conversation)
-                    continue
-                }
-                let added = await watch(session, membership.added)
-                session.updateMembers(conversation, Set(members), quiet: added)
-                await catchUp(session, added)
-                session.sendGroupCounts(involving: nil)
-            }
+        } else if engine.decodeMembership(payload) != nil {
+            for session in followers { await refreshMembers(session, conversation) }
         }
     }
 
@@ -354,7 +375,7 @@ final class SessionHub: Service, Sendable {
     }
 
     /// After a pub/sub reconnect or a data loss: every session gets what changed while events
-    /// could be missed, or what Redis no longer has.
+    /// could be missed, or what Redis no longer has: membership first, then presence.
     ///
     /// Reads are retried until Redis answers: the command connection may come back later than
     /// the subscriber's. A user read as offline whom a session was told is online is told so only
@@ -362,9 +383,20 @@ final class SessionHub: Service, Sendable {
     /// sessions write them again within that grace; the first read would show those users
     /// offline for a moment.
     private func resync(grace: Duration) async {
+        await refreshMembershipOfEverySession()
         await catchUpEverySession(holdingBackOffline: true)
         guard (try? await Task.sleep(for: grace)) != nil else { return }
         await catchUpEverySession(holdingBackOffline: false)
+    }
+
+    /// Membership events missed too: whom each session may see, and who is in each conversation
+    /// it follows, are read again.
+    private func refreshMembershipOfEverySession() async {
+        for session in allSessions where !session.isClosing {
+            guard !Task.isCancelled else { return }
+            await refreshVisibility(session)
+            for conversation in session.followed { await refreshMembers(session, conversation) }
+        }
     }
 
     private func catchUpEverySession(holdingBackOffline: Bool) async {

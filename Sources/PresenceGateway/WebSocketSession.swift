@@ -195,6 +195,21 @@ struct WebSocketSession {
     /// `subscribe {conversation_id}`: `group_presence` (answering the frame), then an
     /// `initial_state` of the members, who are watched from then on.
     private func followConversation(_ conversation: String, id: String?) async throws {
+        // Subscribed before the members are read: a change after the read arrives as an event,
+        // and one before it is in what is read.
+        await gateway.hub.subscribeConversation(session, conversation)
+        do {
+            try await followSubscribed(conversation, id: id)
+        } catch {
+            await gateway.hub.unfollow(session, conversation)
+            throw error
+        }
+        // A membership change between the read below and the session's view of the group being
+        // set up found no view to change: read the members once more.
+        await gateway.hub.refreshMembers(session, conversation)
+    }
+
+    private func followSubscribed(_ conversation: String, id: String?) async throws {
         guard let members = try await gateway.engine.members(of: conversation), members.contains(user.userID) else {
             throw APIError.forbidden("you are not a member of this conversation")
         }
@@ -209,19 +224,19 @@ struct WebSocketSession {
         }
         // Events about members are held back while they are read, so the read cannot undo them.
         let memberList = Array(members)
-        session.beginRead(memberList)
-        await gateway.hub.follow(session, conversation, members: members)
+        let mark = session.beginRead(memberList)
+        await gateway.hub.follow(session, conversation, members: memberList)
         // One pipelined read of every member, here only; later changes adjust the counts.
         let presences: [Presence]
         do {
             presences = try await gateway.engine.views(of: memberList).map { $0.seen(by: user.userID) }
         } catch {
-            _ = session.endRead(memberList, snapshot: [])
+            _ = session.endRead(memberList, mark, snapshot: [])
             throw error
         }
         // A large group gets counts and typing only, not every member's presence.
         let shown = members.count > Session.largeGroup ? [] : presences
-        let dirty = session.endRead(memberList, snapshot: presences, answering: (conversation, id)) { _ in
+        let dirty = session.endRead(memberList, mark, snapshot: presences, answering: (conversation, id)) { _ in
             [gateway.wire.initialState(shown, id: id)]
         }
         if !dirty.isEmpty { await gateway.hub.catchUp(session, dirty) }

@@ -16,6 +16,39 @@ struct ConversationTests {
         #expect(try await call(port, "PUT", "/api/admin/conversations/\(conversation)", token: adminToken, body: body).status == 200)
     }
 
+    @Test("membership changes published while the node's subscriber was down are caught up on reconnect")
+    func missedMembership() async throws {
+        let server = try RedisServerProcess()
+        let prefix = TestRedis.uniquePrefix("missed")
+        try await withNodes(1, prefix: prefix, configure: { $0.redisURL = server.url() }) { ports in
+            try await Self.setUp(ports[0], ["alice", "bob"])
+            let carol = TestSocket(port: ports[0], token: try await token("carol"), device: "phone")
+            _ = try await carol.next("initial_state")
+            let bob = TestSocket(port: ports[0], token: try await token("bob"), device: "phone")
+            _ = try await bob.next("initial_state")
+            bob.send("subscribe", ["conversation_id": "room"], id: "c")
+            let group = try await bob.next("group_presence")
+            #expect(group.data["total"] as? Int == 2 && group.data["online"] as? Int == 1)
+            _ = try await bob.next("initial_state")
+            // carol joins while the node hears nothing: the change is in Redis, its events are lost.
+            let cli = { (arguments: [String]) throws in try redisCLI(port: server.port, arguments) }
+            _ = try cli(["SADD", "\(prefix):{c:room}:members", "carol"])
+            _ = try cli(["SADD", "\(prefix):{u:carol}:convs", "room"])
+            _ = try cli(["CLIENT", "KILL", "TYPE", "pubsub"])
+            // After the reconnect bob sees carol: she counts in the group, and he hears of her.
+            var heard: [Frame] = []
+            let deadline = ContinuousClock.now + .seconds(5)
+            while ContinuousClock.now < deadline {
+                guard let frame = try? await bob.next(timeout: .milliseconds(200)) else { continue }
+                heard.append(frame)
+                if heard.contains(where: { $0.type == "group_presence" && $0.data["total"] as? Int == 3 && $0.data["online"] as? Int == 2 }),
+                   heard.contains(where: { $0.type == "presence_update" && $0.userID == "carol" && $0.status == "online" }) { break }
+            }
+            #expect(heard.contains { $0.type == "group_presence" && $0.data["total"] as? Int == 3 && $0.data["online"] as? Int == 2 }, "2 of 3 online: \(heard)")
+            #expect(heard.contains { $0.type == "presence_update" && $0.userID == "carol" && $0.status == "online" }, "carol is visible now: \(heard)")
+        }
+    }
+
     @Test("typing reaches the conversation's subscribers on the other node once per 2 s, and stops")
     func typing() async throws {
         try await withNodes(2, configure: { $0.typingTTL = 2 }) { ports in
@@ -177,4 +210,16 @@ struct NodeDeathTests {
             #expect((nodes.json as? [[String: Any]])?.contains { $0["node_id"] as? String == "doomed" } == false, "the dead node is not listed")
         }
     }
+}
+
+/// `redis-cli` against a loopback port; its output.
+func redisCLI(port: Int, _ arguments: [String]) throws -> String {
+    let process = Process()
+    process.executableURL = URL(fileURLWithPath: "/usr/bin/env")
+    process.arguments = ["redis-cli", "-p", "\(port)"] + arguments
+    let output = Pipe()
+    process.standardOutput = output
+    try process.run()
+    process.waitUntilExit()
+    return String(decoding: output.fileHandleForReading.readDataToEndOfFile(), as: UTF8.self)
 }

@@ -1,0 +1,28 @@
+import PresenceEngine
+import Testing
+
+@testable import PresenceGateway
+
+@Suite("A session's view of what it watches")
+struct SessionTests {
+    @Test("overlapping reads of one user: events wait for the last one, and each read an event crossed is done again")
+    func overlappingReads() {
+        let session = Session(userID: "bob", deviceID: "phone", wire: Wire(ids: .string), queueLimit: 64)
+        _ = session.addWatched(["ann"])
+        func presence(_ status: PresenceStatus) -> Presence { Presence(userID: "ann", status: status, lastSeen: nil) }
+        let first = session.beginRead(["ann"])
+        let second = session.beginRead(["ann"])
+        // An event while both are under way, then the first read ends with what it read.
+        #expect(!session.rememberEvent(presence(.online)) { "online" }.tell, "held back while reads are under way")
+        #expect(session.endRead(["ann"], first, snapshot: [presence(.online)]) == ["ann"], "the event crossed the first read")
+        // The second read is still under way: a newer event must not be applied under it...
+        #expect(!session.rememberEvent(presence(.away)) { "away" }.tell, "still held back: the second read has not ended")
+        // ...and the second read, older than that event, is marked to be done again.
+        #expect(session.endRead(["ann"], second, snapshot: [presence(.online)]) == ["ann"])
+        // With no read under way, events go straight through.
+        #expect(session.rememberEvent(presence(.away)) { "away" }.tell)
+        #expect(session.lastTold("ann") == .away)
+        let third = session.beginRead(["ann"])
+        #expect(session.endRead(["ann"], third, snapshot: [presence(.away)]).isEmpty, "no event crossed it")
+    }
+}
