@@ -42,15 +42,21 @@ extension PresenceEngine {
     /// renewal found the lease gone.
     private func leaseScript(mode: String) async throws(PresenceError) -> Int {
         let node = configuration.nodeID
-        let reply = try await run {
-            try await self.redis.evaluate(
-                PresenceScripts.renewLease,
-                keys: [keys.lease(node), keys.nodes, keys.nodeInfo(node)],
-                arguments: [nowArgument, RedisArgument(Int(configuration.leaseTTL.milliseconds)), RedisArgument(node),
-                            RedisArgument(localDeviceCount), RedisArgument(Int(configuration.deviceKeyTTL.milliseconds)), RedisArgument(mode)]
-            )
+        do {
+            let reply = try await run {
+                try await self.redis.evaluate(
+                    PresenceScripts.renewLease,
+                    keys: [keys.lease(node), keys.nodes, keys.nodeInfo(node)],
+                    arguments: [nowArgument, RedisArgument(Int(configuration.leaseTTL.milliseconds)), RedisArgument(node),
+                                RedisArgument(localDeviceCount), RedisArgument(Int(configuration.deviceKeyTTL.milliseconds)), RedisArgument(mode)]
+                )
+            }
+            return reply.int ?? 0
+        } catch where error.code == .unavailable {
+            let now = clock.nowMilliseconds()
+            lastRedisFailure.withLockedValue { $0 = now }
+            throw error
         }
-        return reply.int ?? 0
     }
 
     /// Waits until this process has taken its lease, at most `timeout`; returns whether it has.
@@ -159,7 +165,7 @@ extension PresenceEngine {
         let recovering = lastRedisFailure.withLockedValue { $0 }.map { local - $0 < configuration.recoveryGrace.milliseconds } ?? false
         if !recovering {
             let nodes = try await claim(keys.nodes, limit: 16)
-            for (node, leaseEnded) in nodes.entries {
+            try await forEachClaimed(keys.nodes, nodes) { node, leaseEnded throws(PresenceError) in
                 if let changed = try await reapNode(node, leaseEnded: Int64(leaseEnded)) {
                     report.changedUsers += changed
                     report.nodes.append(node)
@@ -168,10 +174,10 @@ extension PresenceEngine {
             }
         }
         let due = try await claim(keys.deadlines, limit: limit)
-        for (member, _) in due.entries {
+        try await forEachClaimed(keys.deadlines, due) { member, _ throws(PresenceError) in
             guard let (user, device) = keys.splitDeviceMember(member) else {
                 _ = try await run { try await self.redis.send("ZREM", RedisArgument(keys.deadlines), RedisArgument(member)) }
-                continue
+                return
             }
             // The script keeps the device's entry in `deadlines` right whatever it finds.
             let reply = try await run {
@@ -259,6 +265,24 @@ extension PresenceEngine {
     struct Claim {
         var retry: RedisArgument
         var entries: [(String, Double)]
+    }
+
+    /// Runs `body` on each claimed entry. An entry whose work Redis refuses (a script error) stays
+    /// claimed, so that it is retried only after the claim and does not hold up the rest; when
+    /// Redis cannot be reached, the entries not done yet are given back at once (best effort), so
+    /// that one timeout does not park a whole page of them for a claim's 30 s.
+    func forEachClaimed(_ key: String, _ claim: Claim, _ body: (String, Double) async throws(PresenceError) -> Void) async throws(PresenceError) {
+        for (index, (member, score)) in claim.entries.enumerated() {
+            do {
+                try await body(member, score)
+            } catch where error.code == .unavailable {
+                let rest = claim.entries[index...].flatMap { [RedisArgument($0.0), RedisArgument(Int($0.1))] }
+                _ = try? await run { try await self.redis.evaluate(PresenceScripts.unclaim, keys: [key], arguments: [claim.retry] + rest) }
+                throw error
+            } catch {
+                logger.warning("reaper work refused; retried after the claim", metadata: ["presence.key": "\(key)", "presence.member": "\(member)", "error": "\(error)"])
+            }
+        }
     }
 
     /// Claims up to `limit` due entries of a deadline sorted set (see ``PresenceScripts/claimDue``).

@@ -96,7 +96,7 @@ extension PresenceEngine {
         let due = try await claim(keys.typingDeadlines, limit: limit)
         let retry = due.retry
         var ended = 0
-        for (member, _) in due.entries {
+        try await forEachClaimed(keys.typingDeadlines, due) { member, _ throws(PresenceError) in
             let parts = member.split(separator: "|", maxSplits: 1).map(String.init)
             var reply = RESPValue.integer(0)
             if parts.count == 2 {
@@ -110,7 +110,7 @@ extension PresenceEngine {
             if let expiry = reply.int, expiry > 1 {
                 // Refreshed since it was indexed: keep it at its real expiry.
                 _ = try await run { try await self.redis.send("ZADD", RedisArgument(keys.typingDeadlines), RedisArgument(expiry), RedisArgument(member)) }
-                continue
+                return
             }
             _ = try await run { try await self.redis.evaluate(PresenceScripts.removeIfScore, keys: [keys.typingDeadlines], arguments: [RedisArgument(member), retry]) }
             if reply.int == 1 { ended += 1 }

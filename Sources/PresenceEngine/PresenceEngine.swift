@@ -20,8 +20,11 @@ public final class PresenceEngine: Sendable {
     let logger: Logger
     let local = NIOLockedValueBox([String: LocalDevice]())
     let pendingReleases = NIOLockedValueBox([String: PendingRelease]())
-    /// When a Redis call last failed for want of Redis (clock, ms): the start of the reaper's
-    /// ``PresenceConfiguration/recoveryGrace``.
+    /// When this node last failed to renew or take its lease for want of Redis (local clock, ms):
+    /// the start of the reaper's ``PresenceConfiguration/recoveryGrace``. Only an outage that
+    /// stops renewals can let live nodes' leases lapse (three renewals in a row must fail), and
+    /// one that long fails this node's renewals too; a timeout of some other call now and then
+    /// does not stop the reaper.
     let lastRedisFailure = NIOLockedValueBox<Int64?>(nil)
     /// Whether this process has taken its lease: sessions wait for it (``waitUntilRegistered(timeout:)``),
     /// so that none is written before what an earlier process under this node id left is reaped.
@@ -378,10 +381,6 @@ public final class PresenceEngine: Sendable {
         do {
             return try await body()
         } catch let error as RedisError {
-            if error.code != .server {
-                let now = clock.nowMilliseconds()
-                lastRedisFailure.withLockedValue { $0 = now }
-            }
             throw Self.presenceError(error)
         } catch let error as PresenceError {
             throw error

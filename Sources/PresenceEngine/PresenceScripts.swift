@@ -326,6 +326,21 @@ enum PresenceScripts {
     return 0
     """)
 
+    /// Gives claimed entries back at their scores before the claim, each only if it still holds
+    /// the claim's retry score (nobody re-scored it since). KEYS: the sorted set. ARGV: the
+    /// claim's retry score, then pairs of member and old score. Returns how many were given back.
+    static let unclaim = RedisScript("""
+    local retry, given = tonumber(ARGV[1]), 0
+    for i = 2, #ARGV - 1, 2 do
+      local score = redis.call('ZSCORE', KEYS[1], ARGV[i])
+      if score and tonumber(score) == retry then
+        redis.call('ZADD', KEYS[1], ARGV[i + 1], ARGV[i])
+        given = given + 1
+      end
+    end
+    return given
+    """)
+
     /// Renews a node's lease, or with ARGV[6] = `register` takes it whether or not it exists.
     /// KEYS: lease, nodes registry, node info. ARGV: now, lease ms, node id, sessions, safety TTL
     /// ms, mode. The lease's value and the node's score become the new lease end, and the info

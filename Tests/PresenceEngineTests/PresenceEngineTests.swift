@@ -252,6 +252,8 @@ struct PresenceEngineTests {
 
             server.stop()
             await #expect(throws: PresenceError.self) { try await reaper.reapOnce() }
+            // The reaper's own lease tick fails too, as every node's does in an outage this long.
+            await #expect(throws: PresenceError.self) { try await reaper.renewLease() }
             try server.start()
             #expect(await eventually(timeout: .seconds(5)) { (try? await redis.send("PING")) != nil }, "the data came back with the append-only file")
             // Every lease lapsed meanwhile (10 s); the grace is 15 s from the failure.
@@ -268,6 +270,46 @@ struct PresenceEngineTests {
             #expect(report.nodes == ["dead"], "after the grace only the node that did not come back is reaped")
             #expect(try await reaper.views(of: "ivan").real.status == .offline)
             #expect(try await reaper.views(of: "hana").real.status == .online, "hana's node renewed in time")
+        }
+    }
+
+    @Test("a call that fails now and then, with the node's own renewals going through, does not hold up the reaper")
+    func sporadicFailure() async throws {
+        try await EngineCluster.withRestartableRedis { cluster, server in
+            let dead = cluster.engine(node: "dead")
+            let reaper = cluster.engine(node: "reaper")
+            try await dead.registerNode()
+            try await reaper.registerNode()
+            _ = try await dead.connect(user: "ned", device: "phone", session: "s1")
+            _ = try await reaper.connect(user: "ora", device: "phone", session: "s2")
+            cluster.clock.advance(.seconds(6))
+            #expect(try await reaper.renewLease())
+            server.stop()
+            await #expect(throws: PresenceError.self) { try await reaper.setStatus(user: "ora", device: "phone", session: "s2", status: .away) }
+            try server.start()
+            #expect(await eventually(timeout: .seconds(5)) { (try? await cluster.redis.send("PING")) != nil })
+            cluster.clock.advance(.seconds(5))
+            #expect(try await reaper.renewLease())
+            #expect(try await reaper.reapOnce().nodes == ["dead"], "the dead node is reaped on time")
+            #expect(try await reaper.views(of: "ned").real.status == .offline)
+        }
+    }
+
+    @Test("a device whose reaper work Redis refuses stays claimed; the ones after it are done in the same pass")
+    func poisonedDeadline() async throws {
+        try await EngineCluster.with { cluster in
+            let engine = cluster.engine(node: "n1")
+            for user in ["p1", "p2", "p3"] {
+                _ = try await engine.post(user: user, device: "web", status: .online)
+                cluster.clock.advance(.milliseconds(10))
+            }
+            // p2's devices key is not a hash any more: its script fails with WRONGTYPE.
+            let poisoned = cluster.prefixKeys.devices("p2")
+            try await cluster.redis.send("DEL", RedisArgument(poisoned))
+            try await cluster.redis.send("SET", RedisArgument(poisoned), "junk")
+            cluster.clock.advance(.seconds(61))
+            #expect(try await engine.reapOnce().expiredDevices == 2, "p1 and p3 expire in the pass that met p2")
+            #expect(try await engine.views(of: "p3").real.status == .offline)
         }
     }
 
