@@ -128,8 +128,6 @@ extension PresenceEngine {
     /// may see, so new members become watched and removed ones stop producing events.
     private func applyMembership(_ conversation: String, adding: Set<String>, removing: Set<String>, notifying: Set<String>, create: Bool) async throws(PresenceError) -> MembershipEvent {
         let event = MembershipEvent(conversationID: conversation, added: adding.sorted(), removed: removing.sorted())
-        // A removed member stops typing there.
-        for user in event.removed { _ = try await writeTyping(user: user, conversation: conversation, isTyping: false) }
         var commands: [[RedisArgument]] = []
         if create { commands.append(["SADD", RedisArgument(keys.conversations), RedisArgument(conversation)]) }
         if !adding.isEmpty {
@@ -152,6 +150,9 @@ extension PresenceEngine {
                 if case .failure(let error) = result { throw Self.presenceError(error) }
             }
         }
+        // A removed member stops typing there, once no longer a member: a start that raced the
+        // removal was refused, or is ended here.
+        for user in event.removed { _ = try await writeTyping(user: user, conversation: conversation, isTyping: false) }
         return event
     }
 

@@ -34,26 +34,24 @@ extension PresenceEngine {
     public static let typingCoalescingMilliseconds: Int64 = 2000
 
     /// Sets whether `user` is typing in `conversation`. Only members may; a user who is offline
-    /// is never shown typing (a start is ignored). Returns whether watchers were told.
+    /// or hidden is never shown typing (a start is ignored: it would show them active). Returns
+    /// whether watchers were told.
     @discardableResult
     public func setTyping(user: String, conversation: String, isTyping: Bool) async throws(PresenceError) -> Bool {
-        let member = try await run { try await self.redis.send("SISMEMBER", RedisArgument(keys.members(conversation)), RedisArgument(user)) }
-        guard member.int == 1 else { throw PresenceError(.forbidden, "you are not a member of this conversation") }
-        // Offline users are never shown typing, nor are hidden ones: it would show them active.
-        if isTyping {
-            let views = try await views(of: user)
-            if views.real.status == .offline || views.hidden { return false }
-        }
-        return try await writeTyping(user: user, conversation: conversation, isTyping: isTyping) == 1
+        let outcome = try await writeTyping(user: user, conversation: conversation, isTyping: isTyping, checked: true)
+        guard outcome >= 0 else { throw PresenceError(.forbidden, "you are not a member of this conversation") }
+        return outcome == 1
     }
 
-    func writeTyping(user: String, conversation: String, isTyping: Bool) async throws(PresenceError) -> Int {
+    /// Runs ``PresenceScripts/setTyping``; `checked` for a client's request.
+    func writeTyping(user: String, conversation: String, isTyping: Bool, checked: Bool = false) async throws(PresenceError) -> Int {
         let reply = try await run {
             try await self.redis.evaluate(
-                PresenceScripts.setTyping, keys: [keys.typing(conversation), keys.typingDeadlines],
+                PresenceScripts.setTyping,
+                keys: [keys.typing(conversation), keys.typingDeadlines, keys.members(conversation), keys.state(user)],
                 arguments: [nowArgument, RedisArgument(conversation), RedisArgument(user), isTyping ? "1" : "0",
                             RedisArgument(Int(configuration.typingTTL.milliseconds)), RedisArgument(Int(Self.typingCoalescingMilliseconds)),
-                            RedisArgument(keys.conversationChannel(conversation))]
+                            RedisArgument(keys.conversationChannel(conversation)), checked ? "check" : ""]
             )
         }
         return reply.int ?? 0
@@ -123,9 +121,12 @@ extension PresenceEngine {
         try? JSONDecoder().decode(TypingEvent.self, from: Data(payload))
     }
 
-    /// After a change: a user who went offline stops typing everywhere.
+    /// After a change: a user who went offline, or whom others now see offline (privacy), stops
+    /// typing everywhere.
     func settle(_ change: PresenceChange) async {
-        guard change.changed, change.views.real.status == .offline else { return }
+        let wentOffline = change.changed && change.views.real.status == .offline
+        let hidden = change.shownChanged && change.views.hidden
+        guard wentOffline || hidden else { return }
         try? await clearTyping(user: change.views.real.userID)
     }
 }

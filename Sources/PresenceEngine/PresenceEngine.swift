@@ -265,7 +265,9 @@ public final class PresenceEngine: Sendable {
             )
         }
         guard let values = reply.array else { throw PresenceError(.internal, "unexpected reply from the privacy script") }
-        return try Self.change(from: values, user: user)
+        let change = try Self.change(from: values, user: user)
+        await settle(change)
+        return change
     }
 
     // MARK: Reads

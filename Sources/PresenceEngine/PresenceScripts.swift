@@ -369,14 +369,25 @@ enum PresenceScripts {
     """)
 
     /// Sets or clears a user's typing state in a conversation. KEYS: the conversation's typing
-    /// hash (user → `expiry|forwarded`), the typing deadlines. ARGV: now, conversation, user,
-    /// is_typing (1/0), TTL ms, coalescing window ms, channel. A start, or a refresh at least a
-    /// window after the last forwarded one, is published; other refreshes only extend the
-    /// expiry. A stop is published only if the user was typing. The expiry is indexed for the
-    /// reaper in the same step. Returns 1 when something was published.
+    /// hash (user → `expiry|forwarded`), the typing deadlines, the conversation's members, the
+    /// user's state. ARGV: now, conversation, user, is_typing (1/0), TTL ms, coalescing window
+    /// ms, channel, `check` for a client's request ('' for the server's own stops). A start, or a
+    /// refresh at least a window after the last forwarded one, is published; other refreshes
+    /// only extend the expiry. A stop is published only if the user was typing. The expiry is
+    /// indexed for the reaper in the same step. A checked request from a non-member returns -1;
+    /// a start from a user who is offline or hidden is ignored, checked in the same step as the
+    /// write, so that one racing a removal, an offline or a privacy change cannot outlive it.
+    /// Returns 1 when something was published.
     static let setTyping = RedisScript(clock + """
     local now, conversation, user = clock(ARGV[1]), ARGV[2], ARGV[3]
     local ttl, window, channel = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7]
+    if ARGV[8] == 'check' then
+      if redis.call('SISMEMBER', KEYS[3], user) == 0 then return -1 end
+      if ARGV[4] == '1' then
+        local state = redis.call('HMGET', KEYS[4], 'status', 'hidden')
+        if not state[1] or state[1] == 'offline' or state[2] == '1' then return 0 end
+      end
+    end
     local raw = redis.call('HGET', KEYS[1], user)
     local expiry, forwarded = 0, 0
     if raw then

@@ -465,6 +465,23 @@ struct PresenceEngineTests {
         }
     }
 
+    @Test("privacy hides typing: turning show_online_status off ends the user's typing, and a start while hidden is ignored")
+    func privacyEndsTyping() async throws {
+        try await EngineCluster.with { cluster in
+            let engine = cluster.engine(node: "n1")
+            try await engine.registerNode()
+            _ = try await engine.setMembers(of: "room", to: ["ivy", "jon"])
+            _ = try await engine.connect(user: "ivy", device: "phone", session: "s1")
+            #expect(try await engine.setTyping(user: "ivy", conversation: "room", isTyping: true))
+            #expect(try await engine.typingUsers(in: "room") == ["ivy"])
+            _ = try await engine.setPrivacy(user: "ivy", showOnlineStatus: false)
+            #expect(try await engine.typingUsers(in: "room").isEmpty, "others see her offline: she is not shown typing either")
+            #expect(try await !engine.setTyping(user: "ivy", conversation: "room", isTyping: true))
+            #expect(try await engine.typingUsers(in: "room").isEmpty)
+            await #expect(throws: PresenceError.self) { try await engine.setTyping(user: "kim", conversation: "room", isTyping: true) }
+        }
+    }
+
     @Test("visibility: conversations share presence; open sees anyone; membership changes apply")
     func visibility() async throws {
         try await EngineCluster.with { cluster in
