@@ -39,19 +39,22 @@ extension PresenceEngine {
     }
 
     /// Runs the lease script (`register` or `renew`); returns the renewal's moment, 0 if a
-    /// renewal found the lease gone.
+    /// renewal found the lease gone. An index holding fewer devices than this node's sessions
+    /// asks for an audit: Redis lost part of it, and a node that died now could not be reaped.
     private func leaseScript(mode: String) async throws(PresenceError) -> Int {
         let node = configuration.nodeID
         do {
             let reply = try await run {
                 try await self.redis.evaluate(
                     PresenceScripts.renewLease,
-                    keys: [keys.lease(node), keys.nodes, keys.nodeInfo(node)],
+                    keys: [keys.lease(node), keys.nodes, keys.nodeInfo(node), keys.nodeDevices(node)],
                     arguments: [nowArgument, RedisArgument(Int(configuration.leaseTTL.milliseconds)), RedisArgument(node),
                                 RedisArgument(localDeviceCount), RedisArgument(Int(configuration.deviceKeyTTL.milliseconds)), RedisArgument(mode)]
                 )
             }
-            return reply.int ?? 0
+            let values = reply.array ?? []
+            if values.count == 2, let indexed = values[1].int, indexed < localDeviceCount { requestAudit() }
+            return values.first?.int ?? 0
         } catch where error.code == .unavailable {
             let now = clock.nowMilliseconds()
             lastRedisFailure.withLockedValue { $0 = now }
@@ -70,11 +73,12 @@ extension PresenceEngine {
         return true
     }
 
-    /// Before this process first registers: takes offline the devices an earlier process under
-    /// the same node id left behind. That process was killed and this one started before its
-    /// lease ran out, so no reaper would ever take them. This process writes no device before it
-    /// has registered, so every device of this node id is the earlier one's. Returns how many
-    /// users' aggregates changed.
+    /// Before this process first registers: the devices an earlier process under the same node
+    /// id left behind linger, as after a drop, and go offline unless their clients reconnect
+    /// within the linger (they are reconnecting just now, to this node or another). That process
+    /// was killed and this one started before its lease ran out, so no reaper would ever take
+    /// them. This process writes no device before it has registered, so every device of this
+    /// node id is the earlier one's. Returns how many users' aggregates changed.
     @discardableResult
     public func reapPredecessor() async throws(PresenceError) -> Int {
         let node = configuration.nodeID
@@ -220,10 +224,11 @@ extension PresenceEngine {
                 return nil
             }
         }
-        let info = try await run { try await self.redis.send("HGET", RedisArgument(keys.nodeInfo(node)), "renewed_at") }
+        let info = try await run { try await self.redis.send("HMGET", RedisArgument(keys.nodeInfo(node)), "renewed_at", "sessions") }.array ?? []
         // Without its info (lost with Redis data), the best known moment is a lease before the
         // lease's end.
-        let renewed = Self.timestamp(info) ?? (leaseEnded - configuration.leaseTTL.milliseconds)
+        let renewed = info.first.flatMap(Self.timestamp) ?? (leaseEnded - configuration.leaseTTL.milliseconds)
+        let sessions = info.count == 2 ? info[1].int ?? 0 : 0
         var cursor = "0"
         var byUser: [String: Int] = [:]
         repeat {
@@ -234,14 +239,22 @@ extension PresenceEngine {
                 if let (user, _) = keys.splitDeviceMember(member) { byUser[user, default: 0] += 1 }
             }
         } while cursor != "0"
+        // An index smaller than the sessions the node last reported lost entries (a partial data
+        // loss its audit had not repaired yet): every user's devices are looked at, or devices of
+        // the dead node could stay live for good. Rare, and a scan of every user.
+        if byUser.values.reduce(0, +) < sessions {
+            logger.warning("a dead node's device index is short of its sessions; scanning every user", metadata: ["presence.node_id": "\(node)"])
+            for user in try await allDeviceHolders() { byUser[user, default: 0] += 0 }
+        }
         var changed = 0
         let users = Array(byUser.keys)
         for start in stride(from: 0, to: users.count, by: 200) {
             let batch = users[start..<min(start + 200, users.count)]
             let calls = batch.map { user in
-                (keys: [keys.devices(user), keys.state(user)],
+                (keys: [keys.devices(user), keys.state(user), keys.deadlines],
                  arguments: [nowArgument, RedisArgument(user), RedisArgument(node), RedisArgument(Int(renewed)),
-                             RedisArgument(keys.userChannel(user)), deviceTTLArgument, RedisArgument(Int(leaseEnded))])
+                             RedisArgument(keys.userChannel(user)), RedisArgument(Int(leaseEnded)),
+                             RedisArgument(predecessor ? Int(configuration.linger.milliseconds) : 0), deviceTTLArgument])
             }
             let results = try await run { try await self.redis.evaluate(PresenceScripts.reapNode, calls: calls) }
             for (user, result) in zip(batch, results) {
@@ -258,6 +271,23 @@ extension PresenceEngine {
         }
         logger.info("reaped a dead node", metadata: ["presence.node_id": "\(node)", "presence.users": "\(byUser.count)", "presence.last_renewal": "\(renewed)"])
         return changed
+    }
+
+    /// Every user with a devices hash, by a SCAN of the key space.
+    private func allDeviceHolders() async throws(PresenceError) -> Set<String> {
+        var users = Set<String>()
+        var cursor = "0"
+        repeat {
+            let page = try await run {
+                try await self.redis.send("SCAN", RedisArgument(cursor), "MATCH", RedisArgument(keys.devices("*")), "COUNT", "1000")
+            }
+            guard let parts = page.array, parts.count == 2, let next = parts[0].string else { break }
+            cursor = next
+            for key in parts[1].strings {
+                if let user = keys.user(fromKey: key, suffix: "devices") { users.insert(user) }
+            }
+        } while cursor != "0"
+        return users
     }
 
     /// What a claim took: the retry score it gave the entries, and the entries with their

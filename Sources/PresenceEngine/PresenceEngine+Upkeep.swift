@@ -123,6 +123,20 @@ extension PresenceEngine {
         }
     }
 
+    /// Asks for an audit on the next lease tick: after a connection to Redis was made again, a
+    /// failover may have lost the last writes.
+    public func requestAudit() {
+        auditRequested.withLockedValue { $0 = true }
+    }
+
+    /// Whether an audit was asked for, clearing the request.
+    func takeAuditRequest() -> Bool {
+        auditRequested.withLockedValue { requested in
+            defer { requested = false }
+            return requested
+        }
+    }
+
     /// What an audit found.
     public struct AuditReport: Sendable, Equatable {
         /// Devices checked.

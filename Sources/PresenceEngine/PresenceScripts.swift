@@ -209,27 +209,36 @@ enum PresenceScripts {
     return finish(KEYS[2], KEYS[1], channel, now, alive, user)
     """)
 
-    /// Removes every device a dead node's sessions held. KEYS: devices, state. ARGV: now, user,
-    /// node, the node's last renewal, channel, device TTL, the moment its lease ended. A device
-    /// written after that moment belongs to a new process under the same node id and stays.
-    /// Returns finish()'s array, or {-2} when the node held none of this user's devices. A
-    /// removed device that had said `offline` was last alive when it said so, not at the renewal.
+    /// Removes every device a dead node's sessions held. KEYS: devices, state, deadlines. ARGV:
+    /// now, user, node, the node's last renewal, channel, the moment its lease ended, linger ms,
+    /// device TTL (last, as finish() reads it). A device written after that moment belongs to a new process under the same node
+    /// id and stays. With a linger (a process restarted under the node id reaping what the killed
+    /// one left, at once), each device lingers as after a drop instead, so that a client
+    /// reconnecting meanwhile shows no offline. Returns finish()'s array, or {-2} when the node
+    /// held none of this user's devices. A removed device that had said `offline` was last alive
+    /// when it said so, not at the renewal.
     static let reapNode = RedisScript(prelude + """
 
     local now = clock(ARGV[1])
     local user, node, renewed, channel = ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
-    local ended = tonumber(ARGV[7])
+    local ended, linger = tonumber(ARGV[6]), tonumber(ARGV[7])
     local all = redis.call('HGETALL', KEYS[1])
     local removed = 0
     local alive = 0
     for i = 1, #all, 2 do
       local d = parse(all[i + 1])
       if d.node == node and d.deadline == 0 and d.alive <= ended then
-        redis.call('HDEL', KEYS[1], all[i])
         removed = removed + 1
         local last = renewed
         if d.status == 'offline' then last = d.alive end
-        if last > alive then alive = last end
+        if linger > 0 then
+          d.node, d.session, d.deadline, d.alive = '', '', now + linger, last
+          redis.call('HSET', KEYS[1], all[i], encode(d))
+          redis.call('ZADD', KEYS[3], d.deadline, user .. '|' .. all[i])
+        else
+          redis.call('HDEL', KEYS[1], all[i])
+          if last > alive then alive = last end
+        end
       end
     end
     if removed == 0 then return {-2} end
@@ -342,21 +351,22 @@ enum PresenceScripts {
     """)
 
     /// Renews a node's lease, or with ARGV[6] = `register` takes it whether or not it exists.
-    /// KEYS: lease, nodes registry, node info. ARGV: now, lease ms, node id, sessions, safety TTL
-    /// ms, mode. The lease's value and the node's score become the new lease end, and the info
-    /// records the renewal (the last moment the node was known alive). Returns the renewal's
-    /// moment, or 0 when a renewal found the lease gone (reaped, or Redis lost its data): the
-    /// caller registers again.
+    /// KEYS: lease, nodes registry, node info, the node's device index. ARGV: now, lease ms, node
+    /// id, sessions, safety TTL ms, mode. The lease's value and the node's score become the new
+    /// lease end, and the info records the renewal (the last moment the node was known alive).
+    /// Returns {the renewal's moment, how many devices the index holds}, or {0} when a renewal
+    /// found the lease gone (reaped, or Redis lost its data): the caller registers again. An
+    /// index smaller than the node's sessions says Redis lost some of it: the caller audits.
     static let renewLease = RedisScript(clock + """
     local now = clock(ARGV[1])
     local ends = now + tonumber(ARGV[2])
-    if ARGV[6] ~= 'register' and not leaseLeft(KEYS[1], ARGV[1]) then return 0 end
+    if ARGV[6] ~= 'register' and not leaseLeft(KEYS[1], ARGV[1]) then return {0} end
     redis.call('SET', KEYS[1], ends, 'PX', ARGV[2])
     redis.call('ZADD', KEYS[2], ends, ARGV[3])
     redis.call('HSET', KEYS[3], 'renewed_at', now, 'sessions', ARGV[4])
     redis.call('PEXPIRE', KEYS[3], ARGV[5])
     redis.call('PEXPIRE', KEYS[2], ARGV[5])
-    return now
+    return {now, redis.call('SCARD', KEYS[4])}
     """)
 
     /// Gives up a node's lease on a graceful shutdown: the node stays in the registry, lapsed

@@ -4,8 +4,8 @@ import ServiceLifecycle
 
 /// Keeps this node's lease: renews it every third of the lease TTL, registers every session
 /// again when it finds the lease gone (resuming on the next tick if that was cut short), audits
-/// the devices its sessions hold every ``PresenceConfiguration/auditInterval``, and gives the
-/// lease up on graceful shutdown.
+/// the devices its sessions hold every ``PresenceConfiguration/auditInterval`` and after every
+/// reconnect of either Redis connection, and gives the lease up on graceful shutdown.
 public struct PresenceLeaseService: Service {
     let engine: PresenceEngine
 
@@ -18,6 +18,11 @@ public struct PresenceLeaseService: Service {
         let auditEvery = max(1, Int(engine.configuration.auditInterval / interval))
         var registered = false
         var tick = 0
+        // A connection made again may lead to a new primary that missed the last writes.
+        let observer = engine.redis.addConnectionObserver { [engine] event in
+            if case .connected(reconnect: true) = event { engine.requestAudit() }
+        }
+        defer { engine.redis.removeConnectionObserver(observer) }
         while !Task.isShuttingDownGracefully, !Task.isCancelled {
             do {
                 if !registered {
@@ -34,7 +39,7 @@ public struct PresenceLeaseService: Service {
                 await engine.retryOwedStatuses()
                 tick += 1
                 if tick % refreshEvery == 0 { try await engine.refreshDeviceKeys() }
-                if tick % auditEvery == 0 { try await engine.audit() }
+                if engine.takeAuditRequest() || tick % auditEvery == 0 { try await engine.audit() }
             } catch {
                 engine.logger.warning("cannot renew the lease", metadata: ["error": "\(error)"])
             }

@@ -259,6 +259,7 @@ final class SessionHub: Service, Sendable {
                 await deliver(channel: channel, payload: payload)
             case .subscribed(reconnect: true):
                 logger.info("pub/sub reconnected; re-reading the presence every session watches")
+                engine.requestAudit()
                 startResync(grace: engine.configuration.recoveryGrace)
             case .subscribed(reconnect: false), .disconnected:
                 break

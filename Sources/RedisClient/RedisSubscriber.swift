@@ -29,6 +29,8 @@ public final class RedisSubscriber: Service, Sendable {
     private let eventLoopGroup: any EventLoopGroup
     private let logger: Logger
     private let state = NIOLockedValueBox(State())
+    /// Messages received so far: what the keep-alive counts as the connection being alive.
+    private let received = NIOLockedValueBox(0)
     /// How many channels one SUBSCRIBE names when the whole set is re-sent after a reconnect.
     private static let batchSize = 512
 
@@ -215,7 +217,10 @@ public final class RedisSubscriber: Service, Sendable {
                         configuration: configuration,
                         eventLoopGroup: eventLoopGroup,
                         logger: logger,
-                        onPush: { push in continuation.yield(.message(channel: push.channel, payload: push.payload)) }
+                        onPush: { [received] push in
+                            received.withLockedValue { $0 &+= 1 }
+                            continuation.yield(.message(channel: push.channel, payload: push.payload))
+                        }
                     )
                     try await resubscribe(on: connection)
                     attempt = 0
@@ -248,16 +253,26 @@ public final class RedisSubscriber: Service, Sendable {
     }
 
     /// PINGs the connection every ``RedisConfiguration/subscriberPingInterval`` (RESP2 allows
-    /// PING in subscribed mode) and closes it when an answer does not come within as long: a
-    /// subscriber that only listens would otherwise never notice a connection that died without
-    /// a FIN, and the node would stay deaf while it looked ready.
+    /// PING in subscribed mode) and closes it when, for as long, neither the answer nor any
+    /// message came: a subscriber that only listens would otherwise never notice a connection
+    /// that died without a FIN, and the node would stay deaf while it looked ready. Messages
+    /// arriving count as life: under a flood the answer waits behind them, and dropping a busy
+    /// connection would lose the very events it is delivering.
     private func keepAlive(_ connection: RedisConnection) async {
         let interval = configuration.subscriberPingInterval
+        let received = self.received
         while connection.isActive {
             guard (try? await Task.sleep(for: interval)) != nil else { return }
             let answered = await withTaskGroup(of: Bool.self) { group in
                 group.addTask { (try? await connection.sendRaw(["PING"], expectedReplies: 1)) != nil }
-                group.addTask { (try? await Task.sleep(for: interval)) == nil }
+                group.addTask {
+                    // Silent for a whole interval: dead. Otherwise wait on.
+                    while true {
+                        let before = received.withLockedValue { $0 }
+                        guard (try? await Task.sleep(for: interval)) != nil else { return true }
+                        if received.withLockedValue({ $0 }) == before { return false }
+                    }
+                }
                 let first = await group.next() ?? false
                 if !first { await connection.close() }
                 group.cancelAll()

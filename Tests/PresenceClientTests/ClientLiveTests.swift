@@ -43,6 +43,28 @@ struct ClientLiveTests {
         #expect(await bob.sees("alice", .away), "the new session carries changes")
     }
 
+    @Test("watching a contact under conversations visibility keeps it, through a reconnect: no 'no longer visible'")
+    func contactsKept() async throws {
+        let prefix = TestRedis.uniquePrefix("sdk-contact")
+        let node = try await GatewayProcess(nodeID: "n1", environment: nodeEnvironment(prefix: prefix))
+        #expect(admin(node, "PUT", "/api/admin/conversations/room", #"{"member_ids":["alice","bob"]}"#)?.status == 200)
+        let alice = try await LiveClient("alice", device: "phone", nodes: [node])
+        // bob watches alice from before he connects, as `presence-client --watch alice` does.
+        let bob = try await LiveClient("bob", device: "laptop", nodes: [node]) { _ in }
+        try await bob.client.watch(["alice"])
+        #expect(await alice.connected())
+        #expect(await bob.sees("alice", .online))
+        // A reconnect subscribes again to users the server already knows bob watches... it is a
+        // new session, but the answer must hold alice either way.
+        await bob.client.networkChanged(available: false)
+        #expect(await bob.waitUntil { await $0.connectionState == .idle })
+        await bob.client.networkChanged(available: true)
+        #expect(await bob.waitUntil { _ in bob.connections >= 2 })
+        try await Task.sleep(for: .milliseconds(500))
+        #expect(!bob.events.contains(.removed(userID: "alice")), "alice was never dropped as invisible: \(bob.events)")
+        #expect(await bob.client.presence(of: "alice")?.status == .online)
+    }
+
     @Test("a token that expires: 4001, a refreshed token, a reconnect, and no offline for watchers")
     func tokenExpiry() async throws {
         let prefix = TestRedis.uniquePrefix("sdk-token")

@@ -105,6 +105,13 @@ final class LiveClient: Sendable {
         }
     }
 
+    /// Every presence update, when it arrived.
+    var arrivalsOfAll: [(at: ContinuousClock.Instant, presence: PresenceSnapshot)] {
+        log.withLockedValue { entries in
+            entries.compactMap { entry in if case .presence(let presence) = entry.event { (entry.at, presence) } else { nil } }
+        }
+    }
+
     /// When each update about `user` arrived, with its status.
     func arrivals(of user: String) -> [(at: ContinuousClock.Instant, status: PresenceStatus)] {
         log.withLockedValue { entries in

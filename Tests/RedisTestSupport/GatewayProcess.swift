@@ -17,10 +17,11 @@ public final class GatewayProcess: @unchecked Sendable {
         return root.appendingPathComponent(".build/debug/presence-gateway")
     }
 
-    /// Starts a node with `environment` (`PRESENCE_*` values) over a free port and the node id,
-    /// and waits until it answers `/healthz`.
-    public init(nodeID: String, environment: [String: String]) async throws {
-        self.port = try RedisServerProcess.freePort()
+    /// Starts a node with `environment` (`PRESENCE_*` values) over `port` (a free one when nil:
+    /// pass a killed node's to restart it where its clients look) and the node id, and waits
+    /// until it answers `/healthz`.
+    public init(nodeID: String, environment: [String: String], port: Int? = nil) async throws {
+        self.port = try port ?? RedisServerProcess.freePort()
         self.nodeID = nodeID
         log = FileManager.default.temporaryDirectory.appendingPathComponent("gateway-\(nodeID)-\(UUID().uuidString).log")
         _ = FileManager.default.createFile(atPath: log.path, contents: nil)
@@ -28,7 +29,7 @@ public final class GatewayProcess: @unchecked Sendable {
         process.executableURL = Self.binary
         var variables = ProcessInfo.processInfo.environment.filter { !$0.key.hasPrefix("PRESENCE_") }
         variables.merge(environment) { _, new in new }
-        variables["PRESENCE_PORT"] = "\(port)"
+        variables["PRESENCE_PORT"] = "\(self.port)"
         variables["PRESENCE_HOST"] = "127.0.0.1"
         variables["PRESENCE_NODE_ID"] = nodeID
         variables["PRESENCE_LOG_LEVEL"] = variables["PRESENCE_LOG_LEVEL"] ?? "warning"

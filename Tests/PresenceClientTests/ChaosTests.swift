@@ -1,0 +1,306 @@
+import Foundation
+import RedisTestSupport
+import Testing
+
+@testable import PresenceClient
+
+/// Random faults over three gateway processes (one 2 s behind, one true, one 2 s ahead) and a
+/// Redis of their own, with SDK clients that all watch each other: status changes, handoffs,
+/// drops, reconnects, sign-outs, kill -9 of a node and its restart under the same id, FLUSHALL,
+/// and the loss of single keys. At quiet checkpoints REST on every node and every connected
+/// watcher must agree with the truth (no ghost, nobody lost), and no watcher may ever hear a user
+/// go offline whom nothing took offline (no flicker).
+///
+/// The seed is printed; `PRESENCE_CHAOS_SEED` replays one, `PRESENCE_CHAOS_OPS` sets the length.
+/// Run with the heavy tests.
+@Suite("Chaos over three nodes", .serialized)
+struct ChaosTests {
+    static let seed = UInt64(ProcessInfo.processInfo.environment["PRESENCE_CHAOS_SEED"] ?? "") ?? 20_261_124
+    static let operations = Int(ProcessInfo.processInfo.environment["PRESENCE_CHAOS_OPS"] ?? "") ?? 320
+    static let lease = 3
+    static let linger = 2
+
+    /// SplitMix64: the same seed, the same run.
+    struct Random {
+        var state: UInt64
+        mutating func next() -> UInt64 {
+            state &+= 0x9E37_79B9_7F4A_7C15
+            var z = state
+            z = (z ^ (z >> 30)) &* 0xBF58_476D_1CE4_E5B9
+            z = (z ^ (z >> 27)) &* 0x94D0_49BB_1331_11EB
+            return z ^ (z >> 31)
+        }
+        mutating func below(_ bound: Int) -> Int { Int(next() % UInt64(bound)) }
+        mutating func pick<T>(_ items: [T]) -> T { items[below(items.count)] }
+    }
+
+    /// What a user is, by what the test did to them.
+    enum Truth: Equatable {
+        case connected(PresenceStatus)
+        /// Dropped without a clean close, or signed out: offline (after the linger, for a drop).
+        case gone
+        var status: PresenceStatus {
+            if case .connected(let status) = self { status } else { .offline }
+        }
+    }
+
+    final class World: @unchecked Sendable {
+        // Safe: touched only by the test's own task, one step at a time.
+        let redis: RedisServerProcess
+        let environment: [String: String]
+        let skews = [-2, 0, 2]
+        var nodes: [GatewayProcess?] = []
+        /// Each node's port, kept across restarts: clients keep the URLs they were given.
+        var ports: [Int] = []
+        var clients: [String: LiveClient] = [:]
+        var truth: [String: Truth] = [:]
+        /// Users something took offline since the last checkpoint: an offline heard about them is no flicker.
+        var mayGoOffline: Set<String> = []
+        /// Users whose only record Redis lost with nobody to write it back at once: their own
+        /// devices hash deleted (until their node's audit), or every key flushed while the node
+        /// holding them was killed before it wrote them again. Offline heard about them until the
+        /// next checkpoint is what Redis held, counted apart from flickers.
+        var recordLost: Set<String> = []
+        var lossOffline: [String] = []
+        var flushes: [ContinuousClock.Instant] = []
+        var lastKill: ContinuousClock.Instant?
+        /// When each user's client was made (a watcher's reads start then).
+        var clientSince: [String: ContinuousClock.Instant] = [:]
+        /// When a user who was gone had a session again: an offline read before that is no flicker.
+        var backSince: [String: ContinuousClock.Instant] = [:]
+        /// After a FLUSHALL, until every live node has written its sessions again, a watcher that
+        /// starts reading sees what Redis holds: nobody.
+        let flushWindow = Duration.seconds(ChaosTests.lease / 3 + 2)
+        var flickers: [String] = []
+        /// What the test did, when: to explain a failure.
+        var log: [(at: ContinuousClock.Instant, what: String)] = []
+        let started = ContinuousClock.now
+
+        func note(_ what: String) { log.append((ContinuousClock.now, what)) }
+
+        /// Seconds since the start, for the log.
+        func time(_ instant: ContinuousClock.Instant) -> String {
+            let elapsed = instant - started
+            return String(format: "%.2f", Double(elapsed.components.seconds) + Double(elapsed.components.attoseconds) / 1e18)
+        }
+
+        /// The steps about `user`, or faults of the whole system, up to `instant`.
+        func history(of user: String, until instant: ContinuousClock.Instant) -> String {
+            log.filter { $0.at <= instant && ($0.what.hasPrefix(user + " ") || $0.what.hasPrefix("*")) }.suffix(8)
+                .map { "\(time($0.at)) \($0.what)" }.joined(separator: "; ")
+        }
+        var scanned: [ObjectIdentifier: Int] = [:]
+        let users = (0..<12).map { "u\($0)" }
+
+        init() throws {
+            redis = try RedisServerProcess()
+            environment = nodeEnvironment(prefix: TestRedis.uniquePrefix("chaos"), redisURL: redis.url(), extra: [
+                "PRESENCE_VISIBILITY": "open", "PRESENCE_LEASE_TTL": "\(ChaosTests.lease)", "PRESENCE_LINGER": "\(ChaosTests.linger)",
+            ])
+        }
+
+        func startNode(_ index: Int) async throws {
+            let skew = skews[index]
+            let variables = skew == 0 ? environment : environment.merging(try SkewedClock.environment(offset: skew)) { _, new in new }
+            let node = try await GatewayProcess(nodeID: "node\(index)", environment: variables, port: index < ports.count ? ports[index] : nil)
+            if nodes.count <= index {
+                nodes.append(node)
+                ports.append(node.port)
+            } else {
+                nodes[index] = node
+            }
+        }
+
+        var live: [GatewayProcess] { nodes.compactMap { $0 } }
+
+        /// A client of `user` on `node` first, then the other live nodes.
+        func connect(_ user: String, on node: GatewayProcess) async throws {
+            if let old = clients[user] { scan(old) }
+            let wasGone = (truth[user] ?? .gone) == .gone
+            let client = try await LiveClient(user, device: "phone", nodes: [node] + live.filter { $0 !== node })
+            clientSince[user] = .now
+            note("\(user) connects on \(node.nodeID)")
+            try await client.client.watch(users.filter { $0 != user })
+            clients[user] = client
+            truth[user] = .connected(.online)
+            if wasGone {
+                _ = await client.connected()
+                backSince[user] = .now
+            }
+        }
+
+        /// Records offline updates `client` heard since the last scan about users nothing took offline.
+        func scan(_ client: LiveClient) {
+            let key = ObjectIdentifier(client)
+            let arrivals = client.arrivalsOfAll
+            for (at, presence) in arrivals.dropFirst(scanned[key] ?? 0) {
+                guard presence.status == .offline, !mayGoOffline.contains(presence.userID) else { continue }
+                if let back = backSince[presence.userID], at < back { continue }
+                // A session of the watcher that began after the flush read Redis as it was.
+                let sessionStarts = [clientSince[client.user] ?? started] + client.connectedAt
+                let readingSinceFlush = flushes.contains { flush in
+                    // (The SDK reports a session as connected once it has handled its first answer.)
+                    at >= flush && at < flush + flushWindow && sessionStarts.contains { $0 >= flush && $0 <= at + .seconds(1) }
+                }
+                if recordLost.contains(presence.userID) || readingSinceFlush {
+                    lossOffline.append("\(time(at)) \(client.user) heard \(presence.userID) offline")
+                } else if case .connected = truth[presence.userID] ?? .gone {
+                    let sessions = client.connectedAt.map(time).joined(separator: ",")
+                    flickers.append("\(time(at)) \(client.user) (sessions from \(sessions)) heard \(presence.userID) offline [\(history(of: presence.userID, until: at))]")
+                }
+            }
+            scanned[key] = arrivals.count
+        }
+
+        func rest(_ user: String, on node: GatewayProcess, token: String) -> String? {
+            guard let read = GatewayProcess.httpGet(port: node.port, path: "/api/presence/users/\(user)", headers: ["Authorization": "Bearer \(token)"]),
+                  read.status == 200,
+                  let body = try? JSONSerialization.jsonObject(with: Data(read.body.utf8)) as? [String: Any] else { return nil }
+            return body["status"] as? String
+        }
+
+        /// Where REST and the watchers disagree with the truth; empty when all agree.
+        func disagreements(token: String) async -> [String] {
+            var found: [String] = []
+            for user in users {
+                let want = truth[user, default: .gone].status.rawValue
+                for node in live {
+                    let got = rest(user, on: node, token: token) ?? "no answer"
+                    if got != want { found.append("REST on \(node.nodeID): \(user) \(got), truth \(want)") }
+                }
+                for (watcher, client) in clients where watcher != user {
+                    guard case .connected = truth[watcher] ?? .gone, await client.client.connectionState == .connected else { continue }
+                    let got = await client.client.presence(of: user)?.status.rawValue ?? "unknown"
+                    if got != want { found.append("\(watcher) sees \(user) \(got), truth \(want)") }
+                }
+            }
+            return found
+        }
+    }
+
+    @Test("random faults: no ghost, nobody lost, no flicker; watchers agree with REST at every quiet checkpoint")
+    func chaos() async throws {
+        print("chaos: seed \(Self.seed), \(Self.operations) operations (PRESENCE_CHAOS_SEED, PRESENCE_CHAOS_OPS)")
+        var random = Random(state: Self.seed)
+        let world = try World()
+        for index in 0..<3 { try await world.startNode(index) }
+        for (index, user) in world.users.enumerated() { try await world.connect(user, on: world.live[index % 3]) }
+        let token = try await mint("chaos-reader")
+        var counts: [String: Int] = [:]
+        var convergence: [Duration] = []
+        var checkpoints = 0
+
+        func checkpoint() async throws {
+            let start = ContinuousClock.now
+            var last: [String] = []
+            let agreed = await eventually(timeout: .seconds(4 * Self.lease + 6), poll: .milliseconds(250)) {
+                last = await world.disagreements(token: token)
+                return last.isEmpty
+            }
+            convergence.append(ContinuousClock.now - start)
+            checkpoints += 1
+            let wrongUsers = Set(last.compactMap { line in world.users.first { line.contains(" \($0) ") } })
+            #expect(agreed, "checkpoint \(checkpoints): \(last.prefix(12)); \(wrongUsers.map { "\($0): \(world.history(of: $0, until: .now))" })")
+            for client in world.clients.values { world.scan(client) }
+            world.mayGoOffline = Set(world.users.filter { world.truth[$0] == .gone })
+            world.recordLost = []
+        }
+
+        for step in 1...Self.operations {
+            let roll = random.below(100)
+            let user = random.pick(world.users)
+            let state = world.truth[user] ?? .gone
+            switch roll {
+            case 0..<35:
+                guard case .connected = state, let client = world.clients[user] else { continue }
+                let status: PresenceStatus = random.below(2) == 0 ? .online : .away
+                await client.client.setStatus(status)
+                world.truth[user] = .connected(status)
+                world.note("\(user) \(status.rawValue)")
+                counts["status", default: 0] += 1
+            case 35..<50:
+                // A handoff: the connection drops, the same device is back 0.3 s later on another node.
+                guard case .connected(let status) = state, let client = world.clients[user] else { continue }
+                await client.client.networkChanged(available: false)
+                world.note("\(user) handoff: dropped")
+                try await Task.sleep(for: .milliseconds(300))
+                try await world.connect(user, on: random.pick(world.live))
+                await world.clients[user]?.client.setStatus(status)
+                world.truth[user] = .connected(status)
+                counts["handoff", default: 0] += 1
+            case 50..<58:
+                guard case .connected = state, let client = world.clients[user] else { continue }
+                await client.client.networkChanged(available: false)
+                world.truth[user] = .gone
+                world.mayGoOffline.insert(user)
+                world.note("\(user) dropped")
+                counts["drop", default: 0] += 1
+            case 58..<63:
+                guard case .connected = state, let client = world.clients[user] else { continue }
+                await client.client.signOut()
+                world.truth[user] = .gone
+                world.mayGoOffline.insert(user)
+                world.note("\(user) signed out")
+                counts["sign-out", default: 0] += 1
+            case 63..<80:
+                guard state == .gone else { continue }
+                try await world.connect(user, on: random.pick(world.live))
+                counts["reconnect", default: 0] += 1
+            case 80..<83:
+                // kill -9 of a node while all three run; its clients move to the others.
+                guard world.live.count == 3 else { continue }
+                let index = random.below(3)
+                world.nodes[index]?.kill()
+                world.nodes[index] = nil
+                world.lastKill = .now
+                world.note("* kill -9 node\(index)")
+                // Killed before it wrote its sessions back after a flush: their records are gone
+                // until their clients reconnect elsewhere (which of them it held, the test does not know).
+                if let flushed = world.flushes.last, ContinuousClock.now - flushed < .seconds(Self.lease / 3 + 2) {
+                    world.recordLost.formUnion(world.users)
+                }
+                counts["kill -9", default: 0] += 1
+            case 83..<90:
+                guard let index = world.nodes.firstIndex(where: { $0 == nil }) else { continue }
+                try await world.startNode(index)
+                world.note("* node\(index) restarted")
+                counts["restart under the same id", default: 0] += 1
+            case 90..<92:
+                _ = try SelfHealingTests.cli(world.redis, "FLUSHALL")
+                world.note("* FLUSHALL")
+                world.flushes.append(.now)
+                // A node killed just before: its clients are still on their way to another node,
+                // and their records are gone with nobody to write them back until they arrive.
+                if let killed = world.lastKill, ContinuousClock.now - killed < .seconds(2) { world.recordLost.formUnion(world.users) }
+                counts["FLUSHALL", default: 0] += 1
+            case 92..<97:
+                // One key lost: a user's devices hash, or a node's device index.
+                if random.below(2) == 0 {
+                    _ = try SelfHealingTests.cli(world.redis, "DEL", "\(world.environment["PRESENCE_KEY_PREFIX"]!):{u:\(user)}:devices")
+                    world.note("\(user) devices hash lost")
+                    world.recordLost.insert(user)
+                } else if let node = world.live.first {
+                    _ = try SelfHealingTests.cli(world.redis, "DEL", "\(world.environment["PRESENCE_KEY_PREFIX"]!):{n:\(node.nodeID)}:devices")
+                    world.note("* \(node.nodeID) device index lost")
+                }
+                counts["partial loss", default: 0] += 1
+            default:
+                try await Task.sleep(for: .milliseconds(200))
+                counts["pause", default: 0] += 1
+            }
+            try await Task.sleep(for: .milliseconds(UInt64(random.below(150))))
+            if step % 40 == 0 {
+                world.note("* checkpoint")
+                try await checkpoint()
+            }
+        }
+        try await checkpoint()
+        for client in world.clients.values { world.scan(client) }
+        let slowest = convergence.max() ?? .zero
+        print("chaos: \(counts.sorted { $0.key < $1.key }.map { "\($0.key) \($0.value)" }.joined(separator: ", "))")
+        print("chaos: \(checkpoints) checkpoints, slowest convergence \(slowest), flickers \(world.flickers.count), offline heard while a user's record was lost \(world.lossOffline.count)")
+        #expect(world.flickers.isEmpty, "flickers:\n\(world.flickers.prefix(20).joined(separator: "\n"))")
+        #expect(counts["kill -9", default: 0] > 0 && counts["FLUSHALL", default: 0] > 0 && counts["partial loss", default: 0] > 0 && counts["handoff", default: 0] > 0,
+                "the run tried every kind of fault: \(counts)")
+    }
+}
