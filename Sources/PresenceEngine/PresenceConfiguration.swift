@@ -28,8 +28,8 @@ public struct PresenceConfiguration: Sendable {
     /// third of a lease). A lease TTL plus 5 s.
     public var recoveryGrace: Duration { leaseTTL + .seconds(5) }
 
-    /// How often a node compares the devices its sessions hold with what Redis has
-    /// (``PresenceEngine/audit()``): every three lease TTLs, 30 s by default, at least 5 s.
+    /// How often a node compares devices its sessions hold with what Redis has, 500 at a time
+    /// (``PresenceEngine/audit(all:)``): every three lease TTLs, 30 s by default, at least 5 s.
     public var auditInterval: Duration { max(.seconds(5), leaseTTL * 3) }
 
     /// A configuration; every value is checked by ``validate()``.

@@ -151,9 +151,24 @@ extension PresenceEngine {
     /// (partial data loss while the lease survived, or a write Redis acknowledged and then lost
     /// in a failover) is written again, and a device another session took is let go. One script
     /// per ``auditBatch`` devices, reading only unless something is wrong.
+    ///
+    /// `all` checks every device (after a reconnect, or an index found short). Otherwise, as the
+    /// lease service does on its schedule, it checks the next ``auditBatch`` devices after the
+    /// last one checked, round the node's devices in turn: the idle cost stays one script per
+    /// ``PresenceConfiguration/auditInterval`` however many devices the node holds, and every
+    /// device is checked once per interval per 500 devices.
     @discardableResult
-    public func audit() async throws(PresenceError) -> AuditReport {
-        let devices = local.withLockedValue { Array($0) }
+    public func audit(all: Bool = true) async throws(PresenceError) -> AuditReport {
+        let devices: [(key: String, value: LocalDevice)] = local.withLockedValue { local in
+            guard !all else { return Array(local) }
+            let members = local.keys.sorted()
+            let after = auditCursor.withLockedValue { $0 }
+            let start = members.firstIndex { $0 > after } ?? 0
+            let chosen = members[start...].prefix(Self.auditBatch) + members.prefix(max(0, Self.auditBatch - (members.count - start)))
+            let picked = Array(Set(chosen))
+            auditCursor.withLockedValue { $0 = chosen.last ?? "" }
+            return picked.compactMap { member in local[member].map { (member, $0) } }
+        }
         var report = AuditReport()
         var lost: [String] = []
         let node = configuration.nodeID

@@ -32,6 +32,8 @@ public final class PresenceEngine: Sendable {
     /// Devices of this node's sessions still to be written again since Redis was found to have
     /// lost them (``restorePending()``): what is left when a re-registration was cut short.
     let unrestored = NIOLockedValueBox(Set<String>())
+    /// The last device the scheduled audit checked: the next one goes on after it.
+    let auditCursor = NIOLockedValueBox("")
     /// An audit asked for outside the schedule (``requestAudit()``).
     let auditRequested = NIOLockedValueBox(false)
     /// What the node's upkeep found (``UpkeepEvent``), for the gateway to act on.

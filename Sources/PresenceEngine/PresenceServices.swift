@@ -39,7 +39,11 @@ public struct PresenceLeaseService: Service {
                 await engine.retryOwedStatuses()
                 tick += 1
                 if tick % refreshEvery == 0 { try await engine.refreshDeviceKeys() }
-                if engine.takeAuditRequest() || tick % auditEvery == 0 { try await engine.audit() }
+                if engine.takeAuditRequest() {
+                    try await engine.audit()
+                } else if tick % auditEvery == 0 {
+                    try await engine.audit(all: false)
+                }
             } catch {
                 engine.logger.warning("cannot renew the lease", metadata: ["error": "\(error)"])
             }

@@ -388,6 +388,24 @@ struct PresenceEngineTests {
         }
     }
 
+    @Test("the scheduled audit checks 500 devices at a time, in turn, so its cost does not grow with the node's devices")
+    func auditInTurn() async throws {
+        try await EngineCluster.with { cluster in
+            let node = cluster.engine(node: "n1")
+            try await node.registerNode()
+            let users = (0..<600).map { String(format: "w%03d", $0) }
+            for user in users { _ = try await node.connect(user: user, device: "phone", session: "s-\(user)") }
+            // w550 is past the first turn's 500 (w000-w499).
+            try await cluster.redis.send("DEL", RedisArgument(cluster.prefixKeys.devices("w550")))
+            let first = try await node.audit(all: false)
+            #expect(first.checked == 500 && first.restored == 0, "the first 500 in order: w550 is not among them")
+            #expect(try await node.views(of: "w550").real.status == .offline)
+            let second = try await node.audit(all: false)
+            #expect(second.checked == 500 && second.restored == 1, "the next turn goes on from w500 and wraps round")
+            #expect(try await node.views(of: "w550").real.status == .online)
+        }
+    }
+
     @Test("re-registering writes the status the session holds as it writes, not the one it listed: a status frame overtaking it does not lose")
     func reregisterOvertaken() async throws {
         try await EngineCluster.with { cluster in
