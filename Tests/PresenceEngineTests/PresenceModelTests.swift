@@ -34,7 +34,10 @@ struct PresenceModelTests {
 
     @Test("random operations over 3 nodes keep invariants 1, 2, 3 and 5")
     func randomized() async throws {
-        let seed = ProcessInfo.processInfo.environment["PRESENCE_MODEL_SEED"].flatMap(UInt64.init) ?? UInt64.random(in: 1...UInt64.max / 2)
+        // A fixed seed unless PRESENCE_MODEL_SEED names another: `make test` tries the same steps
+        // every run. Longer or other searches: PRESENCE_MODEL_SEED and PRESENCE_MODEL_STEPS.
+        let seed = ProcessInfo.processInfo.environment["PRESENCE_MODEL_SEED"].flatMap(UInt64.init) ?? 20_261_124
+        print("model test: seed \(seed) (PRESENCE_MODEL_SEED to replay another)")
         let steps = ProcessInfo.processInfo.environment["PRESENCE_MODEL_STEPS"].flatMap(Int.init) ?? 2000
         var rng = RNG(state: seed)
         try await EngineCluster.with { cluster in
