@@ -27,7 +27,7 @@ TEST_SEED = 20261124
 test: build-tests check-deploy fuzz-build
 	scripts/with-redis sh -c 'timeout --kill-after=10 900 $(SWIFT) test --skip-build $(BUILD_FLAGS) --skip "$(HEAVY_TESTS)" \
 	  && timeout --kill-after=10 900 $(SWIFT) test --skip-build --no-parallel $(BUILD_FLAGS) --filter "$(HEAVY_TESTS)" \
-	  && timeout --kill-after=10 300 .build/debug/presence-bench soak --duration 60'
+	  && timeout --kill-after=10 300 .build/debug/presence-bench soak --duration 60 --seed $(TEST_SEED)'
 	API_FUZZ_SEED=$(TEST_SEED) timeout --kill-after=10 300 scripts/api-fuzz
 	timeout --kill-after=10 300 scripts/fuzz --runs 30000 --seed $(TEST_SEED) resp
 	timeout --kill-after=10 300 scripts/fuzz --runs 15000 --seed $(TEST_SEED) frames
