@@ -170,8 +170,9 @@ enum PresenceScripts {
     /// `linger` keeps the device live for the linger without its session; `expire` (the reaper)
     /// removes it only if its deadline has passed. The device's entry in `deadlines` follows in
     /// the same step: set to its deadline while it has one, removed otherwise. Returns
-    /// finish()'s array; {-1, deadline} when the device stays live (lingering, or not due yet);
-    /// {-2} when there is no such device; {-3} when another session holds it now.
+    /// finish()'s array, also when there is no such device (the aggregate is worked out again);
+    /// {-1, deadline} when the device stays live (lingering, or not due yet); {-3} when another
+    /// session holds it now.
     static let removeDevice = RedisScript(prelude + """
 
     local now = clock(ARGV[1])
@@ -179,8 +180,11 @@ enum PresenceScripts {
     local member = user .. '|' .. device
     local raw = redis.call('HGET', KEYS[1], device)
     if not raw then
+      -- Gone already, or lost with Redis data: the user's state is worked out again from the
+      -- devices that are left, so a state the lost devices made stale is set right, and watchers
+      -- are told.
       redis.call('ZREM', KEYS[3], member)
-      return {-2}
+      return finish(KEYS[2], KEYS[1], channel, now, 0, user)
     end
     local d = parse(raw)
     if session ~= '' and d.session ~= session then return {-3} end
