@@ -4,44 +4,14 @@ import PresenceEngine
 
 /// The claims a client token must carry: `sub` (the user id) and `exp`; `nbf` is honoured.
 struct ClientClaims: JWTPayload {
-    var sub: Subject
+    /// A string, or a whole number (issuers of integer user ids write it so).
+    var sub: JSONID
     var exp: ExpirationClaim
     var nbf: NotBeforeClaim?
 
     func verify(using algorithm: some JWTAlgorithm) async throws {
         try exp.verifyNotExpired()
         try nbf?.verifyNotBefore()
-    }
-
-    /// `sub` as a string, or as a whole number (issuers of integer user ids write it so).
-    enum Subject: Codable {
-        case string(String)
-        case number(Int64)
-
-        init(from decoder: any Decoder) throws {
-            let container = try decoder.singleValueContainer()
-            if let number = try? container.decode(Int64.self) {
-                self = .number(number)
-            } else {
-                self = .string(try container.decode(String.self))
-            }
-        }
-
-        func encode(to encoder: any Encoder) throws {
-            var container = encoder.singleValueContainer()
-            switch self {
-            case .string(let text): try container.encode(text)
-            case .number(let number): try container.encode(number)
-            }
-        }
-
-        /// The user id in its stored spelling, or `nil` if it is not one in `format`.
-        func userID(_ format: PresenceIDFormat) -> String? {
-            switch self {
-            case .string(let text): format.canonical(text)
-            case .number(let number): format.canonical(number: number)
-            }
-        }
     }
 }
 
@@ -107,7 +77,7 @@ public struct Authenticator: Sendable {
         } catch {
             throw .unauthorized("the token is malformed or its signature is not valid")
         }
-        guard let userID = claims.sub.userID(idFormat) else {
+        guard let userID = claims.sub.canonical(idFormat) else {
             throw .unauthorized("the token's sub is not a valid user id: it must be \(idFormat.rule)")
         }
         return AuthenticatedUser(userID: userID, expiresAt: claims.exp.value)

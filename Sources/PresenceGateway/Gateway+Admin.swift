@@ -47,11 +47,11 @@ extension Gateway {
         }
     }
 
-    struct MembersBody: Decodable { var member_ids: [RequestID] }
-    struct UsersBody: Decodable { var user_ids: [RequestID] }
+    struct MembersBody: Decodable { var member_ids: [JSONID] }
+    struct UsersBody: Decodable { var user_ids: [JSONID] }
 
     /// User ids of a body, each valid in the node's id format, in their stored spelling.
-    func validIDs(_ ids: [RequestID]) throws(APIError) -> [String] {
+    func validIDs(_ ids: [JSONID]) throws(APIError) -> [String] {
         guard ids.count <= 100_000 else { throw .invalid("at most 100000 ids at once") }
         var valid: [String] = []
         valid.reserveCapacity(ids.count)

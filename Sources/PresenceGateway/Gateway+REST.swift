@@ -95,30 +95,6 @@ extension Gateway {
         }
     }
 
-    /// A user or conversation id in a request body: a string, or (with the numeric id format) a
-    /// whole number.
-    enum RequestID: Decodable {
-        case string(String)
-        case number(Int64)
-
-        init(from decoder: any Decoder) throws {
-            let container = try decoder.singleValueContainer()
-            if let number = try? container.decode(Int64.self) {
-                self = .number(number)
-            } else {
-                self = .string(try container.decode(String.self))
-            }
-        }
-
-        /// The stored spelling of this id, or `nil` if it is not an id in `format`.
-        func canonical(_ format: PresenceIDFormat) -> String? {
-            switch self {
-            case .string(let text): format.canonical(text)
-            case .number(let number): format.canonical(number: number)
-            }
-        }
-    }
-
     struct StatusBody: Decodable {
         var status: String
         var device_id: String?

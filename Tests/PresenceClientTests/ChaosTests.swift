@@ -20,20 +20,6 @@ struct ChaosTests {
     static let lease = 3
     static let linger = 2
 
-    /// SplitMix64: the same seed, the same run.
-    struct Random {
-        var state: UInt64
-        mutating func next() -> UInt64 {
-            state &+= 0x9E37_79B9_7F4A_7C15
-            var z = state
-            z = (z ^ (z >> 30)) &* 0xBF58_476D_1CE4_E5B9
-            z = (z ^ (z >> 27)) &* 0x94D0_49BB_1331_11EB
-            return z ^ (z >> 31)
-        }
-        mutating func below(_ bound: Int) -> Int { Int(next() % UInt64(bound)) }
-        mutating func pick<T>(_ items: [T]) -> T { items[below(items.count)] }
-    }
-
     /// What a user is, by what the test did to them.
     enum Truth: Equatable {
         case connected(PresenceStatus)
@@ -181,7 +167,7 @@ struct ChaosTests {
     @Test("random faults: no ghost, nobody lost, no flicker; watchers agree with REST at every quiet checkpoint")
     func chaos() async throws {
         print("chaos: seed \(Self.seed), \(Self.operations) operations (PRESENCE_CHAOS_SEED, PRESENCE_CHAOS_OPS)")
-        var random = Random(state: Self.seed)
+        var random = SeededRandom(seed: Self.seed)
         let world = try World()
         for index in 0..<3 { try await world.startNode(index) }
         for (index, user) in world.users.enumerated() { try await world.connect(user, on: world.live[index % 3]) }
@@ -266,7 +252,7 @@ struct ChaosTests {
                 world.note("* node\(index) restarted")
                 counts["restart under the same id", default: 0] += 1
             case 90..<92:
-                _ = try SelfHealingTests.cli(world.redis, "FLUSHALL")
+                _ = try world.redis.cli("FLUSHALL")
                 world.note("* FLUSHALL")
                 world.flushes.append(.now)
                 // A node killed just before: its clients are still on their way to another node,
@@ -276,11 +262,11 @@ struct ChaosTests {
             case 92..<97:
                 // One key lost: a user's devices hash, or a node's device index.
                 if random.below(2) == 0 {
-                    _ = try SelfHealingTests.cli(world.redis, "DEL", "\(world.environment["PRESENCE_KEY_PREFIX"]!):{u:\(user)}:devices")
+                    _ = try world.redis.cli("DEL", "\(world.environment["PRESENCE_KEY_PREFIX"]!):{u:\(user)}:devices")
                     world.note("\(user) devices hash lost")
                     world.recordLost.insert(user)
                 } else if let node = world.live.first {
-                    _ = try SelfHealingTests.cli(world.redis, "DEL", "\(world.environment["PRESENCE_KEY_PREFIX"]!):{n:\(node.nodeID)}:devices")
+                    _ = try world.redis.cli("DEL", "\(world.environment["PRESENCE_KEY_PREFIX"]!):{n:\(node.nodeID)}:devices")
                     world.note("* \(node.nodeID) device index lost")
                 }
                 counts["partial loss", default: 0] += 1

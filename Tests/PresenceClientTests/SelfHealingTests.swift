@@ -11,18 +11,6 @@ import Testing
 /// Run with the heavy tests: two nodes and a Redis of their own.
 @Suite("Presence that heals itself", .serialized)
 struct SelfHealingTests {
-    /// `redis-cli` against `redis`.
-    static func cli(_ redis: RedisServerProcess, _ arguments: String...) throws -> String {
-        let process = Process()
-        process.executableURL = URL(fileURLWithPath: "/usr/bin/env")
-        process.arguments = ["redis-cli", "-p", "\(redis.port)"] + arguments
-        let output = Pipe()
-        process.standardOutput = output
-        try process.run()
-        process.waitUntilExit()
-        return String(decoding: output.fileHandleForReading.readDataToEndOfFile(), as: UTF8.self)
-    }
-
     @Test("FLUSHALL, then a lost devices hash: live users stay online, a REST user no device holds any more goes offline for every watcher within a lease + 2 s, and a lost device is written again")
     func dataLoss() async throws {
         let redis = try RedisServerProcess()
@@ -54,7 +42,7 @@ struct SelfHealingTests {
 
         // Everything is gone at once; no connection drops.
         let flushed = ContinuousClock.now
-        #expect(try Self.cli(redis, "FLUSHALL").contains("OK"))
+        #expect(try redis.cli("FLUSHALL").contains("OK"))
         // carol's REST device is gone for good: every watcher on either node hears it.
         for watcher in [bob, dora] {
             #expect(await watcher.sees("carol", .offline, within: .seconds(lease + 2)), "\(watcher.user) sees carol offline within a lease + 2 s: \(watcher.timeline(since: flushed, peer: "carol"))")
@@ -71,7 +59,7 @@ struct SelfHealingTests {
         // A partial loss that leaves the leases: alice's devices hash alone. Her node's audit
         // (every three leases) finds it and writes her device again.
         let lost = ContinuousClock.now
-        #expect(try Self.cli(redis, "DEL", "\(prefix):{u:alice}:devices").contains("1"))
+        #expect(try redis.cli("DEL", "\(prefix):{u:alice}:devices").contains("1"))
         #expect(rest("alice") == "offline", "the loss is real")
         #expect(await eventually(timeout: .seconds(3 * lease + 3), poll: .milliseconds(100)) { rest("alice") == "online" }, "alice is written again")
         print("partial loss: alice online again in REST after \(ContinuousClock.now - lost)")

@@ -7,19 +7,6 @@ import Testing
 /// A reference model of API.md's presence semantics, checked against the engine step by step.
 @Suite("Model-based test of the presence engine")
 struct PresenceModelTests {
-    struct RNG {
-        var state: UInt64
-        mutating func next() -> UInt64 {
-            state &+= 0x9E37_79B9_7F4A_7C15
-            var z = state
-            z = (z ^ (z >> 30)) &* 0xBF58_476D_1CE4_E5B9
-            z = (z ^ (z >> 27)) &* 0x94D0_49BB_1331_11EB
-            return z ^ (z >> 31)
-        }
-        mutating func below(_ bound: Int) -> Int { Int(next() % UInt64(bound)) }
-        mutating func bool() -> Bool { below(2) == 0 }
-    }
-
     struct ModelDevice {
         var status: PresenceStatus
         var node: Int?
@@ -40,7 +27,7 @@ struct PresenceModelTests {
         let seed = ProcessInfo.processInfo.environment["PRESENCE_MODEL_SEED"].flatMap(UInt64.init) ?? 20_261_124
         print("model test: seed \(seed) (PRESENCE_MODEL_SEED to replay another)")
         let steps = ProcessInfo.processInfo.environment["PRESENCE_MODEL_STEPS"].flatMap(Int.init) ?? 2000
-        var rng = RNG(state: seed)
+        var rng = SeededRandom(seed: seed)
         try await EngineCluster.with { cluster in
             let users = ["u0", "u1", "u2", "u3"]
             let deviceIDs = ["d0", "d1"]

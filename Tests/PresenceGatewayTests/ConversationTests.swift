@@ -31,10 +31,9 @@ struct ConversationTests {
             #expect(group.data["total"] as? Int == 2 && group.data["online"] as? Int == 1)
             _ = try await bob.next("initial_state")
             // carol joins while the node hears nothing: the change is in Redis, its events are lost.
-            let cli = { (arguments: [String]) throws in try redisCLI(port: server.port, arguments) }
-            _ = try cli(["SADD", "\(prefix):{c:room}:members", "carol"])
-            _ = try cli(["SADD", "\(prefix):{u:carol}:convs", "room"])
-            _ = try cli(["CLIENT", "KILL", "TYPE", "pubsub"])
+            try server.cli("SADD", "\(prefix):{c:room}:members", "carol")
+            try server.cli("SADD", "\(prefix):{u:carol}:convs", "room")
+            try server.cli("CLIENT", "KILL", "TYPE", "pubsub")
             // After the reconnect bob sees carol: she counts in the group, and he hears of her.
             var heard: [Frame] = []
             let deadline = ContinuousClock.now + .seconds(5)
@@ -212,14 +211,3 @@ struct NodeDeathTests {
     }
 }
 
-/// `redis-cli` against a loopback port; its output.
-func redisCLI(port: Int, _ arguments: [String]) throws -> String {
-    let process = Process()
-    process.executableURL = URL(fileURLWithPath: "/usr/bin/env")
-    process.arguments = ["redis-cli", "-p", "\(port)"] + arguments
-    let output = Pipe()
-    process.standardOutput = output
-    try process.run()
-    process.waitUntilExit()
-    return String(decoding: output.fileHandleForReading.readDataToEndOfFile(), as: UTF8.self)
-}

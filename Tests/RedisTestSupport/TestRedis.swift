@@ -90,6 +90,25 @@ public final class RedisServerProcess: @unchecked Sendable {
         self.process = nil
     }
 
+    /// Runs `redis-cli` against this server; its output.
+    @discardableResult
+    public func cli(_ arguments: String...) throws -> String {
+        try Self.cli(port: port, arguments)
+    }
+
+    /// Runs `redis-cli` against a loopback port; its output.
+    @discardableResult
+    public static func cli(port: Int, _ arguments: [String]) throws -> String {
+        let process = Process()
+        process.executableURL = URL(fileURLWithPath: "/usr/bin/env")
+        process.arguments = ["redis-cli", "-p", "\(port)"] + arguments
+        let output = Pipe()
+        process.standardOutput = output
+        try process.run()
+        process.waitUntilExit()
+        return String(decoding: output.fileHandleForReading.readDataToEndOfFile(), as: UTF8.self)
+    }
+
     /// Stops the server without closing anything (SIGSTOP): connections stay open and the
     /// kernel still takes bytes, but nothing answers, as with a hung server or a half-open path.
     public func freeze() {
