@@ -42,8 +42,9 @@ public struct RedisConfiguration: Sendable, Equatable {
     public var maximumBackoff: Duration
     /// Most bytes one reply may occupy before the connection is rejected as hostile.
     public var maxReplyBytes: Int
-    /// How often a subscriber PINGs its connection, and how long it waits for the answer before
-    /// taking the connection for dead (a half-open TCP connection, a hung server) and making a new one.
+    /// How often a subscriber PINGs its connection. A connection that then stays silent for
+    /// `commandTimeout` (no answer, no message) is taken for dead (a half-open TCP connection, a
+    /// hung server) and made again.
     public var subscriberPingInterval: Duration = .seconds(2)
     /// TLS for the connection (`rediss://`); plain TCP when nil. The server's certificate is
     /// always verified, against the URL's host name or IP address.

@@ -253,13 +253,15 @@ public final class RedisSubscriber: Service, Sendable {
     }
 
     /// PINGs the connection every ``RedisConfiguration/subscriberPingInterval`` (RESP2 allows
-    /// PING in subscribed mode) and closes it when, for as long, neither the answer nor any
-    /// message came: a subscriber that only listens would otherwise never notice a connection
-    /// that died without a FIN, and the node would stay deaf while it looked ready. Messages
-    /// arriving count as life: under a flood the answer waits behind them, and dropping a busy
-    /// connection would lose the very events it is delivering.
+    /// PING in subscribed mode) and closes it when, for ``RedisConfiguration/commandTimeout``
+    /// (as long as any command may take), neither the answer nor any message came: a subscriber
+    /// that only listens would otherwise never notice a connection that died without a FIN, and
+    /// the node would stay deaf while it looked ready. Messages arriving count as life: under a
+    /// flood the answer waits behind them, and dropping a busy connection would lose the very
+    /// events it is delivering.
     private func keepAlive(_ connection: RedisConnection) async {
         let interval = configuration.subscriberPingInterval
+        let silence = configuration.commandTimeout
         let received = self.received
         while connection.isActive {
             guard (try? await Task.sleep(for: interval)) != nil else { return }
@@ -269,7 +271,7 @@ public final class RedisSubscriber: Service, Sendable {
                     // Silent for a whole interval: dead. Otherwise wait on.
                     while true {
                         let before = received.withLockedValue { $0 }
-                        guard (try? await Task.sleep(for: interval)) != nil else { return true }
+                        guard (try? await Task.sleep(for: silence)) != nil else { return true }
                         if received.withLockedValue({ $0 }) == before { return false }
                     }
                 }

@@ -124,8 +124,10 @@ struct OutageTests {
             }
         }
         #expect(recovered, "converged within 20 s of Redis returning")
-        #expect(GatewayProcess.httpStatus(port: nodes[0].port, path: "/readyz") == 200)
-        #expect(GatewayProcess.httpStatus(port: nodes[1].port, path: "/readyz") == 200)
+        for node in nodes {
+            let ready = GatewayProcess.httpStatus(port: node.port, path: "/readyz")
+            #expect(ready == 200, "node \(node.nodeID) not ready; it printed:\n\(node.output.suffix(3000))")
+        }
         #expect(clients.map(\.connections) == connectionsBefore, "no session was dropped on the way back")
         // Nobody disconnected, so no watcher may have been shown anyone offline.
         let offline = clients.flatMap { watcher in names.filter { watcher.statusesSinceOnline(of: $0).contains(.offline) }.map { "\(watcher.user) saw \($0)" } }

@@ -43,6 +43,7 @@ struct RedisSubscriberTests {
         defer { server.thaw() }
         var configuration = try RedisConfiguration(url: server.url())
         configuration.subscriberPingInterval = .milliseconds(500)
+        configuration.commandTimeout = .milliseconds(500)
         configuration.maximumBackoff = .milliseconds(200)
         try await RedisSubscriber.withSubscriber(configuration: configuration, logger: logger) { subscriber in
             let events = subscriber.events
