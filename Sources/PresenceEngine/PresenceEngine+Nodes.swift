@@ -44,6 +44,7 @@ extension PresenceEngine {
     private func leaseScript(mode: String) async throws(PresenceError) -> Int {
         let node = configuration.nodeID
         do {
+            let sent = clock.nowMilliseconds()
             let reply = try await run {
                 try await self.redis.evaluate(
                     PresenceScripts.renewLease,
@@ -53,6 +54,10 @@ extension PresenceEngine {
                 )
             }
             let values = reply.array ?? []
+            if let storeNow = values.first?.int, storeNow > 0 {
+                let local = (sent + clock.nowMilliseconds()) / 2
+                storeClockOffset.withLockedValue { $0 = Int64(storeNow) - local }
+            }
             if values.count == 2, let indexed = values[1].int, indexed < localDeviceCount { requestAudit() }
             return values.first?.int ?? 0
         } catch where error.code == .unavailable {

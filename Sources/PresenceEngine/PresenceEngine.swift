@@ -32,6 +32,8 @@ public final class PresenceEngine: Sendable {
     /// Devices of this node's sessions still to be written again since Redis was found to have
     /// lost them (``restorePending()``): what is left when a re-registration was cut short.
     let unrestored = NIOLockedValueBox(Set<String>())
+    /// Redis's clock minus this process's (ms), as the last lease renewal measured it.
+    let storeClockOffset = NIOLockedValueBox<Int64>(0)
     /// The last device the scheduled audit checked: the next one goes on after it.
     let auditCursor = NIOLockedValueBox("")
     /// An audit asked for outside the schedule (``requestAudit()``).
@@ -355,6 +357,13 @@ public final class PresenceEngine: Sendable {
 
     /// Every script's ARGV[1]: empty, so that it reads Redis's clock, or a test clock's time.
     var nowArgument: RedisArgument { clock.scriptTime.map { RedisArgument(Int($0)) } ?? "" }
+
+    /// Now by Redis's clock without asking it: this process's clock plus the offset the last
+    /// lease renewal measured. For metrics that compare with moments Redis stamped (an event's
+    /// `at`): a node whose own clock is off would otherwise record its skew as latency.
+    public func estimatedStoreNow() -> Int64 {
+        clock.nowMilliseconds() + storeClockOffset.withLockedValue { $0 }
+    }
 
     /// Now by the clock the scripts use: Redis's (one `TIME`), or a test clock's.
     func storeNow() async throws(PresenceError) -> Int64 {

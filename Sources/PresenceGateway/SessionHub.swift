@@ -323,7 +323,7 @@ final class SessionHub: Service, Sendable {
                     return frame
                 }
                 if remembered.tell {
-                    GatewayMetrics.delivered(latencyMilliseconds: engine.clock.nowMilliseconds() - event.at)
+                    GatewayMetrics.delivered(latencyMilliseconds: engine.estimatedStoreNow() - event.at)
                 }
                 if remembered.statusChanged { session.sendGroupCounts(involving: user) }
             }
@@ -341,7 +341,7 @@ final class SessionHub: Service, Sendable {
             let frame = wire.typingUpdate(user: typing.userID, conversation: conversation, isTyping: typing.isTyping)
             for session in followers where session.userID != typing.userID && !session.deviceStatus.saidOffline {
                 session.send(frame)
-                GatewayMetrics.delivered(latencyMilliseconds: engine.clock.nowMilliseconds() - typing.at)
+                GatewayMetrics.delivered(latencyMilliseconds: engine.estimatedStoreNow() - typing.at)
             }
         } else if engine.decodeMembership(payload) != nil {
             for session in followers { await refreshMembers(session, conversation) }

@@ -40,6 +40,9 @@ struct ClockSkewTests {
         let dan = try await LiveClient("dan", device: "phone", nodes: [behind])
         let bob = try await LiveClient("bob", device: "laptop", nodes: [truthful])
         try await bob.client.watch(peers)
+        // erin watches from the node ahead: the delivery latency it records must not hold its skew.
+        let erin = try await LiveClient("erin", device: "tablet", nodes: [ahead])
+        try await erin.client.watch(peers)
         for peer in peers { #expect(await bob.sees(peer, .online, within: .seconds(10)), "bob sees \(peer) online") }
         let reader = try await mint("reader")
         func rest(_ user: String, on node: GatewayProcess) -> String? {
@@ -88,6 +91,16 @@ struct ClockSkewTests {
             #expect(after >= .seconds(setting.linger - 1) && after <= .seconds(setting.linger + 1), "\(peer) offline after \(after), linger \(setting.linger) s")
             #expect(rest(peer, on: truthful) == "offline")
         }
+        #expect(await erin.sees("dan", .offline), "erin, on the node ahead, heard the drop")
+        // The node ahead timed its deliveries against Redis's clock, not its own.
+        let metrics = GatewayProcess.httpGet(port: ahead.port, path: "/metrics")?.body ?? ""
+        func value(_ name: String) -> Double? {
+            metrics.split(separator: "\n").first { $0.hasPrefix(name + " ") }.flatMap { Double($0.split(separator: " ").last ?? "") }
+        }
+        let sum = try #require(value("presence_delivery_latency_seconds_sum"), "the node ahead reports delivery latency")
+        let count = try #require(value("presence_delivery_latency_seconds_count"))
+        print("skew ±\(setting.skew) s: the node ahead timed \(Int(count)) deliveries at \(sum / max(count, 1)) s on average")
+        #expect(count > 0 && sum / count < 1, "mean delivery latency on the node \(setting.skew) s ahead: \(sum / max(count, 1)) s")
         #expect(bob.statusesSinceOnline(of: "alice").allSatisfy { $0 == .online }, "alice, connected all along, stays online")
     }
 }
