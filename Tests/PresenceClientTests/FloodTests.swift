@@ -149,7 +149,10 @@ struct FloodTests {
 
         // Once the flood lets go, the node takes sessions again.
         held.withLockedValue { $0.removeAll() }
-        #expect(await eventually(timeout: .seconds(10)) { SlowReaderTests.sessions(node) == 2 })
+        let released = ContinuousClock.now
+        let drained = await eventually(timeout: .seconds(10)) { SlowReaderTests.sessions(node) == 2 }
+        #expect(drained, "the node is back to its 2 sessions 10 s after the flood let go; it holds \(String(describing: SlowReaderTests.sessions(node))); its last lines: \(node.output.split(separator: "\n").suffix(20).joined(separator: "\n"))")
+        print("session limit: the node was back to its 2 sessions \(ContinuousClock.now - released) after the flood let go")
         let carol = try await LiveClient("carol", device: "phone", nodes: [node])
         #expect(await carol.connected())
     }

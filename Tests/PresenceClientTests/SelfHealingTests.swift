@@ -26,6 +26,9 @@ struct SelfHealingTests {
         let posted = GatewayProcess.http(port: b.port, method: "POST", path: "/api/presence/status",
                                          headers: ["Authorization": "Bearer \(carolToken)"], body: #"{"status":"online","device_id":"web"}"#)
         #expect(posted?.status == 200)
+        // Every session is open before anyone watches, so that no answer can say offline for a
+        // user whose session was still opening: from here on, an offline heard is a flicker.
+        for client in [alice, bob, dora] { #expect(await client.connected(), "\(client.user) is connected") }
         try await bob.client.watch(["alice", "carol", "dora"])
         try await dora.client.watch(["alice", "carol"])
         for peer in ["alice", "carol"] {
