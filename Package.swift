@@ -11,6 +11,7 @@ let package = Package(
     platforms: [.macOS(.v14), .iOS(.v17)],
     products: [
         .library(name: "RedisClient", targets: ["RedisClient"]),
+        .library(name: "PresenceProtocol", targets: ["PresenceProtocol"]),
         .library(name: "PresenceEngine", targets: ["PresenceEngine"]),
         .library(name: "PresenceGateway", targets: ["PresenceGateway"]),
         .library(name: "PresenceClient", targets: ["PresenceClient"]),
@@ -55,10 +56,16 @@ let package = Package(
             ],
             swiftSettings: swiftSettings
         ),
+        // The wire protocol: frames, statuses, close and error codes, node messages. Foundation
+        // only, so that the SDK on iOS and every server part share it.
+        .target(
+            name: "PresenceProtocol",
+            swiftSettings: swiftSettings
+        ),
         .target(
             name: "PresenceEngine",
             dependencies: [
-                "RedisClient",
+                "PresenceProtocol", "RedisClient",
                 .product(name: "Logging", package: "swift-log"),
                 .product(name: "NIOConcurrencyHelpers", package: "swift-nio"),
                 .product(name: "ServiceLifecycle", package: "swift-service-lifecycle"),
@@ -87,6 +94,7 @@ let package = Package(
         .target(
             name: "PresenceClient",
             dependencies: [
+                "PresenceProtocol",
                 .product(name: "HummingbirdWSClient", package: "hummingbird-websocket"),
                 .product(name: "Logging", package: "swift-log"),
                 .product(name: "NIOConcurrencyHelpers", package: "swift-nio"),
@@ -116,7 +124,7 @@ let package = Package(
         .executableTarget(
             name: "presencectl",
             dependencies: [
-                "PresenceEngine", "RedisClient",
+                "PresenceEngine", "PresenceProtocol", "RedisClient",
                 .product(name: "ArgumentParser", package: "swift-argument-parser"),
                 .product(name: "Logging", package: "swift-log"),
             ],
@@ -125,7 +133,7 @@ let package = Package(
         .executableTarget(
             name: "presence-bench",
             dependencies: [
-                "PresenceGateway", "PresenceEngine", "RedisClient",
+                "PresenceGateway", "PresenceEngine", "PresenceProtocol", "RedisClient",
                 .product(name: "ArgumentParser", package: "swift-argument-parser"),
                 .product(name: "HummingbirdWSClient", package: "hummingbird-websocket"),
                 .product(name: "JWTKit", package: "jwt-kit"),
@@ -142,7 +150,7 @@ let package = Package(
         .target(
             name: "PresenceFuzz",
             dependencies: [
-                "PresenceGateway", "RedisClient",
+                "PresenceGateway", "PresenceProtocol", "RedisClient",
                 .product(name: "NIOCore", package: "swift-nio"),
                 .product(name: "NIOEmbedded", package: "swift-nio"),
                 .product(name: "NIOWebSocket", package: "swift-nio"),
@@ -180,7 +188,7 @@ let package = Package(
         .testTarget(
             name: "PresenceGatewayTests",
             dependencies: [
-                "PresenceGateway", "PresenceEngine", "PresenceFuzz", "RedisTestSupport",
+                "PresenceGateway", "PresenceEngine", "PresenceFuzz", "PresenceProtocol", "RedisTestSupport",
                 .product(name: "Crypto", package: "swift-crypto"),
                 .product(name: "HummingbirdTesting", package: "hummingbird"),
                 .product(name: "HummingbirdWSClient", package: "hummingbird-websocket"),
@@ -191,7 +199,7 @@ let package = Package(
         .testTarget(
             name: "PresenceClientTests",
             dependencies: [
-                "PresenceClient", "PresenceGateway", "PresenceEngine", "RedisClient", "RedisTestSupport",
+                "PresenceClient", "PresenceGateway", "PresenceEngine", "PresenceProtocol", "RedisClient", "RedisTestSupport",
                 .product(name: "Hummingbird", package: "hummingbird"),
                 .product(name: "HummingbirdTesting", package: "hummingbird"),
                 .product(name: "JWTKit", package: "jwt-kit"),
@@ -201,8 +209,13 @@ let package = Package(
             swiftSettings: swiftSettings
         ),
         .testTarget(
+            name: "PresenceProtocolTests",
+            dependencies: ["PresenceProtocol"],
+            swiftSettings: swiftSettings
+        ),
+        .testTarget(
             name: "PresenceEngineTests",
-            dependencies: ["PresenceEngine", "RedisTestSupport"],
+            dependencies: ["PresenceEngine", "PresenceProtocol", "RedisTestSupport"],
             swiftSettings: swiftSettings
         ),
     ]

@@ -133,17 +133,18 @@ public struct ClientLifecycle: Sendable {
         sessionStatus = nil
         statusRetryAt = nil
         if let stopReason { return .stop(stopReason) }
-        switch code {
-        case 4003:
+        let known = code.flatMap(CloseCode.init(rawValue:))
+        switch known {
+        case .disconnectedByAdmin:
             stopReason = .disconnectedByAdmin
             return .stop(.disconnectedByAdmin)
-        case 4009:
+        case .replaced:
             stopReason = .replaced
             return .stop(.replaced)
-        case 1001, 4001:
+        case .goingAway, .unauthorized:
             // One quick retry: the node is draining (another takes over) or the token just
             // expired. A second in a row without a successful session backs off.
-            let newToken = code == 4001
+            let newToken = known == .unauthorized
             if quickRetryUsed { return .reconnectAfterBackoff(newToken: newToken) }
             quickRetryUsed = true
             return .reconnectNow(newToken: newToken)

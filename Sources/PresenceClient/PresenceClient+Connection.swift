@@ -44,7 +44,7 @@ extension PresenceClient {
                 needsNewToken = false
             } catch {
                 logger.warning("the token provider failed", metadata: ["error": "\(error)"])
-                emit([.error(code: "unauthorized", message: "the token provider failed: \(error)")])
+                emit([.error(code: .unauthorized, message: "the token provider failed: \(error)")])
                 await pause(backoff.nextDelay())
                 continue
             }
@@ -150,13 +150,13 @@ extension PresenceClient {
             self.attempt = nil
         }
         for send in debouncer.expire(at: now) {
-            self.send("typing", ["conversation_id": send.conversationID, "is_typing": false], request: .typing)
+            self.send(.typing(conversationID: send.conversationID, isTyping: false), request: .typing)
         }
         emit(cache.expireTyping(at: now))
         let due = retries.filter { $0.due <= now }
         retries.removeAll { $0.due <= now }
         for retry in due {
-            if let id = send(retry.type, retry.data, request: retry.request), retry.catchingUp { catchUp.insert(id) }
+            if let id = send(retry.frame, request: retry.request), retry.catchingUp { catchUp.insert(id) }
         }
         sendOwedStatus()
     }
@@ -165,12 +165,20 @@ extension PresenceClient {
 
     func receive(_ text: String, serial current: Int) {
         guard current == serial else { return }
-        guard let frame = ClientWire.decode(text) else {
+        let message: ServerMessage
+        do {
+            message = try Self.frames.serverMessage(text)
+        } catch let error as ProtocolError {
+            logger.debug("a frame this client does not know", metadata: ["presence.frame": "\(error)"])
+            return
+        } catch {
             logger.warning("an unreadable frame from the gateway", metadata: ["presence.frame": "\(text.prefix(200))"])
             return
         }
-        switch frame {
-        case .initialState(let presences, let id):
+        let id = message.id
+        switch message.frame {
+        case .initialState(let payloads):
+            let presences = payloads.map(PresenceSnapshot.init)
             if awaitingInitialState, id == nil {
                 awaitingInitialState = false
                 emit(presences.flatMap { cache.apply($0) })
@@ -186,26 +194,25 @@ extension PresenceClient {
                 emit(presences.flatMap { cache.apply($0) })
             }
         case .presenceUpdate(let presence):
-            emit(cache.apply(presence))
-        case .typingUpdate(let user, let conversation, let isTyping):
+            emit(cache.apply(PresenceSnapshot(presence)))
+        case .typingUpdate(let typing):
             // Others' typing is not shown while this device appears offline.
-            guard lifecycle.canType || !isTyping else { return }
-            emit(cache.setTyping(user, in: conversation, isTyping, expiresAt: clock.now.addingTimeInterval(configuration.typingDisplayTimeout)))
+            guard lifecycle.canType || !typing.isTyping else { return }
+            emit(cache.setTyping(typing.userID, in: typing.conversationID, typing.isTyping,
+                                 expiresAt: clock.now.addingTimeInterval(configuration.typingDisplayTimeout)))
             timers.signal()
-        case .groupPresence(let group, _):
+        case .groupPresence(let group):
             emit(cache.apply(group))
-        case .ack(let id):
+        case .ack:
             if let id, pending.removeValue(forKey: id) != nil { answered(id) }
         case .pong:
             break
-        case .error(let code, let message, let id):
-            refused(id: id, code: code, message: message)
-        case .unknown(let type):
-            logger.debug("a frame type this client does not know", metadata: ["presence.type": "\(type)"])
+        case .error(let error):
+            refused(id: id, code: error.code, message: error.message)
         }
     }
 
-    private func refused(id: String?, code: String, message: String) {
+    private func refused(id: String?, code: ErrorCode, message: String) {
         logger.info("the gateway refused a request", metadata: ["presence.code": "\(code)", "presence.message": "\(message)"])
         guard let id, let request = pending.removeValue(forKey: id) else {
             emit([.error(code: code, message: message)])
@@ -216,12 +223,12 @@ extension PresenceClient {
         case .status:
             lifecycle.statusRefused(retryAt: retryAt)
             timers.signal()
-        case .users(let users) where code == "rate_limited":
-            retries.append((retryAt, "subscribe", ["user_ids": users], request, catchUp.remove(id) != nil))
+        case .users(let users) where code == .rateLimited:
+            retries.append((retryAt, .subscribe(.users(users)), request, catchUp.remove(id) != nil))
             timers.signal()
             return
-        case .conversation(let conversation) where code == "rate_limited":
-            retries.append((retryAt, "subscribe", ["conversation_id": conversation], request, catchUp.remove(id) != nil))
+        case .conversation(let conversation) where code == .rateLimited:
+            retries.append((retryAt, .subscribe(.conversation(conversation)), request, catchUp.remove(id) != nil))
             timers.signal()
             return
         case .conversation(let conversation):

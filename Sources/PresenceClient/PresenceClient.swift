@@ -53,7 +53,7 @@ public actor PresenceClient {
     /// The attempt under way, and when it is given up unless its `initial_state` has come.
     var attempt: (task: Task<UInt16?, any Error>, deadline: Date)?
     var openedWith = PresenceStatus.online
-    var retries: [(due: Date, type: String, data: [String: any Sendable], request: Request, catchingUp: Bool)] = []
+    var retries: [(due: Date, frame: ClientFrame, request: Request, catchingUp: Bool)] = []
     var needsNewToken = false
     var urlIndex = 0
     var running = false
@@ -153,7 +153,7 @@ public actor PresenceClient {
         if available {
             backoff.reset()
         } else {
-            outbox?.yield(.close(code: 1001))
+            outbox?.yield(.close(.goingAway))
         }
         wake.signal()
     }
@@ -192,7 +192,7 @@ public actor PresenceClient {
         for send in debouncer.stopAll() { sendTyping(send) }
         let seen = sessionEnded.generation
         if let outbox {
-            outbox.yield(.close(code: 1000))
+            outbox.yield(.close(.normal))
             await sessionEnded.wait(after: seen, until: clock.now.addingTimeInterval(configuration.closeTimeout), clock: clock)
         }
         wake.signal()
@@ -214,7 +214,7 @@ public actor PresenceClient {
         try ClientID.check(users, "user id")
         let removed = users.filter { watchedUsers.remove($0) != nil }
         guard !removed.isEmpty else { return }
-        for chunk in removed.chunks(of: 500) { send("unsubscribe", ["user_ids": chunk], request: .other) }
+        for chunk in removed.chunks(of: 500) { send(.unsubscribe(.users(chunk)), request: .other) }
         emit(cache.remove(removed))
     }
 
@@ -230,7 +230,7 @@ public actor PresenceClient {
         try ClientID.check([conversation], "conversation id")
         if let send = debouncer.stop(in: conversation) { sendTyping(send) }
         guard joinedConversations.remove(conversation) != nil else { return }
-        send("unsubscribe", ["conversation_id": conversation], request: .other)
+        send(.unsubscribe(.conversation(conversation)), request: .other)
         emit(cache.removeConversation(conversation))
     }
 
@@ -251,35 +251,39 @@ public actor PresenceClient {
     }
 
     private func sendTyping(_ typing: TypingDebouncer.Send) {
-        send("typing", ["conversation_id": typing.conversationID, "is_typing": typing.isTyping], request: .typing)
+        send(.typing(conversationID: typing.conversationID, isTyping: typing.isTyping), request: .typing)
     }
 
     // MARK: - Sending
 
+    /// Frames as the gateway reads them; ids are written as strings, which a gateway in either
+    /// id format takes.
+    static let frames = FrameCoder(ids: .string)
+
     /// Writes a frame with a fresh id if a session is open; returns the id.
     @discardableResult
-    func send(_ type: String, _ data: [String: any Sendable], request: Request) -> String? {
+    func send(_ frame: ClientFrame, request: Request) -> String? {
         guard let outbox else { return nil }
         nextFrameID += 1
         let id = "\(serial).\(nextFrameID)"
         pending[id] = request
-        outbox.yield(.text(ClientWire.frame(type, data, id: id)))
+        outbox.yield(.text(Self.frames.text(ClientMessage(frame, id: id))))
         return id
     }
 
     func sendOwedStatus() {
         guard outbox != nil, !awaitingInitialState, let status = lifecycle.statusToSend(at: clock.now) else { return }
-        send("status", ["status": status.rawValue], request: .status)
+        send(.status(status), request: .status)
     }
 
     func subscribe(users: [String], catchingUp: Bool) {
         for chunk in users.sorted().chunks(of: 500) {
-            if let id = send("subscribe", ["user_ids": chunk], request: .users(chunk)), catchingUp { catchUp.insert(id) }
+            if let id = send(.subscribe(.users(chunk)), request: .users(chunk)), catchingUp { catchUp.insert(id) }
         }
     }
 
     func subscribe(conversation: String, catchingUp: Bool) {
-        if let id = send("subscribe", ["conversation_id": conversation], request: .conversation(conversation)), catchingUp {
+        if let id = send(.subscribe(.conversation(conversation)), request: .conversation(conversation)), catchingUp {
             catchUp.insert(id)
         }
     }

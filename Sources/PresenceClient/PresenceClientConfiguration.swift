@@ -37,7 +37,7 @@ public struct PresenceClientConfiguration: Sendable {
         for url in gatewayURLs where !["ws", "wss", "http", "https"].contains(url.scheme?.lowercased() ?? "") || url.host == nil {
             throw .invalid("gateway URL \(url.absoluteString) must be ws://host[:port] or wss://host[:port]")
         }
-        guard ClientID.isValid(deviceID) else {
+        guard PresenceID.isValid(deviceID) else {
             throw .invalid("device id \(deviceID.debugDescription) is not 1-128 characters of A-Z a-z 0-9 . _ : @ -")
         }
         self.gatewayURLs = gatewayURLs

@@ -1,9 +1,6 @@
 import Foundation
-
-/// A presence status: exactly one of `online`, `away`, `offline`.
-public enum PresenceStatus: String, Sendable, Hashable, Codable, CaseIterable {
-    case online, away, offline
-}
+// Statuses, group counts and error codes are the protocol's own types: an app imports the SDK alone.
+@_exported import PresenceProtocol
 
 /// What is known of one user: their aggregate status and when they were last seen live.
 public struct PresenceSnapshot: Sendable, Hashable {
@@ -20,25 +17,11 @@ public struct PresenceSnapshot: Sendable, Hashable {
         self.status = status
         self.lastSeen = lastSeen
     }
-}
 
-/// The counts of a conversation: "3 of 5 online".
-public struct GroupPresence: Sendable, Hashable {
-    /// The conversation.
-    public var conversationID: String
-    /// Its members.
-    public var total: Int
-    /// Members online.
-    public var online: Int
-    /// Members away.
-    public var away: Int
-
-    /// Counts of a conversation.
-    public init(conversationID: String, total: Int, online: Int, away: Int) {
-        self.conversationID = conversationID
-        self.total = total
-        self.online = online
-        self.away = away
+    /// A snapshot of what a frame said.
+    init(_ payload: PresencePayload) {
+        self.init(userID: payload.userID, status: payload.status,
+                  lastSeen: payload.lastSeen.map { Date(timeIntervalSince1970: Double($0) / 1000) })
     }
 }
 
@@ -79,9 +62,9 @@ public enum PresenceClientEvent: Sendable, Hashable {
     case typing(conversationID: String, userID: String, isTyping: Bool)
     /// A conversation's counts changed.
     case group(GroupPresence)
-    /// The gateway answered a request with an error (`code` as in the API: `forbidden`,
-    /// `invalid_request`, `rate_limited`, ...).
-    case error(code: String, message: String)
+    /// The gateway answered a request with an error (`forbidden`, `invalid_request`,
+    /// `rate_limited`, ...).
+    case error(code: ErrorCode, message: String)
 }
 
 /// An error of the client library.
@@ -102,22 +85,11 @@ public struct PresenceClientError: Error, Sendable, CustomStringConvertible {
     static func invalid(_ message: String) -> Self { .init(code: "invalid_request", message: message) }
 }
 
-/// Ids as the gateway accepts them: 1–128 characters of `[A-Za-z0-9._:@-]`.
+/// Ids as the gateway accepts them (``PresenceID``), checked before anything is sent.
 enum ClientID {
-    static func isValid(_ id: String) -> Bool {
-        guard (1...128).contains(id.utf8.count) else { return false }
-        return id.utf8.allSatisfy { byte in
-            switch byte {
-            case UInt8(ascii: "a")...UInt8(ascii: "z"), UInt8(ascii: "A")...UInt8(ascii: "Z"), UInt8(ascii: "0")...UInt8(ascii: "9"): true
-            case UInt8(ascii: "."), UInt8(ascii: "_"), UInt8(ascii: ":"), UInt8(ascii: "@"), UInt8(ascii: "-"): true
-            default: false
-            }
-        }
-    }
-
     static func check(_ ids: [String], _ what: String) throws(PresenceClientError) {
-        for id in ids where !isValid(id) {
-            throw .invalid("\(what) \(id.debugDescription) is not 1-128 characters of A-Z a-z 0-9 . _ : @ -")
+        for id in ids where !PresenceID.isValid(id) {
+            throw .invalid("\(what) \(id.debugDescription) is not \(PresenceID.rule)")
         }
     }
 }

@@ -5,13 +5,14 @@ import NIOConcurrencyHelpers
 import NIOCore
 import NIOPosix
 import NIOWebSocket
+import PresenceProtocol
 
 /// A frame the client writes.
 public enum OutgoingFrame: Sendable, Hashable {
     /// A text frame.
     case text(String)
     /// A close frame with this code; the session ends once the gateway answers it.
-    case close(code: UInt16)
+    case close(CloseCode)
 }
 
 /// How the gateway failed a session before it opened.
@@ -92,7 +93,7 @@ public struct WebSocketTransport: PresenceTransport {
                         case .text(let text):
                             try await outbound.writeTextMessage(text)
                         case .close(let code):
-                            try await outbound.close(.init(codeNumber: Int(code)), reason: nil)
+                            try await outbound.close(.init(codeNumber: Int(code.rawValue)), reason: nil)
                             return
                         }
                     }

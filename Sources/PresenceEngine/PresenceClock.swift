@@ -37,19 +37,3 @@ public struct SystemPresenceClock: PresenceClock {
 
     public var scriptTime: Int64? { nil }
 }
-
-/// API.md's timestamp format: ISO 8601 UTC with milliseconds, `2026-11-21T12:00:00.123Z`.
-public enum PresenceTimestamp {
-    /// The text for milliseconds since 1970.
-    public static func iso8601(_ milliseconds: Int64) -> String {
-        var seconds = time_t(milliseconds / 1000)
-        var parts = tm()
-        gmtime_r(&seconds, &parts)
-        func pad(_ value: Int32, _ width: Int) -> String {
-            let text = String(value)
-            return String(repeating: "0", count: max(0, width - text.count)) + text
-        }
-        return "\(pad(parts.tm_year + 1900, 4))-\(pad(parts.tm_mon + 1, 2))-\(pad(parts.tm_mday, 2))T"
-            + "\(pad(parts.tm_hour, 2)):\(pad(parts.tm_min, 2)):\(pad(parts.tm_sec, 2)).\(pad(Int32(milliseconds % 1000), 3))Z"
-    }
-}

@@ -1,3 +1,5 @@
+import PresenceProtocol
+
 /// How the presence engine behaves; the defaults are API.md's.
 public struct PresenceConfiguration: Sendable {
     /// Prefix of every key and channel, so that deployments can share a Redis.
@@ -62,7 +64,7 @@ public struct PresenceConfiguration: Sendable {
         guard !keyPrefix.isEmpty, !keyPrefix.contains(where: { $0 == " " || $0 == "{" || $0 == "}" }) else {
             throw PresenceError(.invalidRequest, "the key prefix must be non-empty, without spaces or braces")
         }
-        try PresenceID.validate(nodeID, as: "the node id")
+        guard PresenceID.isValid(nodeID) else { throw PresenceError(.invalidRequest, "the node id must be \(PresenceID.rule)") }
         guard leaseTTL >= .seconds(1) else { throw PresenceError(.invalidRequest, "the lease TTL must be at least 1 second") }
         guard linger >= .zero else { throw PresenceError(.invalidRequest, "the linger must not be negative") }
         guard heartbeatTTL >= .seconds(1) else { throw PresenceError(.invalidRequest, "the heartbeat TTL must be at least 1 second") }

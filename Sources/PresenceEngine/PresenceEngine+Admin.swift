@@ -1,3 +1,4 @@
+import PresenceProtocol
 import RedisClient
 
 /// Totals under the key prefix, for `presencectl stats`.

@@ -1,6 +1,7 @@
 import Foundation
 import Logging
 import NIOConcurrencyHelpers
+import PresenceProtocol
 import RedisClient
 
 /// A change of a conversation's members, as published on the conversation's and each
@@ -160,8 +161,7 @@ extension PresenceEngine {
     /// listened.
     @discardableResult
     public func requestDisconnect(user: String) async throws(PresenceError) -> Int {
-        let message = RedisArgument(bytes: Array(#"{"type":"disconnect_user","user_id":"\#(user)"}"#.utf8))
-        return try await run { try await self.redis.send("PUBLISH", RedisArgument(keys.broadcastChannel), message) }.int ?? 0
+        try await tell(.disconnectUser(userID: user))
     }
 
     /// Decodes a membership event published by a conversation change; `nil` for other messages.

@@ -1,5 +1,6 @@
 import Logging
 import NIOConcurrencyHelpers
+import PresenceProtocol
 import RedisClient
 
 /// A gateway node as the registry knows it.

@@ -1,4 +1,5 @@
 import Foundation
+import PresenceProtocol
 import RedisClient
 
 /// A typing change published on a conversation's channel.

@@ -1,5 +1,6 @@
 import Logging
 import NIOConcurrencyHelpers
+import PresenceProtocol
 import RedisClient
 
 /// What a node's upkeep found, for the gateway to act on.

@@ -1,6 +1,7 @@
 import Foundation
 import Logging
 import NIOConcurrencyHelpers
+import PresenceProtocol
 import RedisClient
 
 /// The presence engine: devices, aggregates, privacy and reads, over Redis, knowing nothing of HTTP.

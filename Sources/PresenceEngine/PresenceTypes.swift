@@ -1,7 +1,5 @@
-/// A presence status, exactly as API.md spells it.
-public enum PresenceStatus: String, Sendable, Codable, CaseIterable {
-    case online, away, offline
-}
+// The engine speaks in the protocol's statuses and ids: its users get them with it.
+@_exported import PresenceProtocol
 
 /// What a viewer is allowed to know of a user right now.
 public struct Presence: Sendable, Equatable, Codable {

@@ -2,6 +2,7 @@ import NIOCore
 import NIOEmbedded
 import NIOWebSocket
 import PresenceGateway
+import PresenceProtocol
 import RedisClient
 
 /// What the fuzzers drive: each target takes arbitrary bytes and must neither crash nor leave
@@ -10,8 +11,8 @@ import RedisClient
 public enum FuzzTarget: String, CaseIterable, Sendable {
     /// Bytes from Redis: the RESP parser, then a connection's reply handler.
     case resp
-    /// Bytes from a WebSocket client: the frame decoder as a node sets it up, then the frame
-    /// envelope parser.
+    /// Bytes from a WebSocket client: the frame decoder as a node sets it up, then the client
+    /// frame decoder in both id formats.
     case frames
 
     public func run(_ bytes: [UInt8]) {
@@ -85,14 +86,34 @@ private func fuzzFrames(_ bytes: [UInt8]) {
         // As the node does: a message over the limit is refused whole.
         if message.count > maxFrameSize { message = []; continue }
         guard frame.fin else { continue }
-        var id: String?
-        do {
-            let parsed = try ClientFrame.parse(String(decoding: message, as: UTF8.self), id: &id)
-            precondition(parsed.id == id && (id?.utf8.count ?? 0) <= 128)
-        } catch {
-            precondition(error.code == "invalid_request", "a bad frame is invalid_request, not \(error.code)")
-        }
+        let text = String(decoding: message, as: UTF8.self)
+        for coder in frameCoders { checkClientFrame(text, coder) }
         message = []
     }
     _ = try? channel.finish()
+}
+
+private let frameCoders = PresenceIDFormat.allCases.map { FrameCoder(ids: $0) }
+
+/// A client frame the gateway takes has an id of at most 128 bytes and ids valid in the
+/// format, and reads back the same once written; one it refuses says why.
+private func checkClientFrame(_ text: String, _ coder: FrameCoder) {
+    let message: ClientMessage
+    do {
+        message = try coder.clientMessage(text)
+    } catch {
+        precondition(!error.message.isEmpty, "a refused frame says why")
+        return
+    }
+    precondition((message.id?.utf8.count ?? 0) <= ClientMessage.maxIDBytes, "an id over 128 bytes was taken")
+    let ids: [String] =
+        switch message.frame {
+        case .subscribe(.users(let users)), .unsubscribe(.users(let users)): users
+        case .subscribe(.conversation(let conversation)), .unsubscribe(.conversation(let conversation)): [conversation]
+        case .typing(let conversation, _): [conversation]
+        case .status, .ping: []
+        }
+    precondition(ids.allSatisfy { coder.ids.canonical($0) == $0 }, "an id not in its stored spelling was taken")
+    let again = try? coder.clientMessage(coder.text(message))
+    precondition(again == message, "a frame written again reads differently: \(text.prefix(200))")
 }

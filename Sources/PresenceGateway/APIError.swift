@@ -3,15 +3,14 @@ import Foundation
 import HTTPTypes
 import Hummingbird
 import PresenceEngine
+import PresenceProtocol
 
 /// An error answer of API.md: `{"error": {"code", "message"}}` with its HTTP status.
 public struct APIError: Error, HTTPResponseError, Sendable {
-    /// The API.md code (`unauthorized`, `not_found`, ...).
-    public let code: String
+    /// What kind of error; it decides the HTTP status.
+    public let code: ErrorCode
     /// Human readable text.
     public let message: String
-    /// The HTTP status for REST.
-    public let status: HTTPResponse.Status
     /// Seconds to wait, for `rate_limited`.
     public var retryAfter: Int?
     /// The methods the path takes, for `method_not_allowed`.
@@ -19,34 +18,39 @@ public struct APIError: Error, HTTPResponseError, Sendable {
     /// Whether a WebSocket frame that caused it counts towards the bad-frame limit.
     var isBadFrame = true
 
-    public static func unauthorized(_ message: String = "a valid bearer token is required") -> APIError { .init(code: "unauthorized", message: message, status: .unauthorized) }
-    public static func forbidden(_ message: String) -> APIError { .init(code: "forbidden", message: message, status: .forbidden) }
-    public static func notFound(_ message: String) -> APIError { .init(code: "not_found", message: message, status: .notFound) }
-    public static func invalid(_ message: String) -> APIError { .init(code: "invalid_request", message: message, status: .unprocessableContent) }
+    /// The HTTP status for REST.
+    public var status: HTTPResponse.Status { .init(code: code.httpStatus) }
+
+    /// The body of an `error` frame, and the `error` of a REST error body.
+    public var payload: ErrorPayload { ErrorPayload(code: code, message: message) }
+
+    public static func unauthorized(_ message: String = "a valid bearer token is required") -> APIError { .init(.unauthorized, message) }
+    public static func forbidden(_ message: String) -> APIError { .init(.forbidden, message) }
+    public static func notFound(_ message: String) -> APIError { .init(.notFound, message) }
+    public static func invalid(_ message: String) -> APIError { .init(.invalidRequest, message) }
     public static func rateLimited(_ message: String, retryAfter: Int) -> APIError {
-        .init(code: "rate_limited", message: message, status: .tooManyRequests, retryAfter: retryAfter)
+        .init(.rateLimited, message, retryAfter: retryAfter)
     }
     public static func unavailable(_ message: String = "the presence store is unreachable; try again shortly") -> APIError {
-        .init(code: "unavailable", message: message, status: .serviceUnavailable)
+        .init(.unavailable, message)
     }
     /// A frame API.md defines but this node does not serve yet; not counted as a bad frame.
     static func notAvailable(_ message: String) -> APIError {
-        var error = APIError(code: "invalid_request", message: message, status: .unprocessableContent)
+        var error = APIError(.invalidRequest, message)
         error.isBadFrame = false
         return error
     }
     /// A path served under other methods only; `allow` lists them for the `Allow` header.
     public static func methodNotAllowed(allow: [String]) -> APIError {
-        var error = APIError(code: "method_not_allowed", message: "this path takes \(allow.joined(separator: ", ")) only", status: .methodNotAllowed)
+        var error = APIError(.methodNotAllowed, "this path takes \(allow.joined(separator: ", ")) only")
         error.allow = allow
         return error
     }
-    public static func `internal`(_ message: String = "internal error") -> APIError { .init(code: "internal", message: message, status: .internalServerError) }
+    public static func `internal`(_ message: String = "internal error") -> APIError { .init(.internal, message) }
 
-    init(code: String, message: String, status: HTTPResponse.Status, retryAfter: Int? = nil) {
+    init(_ code: ErrorCode, _ message: String, retryAfter: Int? = nil) {
         self.code = code
         self.message = message
-        self.status = status
         self.retryAfter = retryAfter
     }
 
@@ -69,6 +73,8 @@ public struct APIError: Error, HTTPResponseError, Sendable {
             return .unauthorized()
         case let error as HTTPError where error.status.code < 500:
             return .invalid(error.body ?? "the request is not valid")
+        case let error as FrameError:
+            return .invalid(error.message)
         case is DecodingError:
             return .invalid("the body is not the JSON this route expects")
         default:
@@ -77,13 +83,13 @@ public struct APIError: Error, HTTPResponseError, Sendable {
     }
 
     /// The JSON body.
-    var body: [String: [String: String]] { ["error": ["code": code, "message": message]] }
+    struct Body: Encodable { var error: ErrorPayload }
 
     public func response(from request: Request, context: some RequestContext) throws -> Response {
         var headers: HTTPFields = [.contentType: "application/json; charset=utf-8"]
         if let retryAfter { headers[.retryAfter] = String(retryAfter) }
         if let allow { headers[.allow] = allow.joined(separator: ", ") }
-        let data = (try? JSONSerialization.data(withJSONObject: body, options: [.sortedKeys])) ?? Data("{}".utf8)
+        let data = FrameCoder().data(Body(error: payload))
         return Response(status: status, headers: headers, body: .init(byteBuffer: ByteBuffer(bytes: data)))
     }
 }
@@ -95,10 +101,10 @@ struct APIErrorMiddleware<Context: RequestContext>: RouterMiddleware {
             return try await next(request, context)
         } catch {
             let apiError = APIError.from(error)
-            if apiError.code == "internal" {
+            if apiError.code == .internal {
                 context.logger.error("request failed", metadata: ["error": "\(error)"])
             }
-            GatewayMetrics.errors(apiError.code)
+            GatewayMetrics.errors(apiError.code.rawValue)
             throw apiError
         }
     }

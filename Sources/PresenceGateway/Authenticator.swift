@@ -1,6 +1,7 @@
 import Foundation
 import JWTKit
 import PresenceEngine
+import PresenceProtocol
 
 /// The claims a client token must carry: `sub` (the user id) and `exp`; `nbf` is honoured.
 struct ClientClaims: JWTPayload {

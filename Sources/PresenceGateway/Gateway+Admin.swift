@@ -1,6 +1,7 @@
 import Foundation
 import Hummingbird
 import PresenceEngine
+import PresenceProtocol
 
 extension Gateway {
     func addAdminRoutes(to router: Router<GatewayRequestContext>) {
@@ -10,7 +11,7 @@ extension Gateway {
             let body = try await Self.decode(MembersBody.self, request, context)
             let members = try self.validIDs(body.member_ids)
             try await self.engine.setMembers(of: conversation, to: members)
-            return Self.json(["conversation_id": self.wire.id(conversation), "member_ids": Array(Set(members)).sorted().map(self.wire.id)])
+            return self.respond(RESTBody.Members(conversationId: JSONID(conversation), memberIds: Array(Set(members)).sorted().map(JSONID.init)))
         }
         router.post("/api/admin/conversations/{conversation_id}/members") { request, context in
             try self.requireAdmin(request)
@@ -18,7 +19,7 @@ extension Gateway {
             let body = try await Self.decode(UsersBody.self, request, context)
             let users = try self.validIDs(body.user_ids)
             try await self.engine.addMembers(to: conversation, users)
-            return Self.json(["conversation_id": self.wire.id(conversation), "member_ids": (try await self.engine.members(of: conversation) ?? []).map(self.wire.id)])
+            return self.respond(RESTBody.Members(conversationId: JSONID(conversation), memberIds: (try await self.engine.members(of: conversation) ?? []).map(JSONID.init)))
         }
         router.delete("/api/admin/conversations/{conversation_id}/members/{user_id}") { request, context in
             try self.requireAdmin(request)
@@ -26,24 +27,24 @@ extension Gateway {
             let user = try self.pathID(context, "user_id", "user id")
             guard try await self.engine.members(of: conversation) != nil else { throw APIError.notFound("no such conversation") }
             let removed = try await self.engine.removeMember(from: conversation, user)
-            return Self.json(["conversation_id": self.wire.id(conversation), "user_id": self.wire.id(user), "removed": removed])
+            return self.respond(RESTBody.MemberRemoved(conversationId: JSONID(conversation), userId: JSONID(user), removed: removed))
         }
         router.delete("/api/admin/conversations/{conversation_id}") { request, context in
             try self.requireAdmin(request)
             let conversation = try self.pathID(context, "conversation_id", "conversation id")
             guard try await self.engine.deleteConversation(conversation) else { throw APIError.notFound("no such conversation") }
-            return Self.json(["conversation_id": self.wire.id(conversation), "deleted": true])
+            return self.respond(RESTBody.ConversationDeleted(conversationId: JSONID(conversation), deleted: true))
         }
         router.post("/api/admin/users/{user_id}/disconnect") { request, context in
             try self.requireAdmin(request)
             let user = try self.pathID(context, "user_id", "user id")
             try await self.engine.requestDisconnect(user: user)
-            return Self.json(["user_id": self.wire.id(user)])
+            return self.respond(RESTBody.Disconnected(userId: JSONID(user)))
         }
         router.get("/api/admin/nodes") { request, _ in
             try self.requireAdmin(request)
             let nodes = try await self.engine.nodes().filter { !$0.lapsed }
-            return Self.json(nodes.map { ["node_id": $0.nodeID, "sessions": $0.sessions, "lease_expires_at": Wire.timestamp($0.leaseExpiresAt)] })
+            return self.respond(nodes.map { RESTBody.Node(nodeID: $0.nodeID, sessions: $0.sessions, leaseExpiresAt: $0.leaseExpiresAt) })
         }
     }
 

@@ -4,14 +4,15 @@ import HTTPTypes
 import Hummingbird
 import NIOCore
 import PresenceEngine
+import PresenceProtocol
 
 extension Gateway {
     func addRESTRoutes(to router: Router<GatewayRequestContext>) {
-        router.get("/healthz") { _, _ in Self.json(["status": "ok"]) }
+        router.get("/healthz") { _, _ in self.respond(RESTBody.Status(status: "ok")) }
         router.get("/readyz") { _, _ in
             guard !self.hub.isDraining else { throw APIError.unavailable("this node is shutting down") }
             guard self.engine.redis.isConnected, self.hub.subscriber.isConnected else { throw APIError.unavailable() }
-            return Self.json(["status": "ready"])
+            return self.respond(RESTBody.Status(status: "ready"))
         }
         router.get("/metrics") { _, _ in
             Response(status: .ok, headers: [.contentType: "text/plain; version=0.0.4"], body: .init(byteBuffer: ByteBuffer(string: GatewayMetrics.render())))
@@ -19,13 +20,13 @@ extension Gateway {
         router.post("/api/presence/status") { request, context in
             let user = try await self.authenticate(request)
             let body = try await Self.decode(StatusBody.self, request, context)
-            guard let status = PresenceStatus(rawValue: body.status) else { throw APIError.invalid("status must be one of online, away, offline") }
+            guard let status = PresenceStatus(rawValue: body.status) else { throw APIError.invalid("status must be \(PresenceStatus.rule)") }
             let device = body.device_id ?? "rest"
             guard PresenceID.isValid(device) else { throw APIError.invalid("device_id must be \(PresenceID.rule)") }
             if let wait = self.restLimiter.take(user.userID) { throw APIError.rateLimited("too many status posts", retryAfter: wait) }
             let change = try await self.engine.post(user: user.userID, device: device, status: status)
             if change.changed { GatewayMetrics.transition() }
-            return Self.json(self.wire.presence(change.views.real))
+            return self.respond(PresencePayload(change.views.real))
         }
         router.get("/api/presence/users") { request, _ in
             let user = try await self.authenticate(request)
@@ -49,12 +50,12 @@ extension Gateway {
                 targets = try await self.engine.contacts(of: user.userID)
             }
             let views = try await self.engine.views(of: targets)
-            var objects: [[String: Any]] = []
+            var presences: [PresencePayload] = []
             for view in views {
                 let typing = try await self.engine.isTyping(view.real.userID, sharedWith: user.userID)
-                objects.append(self.wire.presence(view.seen(by: user.userID), isTyping: typing))
+                presences.append(PresencePayload(view.seen(by: user.userID), isTyping: typing))
             }
-            return Self.json(objects)
+            return self.respond(presences)
         }
         router.get("/api/presence/users/{user_id}") { request, context in
             let user = try await self.authenticate(request)
@@ -62,13 +63,13 @@ extension Gateway {
             guard try await self.engine.canSee(viewer: user.userID, target: target) else { throw APIError.notFound("no such user") }
             let view = try await self.engine.views(of: target)
             let typing = try await self.engine.isTyping(target, sharedWith: user.userID)
-            return Self.json(self.wire.presence(view.seen(by: user.userID), isTyping: typing))
+            return self.respond(PresencePayload(view.seen(by: user.userID), isTyping: typing))
         }
         router.put("/api/presence/privacy") { request, context in
             let user = try await self.authenticate(request)
-            let body = try await Self.decode(PrivacyBody.self, request, context)
+            let body = try await Self.decode(RESTBody.Privacy.self, request, context)
             _ = try await self.engine.setPrivacy(user: user.userID, showOnlineStatus: body.show_online_status)
-            return Self.json(["show_online_status": body.show_online_status])
+            return self.respond(RESTBody.Privacy(show_online_status: body.show_online_status))
         }
         router.get("/api/conversations/{conversation_id}/presence") { request, context in
             let user = try await self.authenticate(request)
@@ -77,13 +78,13 @@ extension Gateway {
             guard members.contains(user.userID) else { throw APIError.forbidden("you are not a member of this conversation") }
             let presences = try await self.engine.views(of: members).map { $0.seen(by: user.userID) }
             let typing = try await self.engine.typingUsers(in: conversation)
-            return Self.json([
-                "conversation_id": self.wire.id(conversation),
-                "total": presences.count,
-                "online": presences.count { $0.status == .online },
-                "away": presences.count { $0.status == .away },
-                "members": presences.map { self.wire.presence($0, isTyping: typing.contains($0.userID)) },
-            ])
+            return self.respond(RESTBody.ConversationPresence(
+                conversationId: JSONID(conversation),
+                total: presences.count,
+                online: presences.count { $0.status == .online },
+                away: presences.count { $0.status == .away },
+                members: presences.map { PresencePayload($0, isTyping: typing.contains($0.userID)) }
+            ))
         }
         router.post("/api/conversations/{conversation_id}/typing") { request, context in
             let user = try await self.authenticate(request)
@@ -91,7 +92,7 @@ extension Gateway {
             let body = try await Self.decode(TypingBody.self, request, context)
             if let wait = self.typingLimiter.take(user.userID) { throw APIError.rateLimited("too many typing posts", retryAfter: wait) }
             try await self.engine.setTyping(user: user.userID, conversation: conversation, isTyping: body.is_typing)
-            return Self.json([String: Any]())
+            return self.respond(RESTBody.Empty())
         }
     }
 
@@ -102,15 +103,6 @@ extension Gateway {
 
     struct TypingBody: Decodable {
         var is_typing: Bool
-    }
-
-    struct PrivacyBody: Decodable {
-        var show_online_status: Bool
-    }
-
-    /// A JSON response.
-    static func json(_ value: Any, status: HTTPResponse.Status = .ok) -> Response {
-        Response(status: status, headers: [.contentType: "application/json; charset=utf-8"], body: .init(byteBuffer: ByteBuffer(string: Wire.json(value))))
     }
 
     /// Decodes a JSON body of at most 64 KiB; anything else is 422 with the reason.

@@ -5,6 +5,7 @@ import HummingbirdWebSocket
 import Logging
 import NIOWebSocket
 import PresenceEngine
+import PresenceProtocol
 import ServiceLifecycle
 
 extension Gateway {
@@ -22,7 +23,7 @@ extension Gateway {
             // Counted before the token is checked: a flood of bad tokens holds connections too.
             guard self.hub.admit(limit: self.configuration.maxSessions) else {
                 GatewayMetrics.refused("full")
-                await self.refuse(outbound, .unknown(1013), reason: "this node holds its most sessions; try another")
+                await self.refuse(outbound, .tryAgainLater, reason: "this node holds its most sessions; try another")
                 return
             }
             defer { self.hub.leave() }
@@ -52,14 +53,14 @@ extension Gateway {
     static func openingStatus(_ request: Request) throws(APIError) -> PresenceStatus {
         guard let raw = request.uri.queryParameters.get("status") else { return .online }
         guard let status = PresenceStatus(rawValue: String(raw)) else {
-            throw .invalid("status must be one of online, away, offline")
+            throw .invalid("status must be \(PresenceStatus.rule)")
         }
         return status
     }
 
     private func serve(inbound: WebSocketInboundStream, outbound: WebSocketOutboundWriter, request: Request, channel: any Channel) async throws {
         guard let user = try? await authenticate(request, allowQuery: true) else {
-            await refuse(outbound, .unknown(4001), reason: "unauthorized")
+            await refuse(outbound, .unauthorized, reason: "unauthorized")
             return
         }
         let device: String
@@ -68,18 +69,18 @@ extension Gateway {
             device = try Self.deviceID(request)
             status = try Self.openingStatus(request)
         } catch {
-            try? await outbound.writeTextMessage(Wire.error(error, id: nil))
+            try? await outbound.writeTextMessage(frames.text(.error(error.payload)))
             await refuse(outbound, .policyViolation, reason: error.message)
             return
         }
         // A node that has not taken its lease yet writes no device: until it has, what an earlier
         // process under its node id left is still being taken offline.
         guard await engine.waitUntilRegistered(timeout: .seconds(5)) else {
-            await refuse(outbound, .unknown(1013), reason: "this node is starting; try again")
+            await refuse(outbound, .tryAgainLater, reason: "this node is starting; try again")
             return
         }
         let recorder = await CloseCodeRecorder.install(on: channel)
-        let session = Session(userID: user.userID, deviceID: device, wire: wire, queueLimit: configuration.outboundQueueLimit)
+        let session = Session(userID: user.userID, deviceID: device, frames: frames, queueLimit: configuration.outboundQueueLimit)
         var logger = self.logger
         logger[metadataKey: "presence.user_id"] = "\(user.userID)"
         logger[metadataKey: "presence.device_id"] = "\(device)"
@@ -92,8 +93,8 @@ extension Gateway {
             try await sendInitialState(to: session, user: user.userID)
         } catch {
             let apiError = APIError.from(error)
-            try? await outbound.writeTextMessage(Wire.error(apiError, id: nil))
-            await refuse(outbound, .unknown(apiError.code == "rate_limited" ? 4029 : 1011), reason: apiError.message)
+            try? await outbound.writeTextMessage(frames.text(.error(apiError.payload)))
+            await refuse(outbound, apiError.code == .rateLimited ? .rateLimited : .internalError, reason: apiError.message)
             await hub.unregister(session)
             _ = try? await engine.disconnect(user: user.userID, device: device, session: session.id, clean: true)
             return
@@ -105,13 +106,14 @@ extension Gateway {
             await run(session, user: user, inbound: inbound, outbound: outbound, channel: channel, logger: logger)
         } onGracefulShutdown: {
             // Clients reconnect to another node within the linger: no offline flicker.
-            session.close(code: 1001, reason: "the node is shutting down")
+            session.close(.goingAway, reason: "the node is shutting down")
         }
         await hub.unregister(session)
         let serverClose = session.closeRequest?.code
-        let clean = recorder?.receivedCode == 1000 && serverClose == 1000 || session.deviceStatus.saidOffline || serverClose == 4003
+        let clean = recorder?.receivedCode == CloseCode.normal.rawValue && serverClose == .normal || session.deviceStatus.saidOffline
+            || serverClose == .disconnectedByAdmin
         _ = try? await engine.disconnect(user: user.userID, device: device, session: session.id, clean: clean)
-        logger.info("session closed", metadata: ["presence.clean": "\(clean)", "presence.close_code": "\(recorder?.receivedCode ?? serverClose ?? 0)"])
+        logger.info("session closed", metadata: ["presence.clean": "\(clean)", "presence.close_code": "\(recorder?.receivedCode ?? serverClose?.rawValue ?? 0)"])
         if let readError { throw readError }
     }
 
@@ -119,9 +121,9 @@ extension Gateway {
     /// behind a server's close frame; arriving with the 101 and the end of the connection, that
     /// close is lost by some clients (HummingbirdWSClient among them), which then wait for
     /// good. A short pause lets the client finish its upgrade first.
-    private func refuse(_ outbound: WebSocketOutboundWriter, _ code: WebSocketErrorCode, reason: String) async {
+    private func refuse(_ outbound: WebSocketOutboundWriter, _ code: CloseCode, reason: String) async {
         try? await Task.sleep(for: .milliseconds(100))
-        try? await outbound.close(code, reason: reason)
+        try? await outbound.close(.init(codeNumber: Int(code.rawValue)), reason: reason)
     }
 
     /// Runs a session until it closes: a writer draining its queue, a timer for the token's
@@ -136,19 +138,19 @@ extension Gateway {
                     guard case .text(let text) = frame else { continue }
                     do { try await outbound.writeTextMessage(text) } catch { break }
                 }
-                let close = session.closeRequest ?? (1000, "")
-                if close.code != 0 { try? await outbound.close(.init(codeNumber: Int(close.code)), reason: close.reason) }
+                let close = session.closeRequest ?? (.normal, "")
+                if let code = close.code { try? await outbound.close(.init(codeNumber: Int(code.rawValue)), reason: close.reason) }
             }
             group.addTask {
                 try? await Task.sleep(for: .milliseconds(Int64(expiry * 1000)))
-                if !Task.isCancelled { session.close(code: 4001, reason: "the token has expired") }
+                if !Task.isCancelled { session.close(.unauthorized, reason: "the token has expired") }
             }
             group.addTask {
                 // A client that reads nothing (its queue overflowed, or it ignores the close)
                 // holds the writer in a write and the reader in a read: shut its connection.
                 await session.closeRequested()
                 guard (try? await Task.sleep(for: self.configuration.closeTimeout)) != nil else { return }
-                logger.info("the client took nothing for the close timeout; shutting its connection", metadata: ["presence.close_code": "\(session.closeRequest?.code ?? 0)"])
+                logger.info("the client took nothing for the close timeout; shutting its connection", metadata: ["presence.close_code": "\(session.closeRequest?.code?.rawValue ?? 0)"])
                 channel.close(promise: nil)
             }
             var handler = WebSocketSession(gateway: self, session: session, user: user, logger: logger)
@@ -165,8 +167,8 @@ extension Gateway {
                 logger.debug("session read failed", metadata: ["error": "\(error)"])
                 readError = error
             }
-            // Code 0: the WebSocket layer closes, with the code of the error rethrown below.
-            session.close(code: readError == nil ? 1000 : 0, reason: "")
+            // No code: the WebSocket layer closes, with the code of the error rethrown below.
+            session.close(readError == nil ? .normal : nil, reason: "")
             await group.next()
             group.cancelAll()
             return readError
@@ -175,12 +177,12 @@ extension Gateway {
 
     private func sendInitialState(to session: Session, user: String) async throws {
         guard configuration.visibility == .conversations else {
-            session.send(wire.initialState([]))
+            session.send(frames.text(.initialState([])))
             return
         }
         let contacts = try await engine.contacts(of: user)
         try await hub.watchAndRead(session, contacts) { presences in
-            [self.wire.initialState(presences)]
+            [self.frames.text(.initialState(presences.map { PresencePayload($0) }))]
         }
     }
 }

@@ -4,6 +4,7 @@ import HummingbirdWebSocket
 import Logging
 import NIOCore
 import PresenceEngine
+import PresenceProtocol
 import RedisClient
 import ServiceLifecycle
 import UnixSignals
@@ -16,7 +17,10 @@ public final class Gateway: Sendable {
     public let engine: PresenceEngine
     let hub: SessionHub
     /// Writes frames and bodies with the configured id format.
-    let wire: Wire
+    /// Frames, with ids in the node's format.
+    let frames: FrameCoder
+    /// REST bodies: ids in the node's format, keys in snake case.
+    let bodies: FrameCoder
     let authenticator: Authenticator
     let restLimiter: RateLimiter
     let typingLimiter: RateLimiter
@@ -36,8 +40,9 @@ public final class Gateway: Sendable {
         let redis = RedisClient(configuration: redisConfiguration, logger: logger)
         let subscriber = RedisSubscriber(configuration: redisConfiguration, logger: logger)
         engine = PresenceEngine(redis: redis, configuration: configuration.engineConfiguration, logger: logger)
-        wire = Wire(ids: configuration.idFormat)
-        hub = SessionHub(engine: engine, subscriber: subscriber, wire: wire, logger: logger)
+        frames = FrameCoder(ids: configuration.idFormat)
+        bodies = FrameCoder(ids: configuration.idFormat, snakeCaseKeys: true)
+        hub = SessionHub(engine: engine, subscriber: subscriber, frames: frames, logger: logger)
         authenticator = try await Authenticator(configuration: configuration)
         restLimiter = RateLimiter(rate: configuration.statusRate)
         typingLimiter = RateLimiter(rate: configuration.typingRate)
@@ -131,7 +136,7 @@ struct SessionDrainer: Service {
                 hub.logger.info("shutting down: closing sessions with 1001", metadata: ["presence.sessions": "\(sessions.count)"])
             }
             for session in sessions {
-                session.close(code: 1001, reason: "the node is shutting down")
+                session.close(.goingAway, reason: "the node is shutting down")
                 closed.insert(session.id)
             }
             guard hub.sessionCount > 0 || hub.engine.localDeviceCount > 0 else { break }

@@ -1,6 +1,7 @@
 import Foundation
 import Logging
 import PresenceEngine
+import PresenceProtocol
 import RedisClient
 
 /// Everything a gateway node is configured with: API.md's environment variables and the limits.

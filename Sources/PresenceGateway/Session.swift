@@ -1,6 +1,7 @@
 import Foundation
 import NIOConcurrencyHelpers
 import PresenceEngine
+import PresenceProtocol
 
 /// One WebSocket session: who it is, what it watches, and its bounded outbound queue.
 ///
@@ -17,7 +18,7 @@ final class Session: Sendable {
     let userID: String
     let deviceID: String
     /// Writes this session's frames.
-    let wire: Wire
+    let frames: FrameCoder
     let outbound: AsyncStream<Outbound>
     private let continuation: AsyncStream<Outbound>.Continuation
     /// Finishes when the server decides to close the session.
@@ -29,7 +30,7 @@ final class Session: Sendable {
         /// Users whose presence this session receives, with what it was last told of each.
         var watched: [String: Presence?] = [:]
         /// The close code and reason chosen by the server, once it decided to close.
-        var close: (code: UInt16, reason: String)?
+        var close: (code: CloseCode?, reason: String)?
         var status: PresenceStatus = .online
         var saidOffline = false
         /// Subscribed conversations: their members and counts.
@@ -93,11 +94,11 @@ final class Session: Sendable {
         var away: Int
     }
 
-    init(userID: String, deviceID: String, wire: Wire, queueLimit: Int) {
+    init(userID: String, deviceID: String, frames: FrameCoder, queueLimit: Int) {
         self.id = UUID().uuidString.lowercased()
         self.userID = userID
         self.deviceID = deviceID
-        self.wire = wire
+        self.frames = frames
         (outbound, continuation) = AsyncStream.makeStream(of: Outbound.self, bufferingPolicy: .bufferingOldest(queueLimit))
         (closing, closingContinuation) = AsyncStream.makeStream(of: Never.self)
     }
@@ -105,14 +106,15 @@ final class Session: Sendable {
     /// Queues a frame; a full queue closes the session as too slow.
     func send(_ text: String) {
         if case .dropped = continuation.yield(.text(text)) {
-            close(code: 1008, reason: "the client does not read fast enough")
+            close(.policyViolation, reason: "the client does not read fast enough")
         } else {
             GatewayMetrics.frameSent()
         }
     }
 
-    /// Asks for the session to be closed with `code` once queued frames are written.
-    func close(code: UInt16, reason: String) {
+    /// Asks for the session to be closed with `code` once queued frames are written; `nil`
+    /// leaves the code to the WebSocket layer (a protocol error it closes for).
+    func close(_ code: CloseCode?, reason: String) {
         let first = state.withLockedValue { state -> Bool in
             guard state.close == nil else { return false }
             state.close = (code, reason)
@@ -130,7 +132,7 @@ final class Session: Sendable {
     }
 
     /// The close the server asked for, if any.
-    var closeRequest: (code: UInt16, reason: String)? { state.withLockedValue { $0.close } }
+    var closeRequest: (code: CloseCode?, reason: String)? { state.withLockedValue { $0.close } }
 
     var isClosing: Bool { closeRequest != nil }
 
@@ -200,7 +202,7 @@ final class Session: Sendable {
             if result.tell { overflow = !enqueue(frame()) }
             return result
         }
-        if overflow { close(code: 1008, reason: "the client does not read fast enough") }
+        if overflow { close(.policyViolation, reason: "the client does not read fast enough") }
         return result
     }
 
@@ -224,11 +226,11 @@ final class Session: Sendable {
                 return reading.events > before
             }
             let remembered = snapshot.map { Self.remember($0, in: &state) }
-            let answer = answering.map { Self.groupFrames([$0.conversation], id: $0.id, wire: wire, in: &state) } ?? []
+            let answer = answering.map { Self.groupFrames([$0.conversation], id: $0.id, frames: self.frames, in: &state) } ?? []
             for frame in answer + frames(remembered) where !enqueue(frame) { overflow = true }
             return dirty
         }
-        if overflow { close(code: 1008, reason: "the client does not read fast enough") }
+        if overflow { close(.policyViolation, reason: "the client does not read fast enough") }
         return dirty
     }
 
@@ -317,25 +319,25 @@ final class Session: Sendable {
     /// Sends `group_presence` for each followed conversation (those containing `user`, or all)
     /// whose counts changed since last sent; with an `id`, sends them regardless (an answer).
     func sendGroupCounts(involving user: String? = nil, id: String? = nil) {
-        let frames: [String] = state.withLockedValue { state in
+        let texts: [String] = state.withLockedValue { state in
             let conversations = user.map { state.memberOf[$0].map(Array.init) ?? [] } ?? Array(state.conversations.keys)
-            return Self.groupFrames(conversations, id: id, wire: wire, in: &state)
+            return Self.groupFrames(conversations, id: id, frames: frames, in: &state)
         }
-        for frame in frames { send(frame) }
+        for text in texts { send(text) }
     }
 
     /// `group_presence` frames for the conversations whose counts changed since last sent; with
     /// an `id`, for all of them regardless (an answer).
-    private static func groupFrames(_ conversations: [String], id: String?, wire: Wire, in state: inout State) -> [String] {
-        var frames: [String] = []
+    private static func groupFrames(_ conversations: [String], id: String?, frames: FrameCoder, in state: inout State) -> [String] {
+        var texts: [String] = []
         for conversation in conversations {
             guard let view = state.conversations[conversation] else { continue }
             let counts = GroupCounts(total: view.members.count, online: view.online, away: view.away)
             guard counts != view.sent || id != nil else { continue }
             state.conversations[conversation]?.sent = counts
-            frames.append(wire.groupPresence(conversation, total: counts.total, online: counts.online, away: counts.away, id: id))
+            texts.append(frames.text(.groupPresence(GroupPresence(conversationID: conversation, total: counts.total, online: counts.online, away: counts.away)), id: id))
         }
-        return frames
+        return texts
     }
 
     /// The status this session's device has, and whether the client said `offline`.

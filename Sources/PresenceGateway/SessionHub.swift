@@ -2,6 +2,7 @@ import Foundation
 import Logging
 import NIOConcurrencyHelpers
 import PresenceEngine
+import PresenceProtocol
 import RedisClient
 import ServiceLifecycle
 
@@ -10,7 +11,7 @@ import ServiceLifecycle
 final class SessionHub: Service, Sendable {
     let engine: PresenceEngine
     let subscriber: RedisSubscriber
-    let wire: Wire
+    let frames: FrameCoder
     let logger: Logger
     private let state = NIOLockedValueBox(HubState())
 
@@ -30,10 +31,10 @@ final class SessionHub: Service, Sendable {
         var resync: Task<Void, Never>?
     }
 
-    init(engine: PresenceEngine, subscriber: RedisSubscriber, wire: Wire, logger: Logger) {
+    init(engine: PresenceEngine, subscriber: RedisSubscriber, frames: FrameCoder, logger: Logger) {
         self.engine = engine
         self.subscriber = subscriber
-        self.wire = wire
+        self.frames = frames
         self.logger = logger
     }
 
@@ -188,7 +189,7 @@ final class SessionHub: Service, Sendable {
             let dirty = session.endRead(pending, mark, snapshot: presences) { remembered in
                 zip(presences, remembered).compactMap { presence, change in
                     if change.statusChanged { countsChanged.append(presence.userID) }
-                    return change.tell ? wire.presenceUpdate(presence) : nil
+                    return change.tell ? frames.text(.presenceUpdate(PresencePayload(presence))) : nil
                 }
             }
             for user in countsChanged { session.sendGroupCounts(involving: user) }
@@ -237,9 +238,9 @@ final class SessionHub: Service, Sendable {
     // MARK: Control
 
     /// Closes every session of `user` on this node.
-    func disconnect(user: String, code: UInt16, reason: String) -> Int {
+    func disconnect(user: String, code: CloseCode, reason: String) -> Int {
         let sessions = state.withLockedValue { state in (state.own[user] ?? []).compactMap { state.sessions[$0] } }
-        for session in sessions { session.close(code: code, reason: reason) }
+        for session in sessions { session.close(code, reason: reason) }
         return sessions.count
     }
 
@@ -277,10 +278,9 @@ final class SessionHub: Service, Sendable {
             switch event {
             case .dataLost:
                 startResync(grace: Self.dataLossGrace(engine.configuration))
-                let message = Wire.json(["type": "resync", "node": engine.configuration.nodeID])
-                _ = try? await engine.redis.send("PUBLISH", RedisArgument(engine.keys.broadcastChannel), RedisArgument(message))
+                _ = try? await engine.tell(.resync(node: engine.configuration.nodeID))
             case .deviceTakenOver(let id):
-                state.withLockedValue { $0.sessions[id] }?.close(code: 4009, reason: "this device connected again in another session")
+                state.withLockedValue { $0.sessions[id] }?.close(.replaced, reason: "this device connected again in another session")
             }
         }
     }
@@ -318,7 +318,7 @@ final class SessionHub: Service, Sendable {
                 guard let update = event.update(for: session.userID) else { continue }
                 let remembered = session.rememberEvent(update) {
                     if let encoded, encoded.update == update { return encoded.frame }
-                    let frame = wire.presenceUpdate(update)
+                    let frame = frames.text(.presenceUpdate(PresencePayload(update)))
                     encoded = (update, frame)
                     return frame
                 }
@@ -338,7 +338,7 @@ final class SessionHub: Service, Sendable {
     private func deliverConversation(_ conversation: String, payload: [UInt8]) async {
         let followers = state.withLockedValue { state in (state.followers[conversation] ?? []).compactMap { state.sessions[$0] } }
         if let typing = engine.decodeTyping(payload) {
-            let frame = wire.typingUpdate(user: typing.userID, conversation: conversation, isTyping: typing.isTyping)
+            let frame = frames.text(.typingUpdate(TypingUpdate(userID: typing.userID, conversationID: conversation, isTyping: typing.isTyping)))
             for session in followers where session.userID != typing.userID && !session.deviceStatus.saidOffline {
                 session.send(frame)
                 GatewayMetrics.delivered(latencyMilliseconds: engine.estimatedStoreNow() - typing.at)
@@ -353,25 +353,18 @@ final class SessionHub: Service, Sendable {
     }
 
     private func handleControl(_ payload: [UInt8]) {
-        guard let object = try? JSONSerialization.jsonObject(with: Data(payload)) as? [String: Any],
-              let type = object["type"] as? String else { return }
-        switch type {
-        case "disconnect_user":
-            if let user = object["user_id"] as? String {
-                let count = disconnect(user: user, code: 4003, reason: "disconnected by an administrator")
-                if count > 0 { logger.info("admin disconnect", metadata: ["presence.user_id": "\(user)", "presence.sessions": "\(count)"]) }
-            }
-        case "resync":
-            if object["node"] as? String != engine.configuration.nodeID {
+        guard let message = engine.decodeNodeMessage(payload) else { return }
+        switch message {
+        case .disconnectUser(let user):
+            let count = disconnect(user: user, code: .disconnectedByAdmin, reason: "disconnected by an administrator")
+            if count > 0 { logger.info("admin disconnect", metadata: ["presence.user_id": "\(user)", "presence.sessions": "\(count)"]) }
+        case .resync(let node):
+            if node != engine.configuration.nodeID {
                 logger.info("another node found Redis had lost data; re-reading the presence every session watches")
                 startResync(grace: Self.dataLossGrace(engine.configuration))
             }
-        case "close_session":
-            if let id = object["session"] as? String, let session = state.withLockedValue({ $0.sessions[id] }) {
-                session.close(code: 4009, reason: "this device connected again in another session")
-            }
-        default:
-            break
+        case .closeSession(let id):
+            state.withLockedValue { $0.sessions[id] }?.close(.replaced, reason: "this device connected again in another session")
         }
     }
 
@@ -417,7 +410,6 @@ final class SessionHub: Service, Sendable {
 
     /// Asks the node holding `session` to close it (a newer session took its device over).
     func closeRemote(node: String, session: String) async {
-        let message = Wire.json(["type": "close_session", "session": session])
-        _ = try? await engine.redis.send("PUBLISH", RedisArgument(engine.keys.nodeChannel(node)), RedisArgument(message))
+        _ = try? await engine.tell(.closeSession(sessionID: session), node: node)
     }
 }

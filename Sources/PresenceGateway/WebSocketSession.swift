@@ -6,6 +6,7 @@ import NIOConcurrencyHelpers
 import NIOCore
 import NIOWebSocket
 import PresenceEngine
+import PresenceProtocol
 
 /// Remembers the close code a client sent, which the WebSocket handler does not surface:
 /// code 1000 takes the device offline at once, anything else lets it linger.
@@ -41,28 +42,6 @@ final class CloseCodeRecorder: ChannelInboundHandler, RemovableChannelHandler, S
     }
 }
 
-/// The envelope of a client frame: `{"type": "...", "data": {...}, "id"?: "..."}`.
-package struct ClientFrame {
-    package var type: String
-    package var data: [String: Any]
-    package var id: String?
-
-    /// Parses a text frame. `id` is set as soon as it is read, so that an error about the rest
-    /// of the frame can carry it.
-    package static func parse(_ text: String, id: inout String?) throws(APIError) -> ClientFrame {
-        guard let object = try? JSONSerialization.jsonObject(with: Data(text.utf8)) as? [String: Any] else {
-            throw .invalid("a frame must be a JSON object {\"type\", \"data\", \"id\"?}")
-        }
-        if let raw = object["id"] {
-            guard let value = raw as? String, value.utf8.count <= 128 else { throw .invalid("id must be a string of at most 128 bytes") }
-            id = value
-        }
-        guard let type = object["type"] as? String else { throw .invalid("the frame has no type") }
-        if object["data"] != nil, !(object["data"] is [String: Any]) { throw .invalid("data must be an object") }
-        return ClientFrame(type: type, data: object["data"] as? [String: Any] ?? [:], id: id)
-    }
-}
-
 /// The WebSocket protocol of API.md for one session.
 struct WebSocketSession {
     let gateway: Gateway
@@ -90,16 +69,20 @@ struct WebSocketSession {
 
     /// Handles one text message; returns `false` once the session must close.
     mutating func handle(_ text: String) async -> Bool {
-        var id: String?
+        // Checked before parsing: a flood costs the node as little as possible.
+        if let wait = frameBucket.take() { return refuse(.rateLimited("too many frames", retryAfter: wait), id: nil) }
+        let message: ClientMessage
         do {
-            // Checked before parsing: a flood costs the node as little as possible.
-            if let wait = frameBucket.take() { throw APIError.rateLimited("too many frames", retryAfter: wait) }
-            let frame = try ClientFrame.parse(text, id: &id)
-            try await dispatch(type: frame.type, data: frame.data, id: frame.id)
+            message = try gateway.frames.clientMessage(text)
+        } catch {
+            return refuse(.invalid(error.message), id: error.id)
+        }
+        do {
+            try await dispatch(message.frame, id: message.id)
             badFrames = 0
             rateLimitedFrames = 0
         } catch {
-            return refuse(APIError.from(error), id: id)
+            return refuse(APIError.from(error), id: message.id)
         }
         return !session.isClosing
     }
@@ -108,62 +91,49 @@ struct WebSocketSession {
     /// not as a bad frame.
     mutating func handleBinary() -> Bool {
         if let wait = frameBucket.take() { return refuse(.rateLimited("too many frames", retryAfter: wait), id: nil) }
-        session.send(Wire.error(.invalid("frames must be JSON text, not binary"), id: nil))
+        session.send(gateway.frames.text(.error(APIError.invalid("frames must be JSON text, not binary").payload)))
         return !session.isClosing
     }
 
     /// Answers a refused frame with `error`; past the limits of bad or rate-limited frames in a
     /// row, closes the session (1008 or 4029). Returns whether the session goes on.
     private mutating func refuse(_ apiError: APIError, id: String?) -> Bool {
-        session.send(Wire.error(apiError, id: id))
-        GatewayMetrics.errors(apiError.code)
-        if apiError.code == "invalid_request", apiError.isBadFrame {
+        session.send(gateway.frames.text(.error(apiError.payload), id: id))
+        GatewayMetrics.errors(apiError.code.rawValue)
+        switch apiError.code {
+        case .invalidRequest where apiError.isBadFrame:
             badFrames += 1
             if badFrames > gateway.configuration.maxBadFrames {
-                session.close(code: 1008, reason: "too many bad frames in a row")
+                session.close(.policyViolation, reason: "too many bad frames in a row")
             }
-        } else if apiError.code == "rate_limited" {
+        case .rateLimited:
             rateLimitedFrames += 1
             if rateLimitedFrames > gateway.configuration.maxRateLimitedFrames {
-                session.close(code: 4029, reason: "rate limited past a limit")
+                session.close(.rateLimited, reason: "rate limited past a limit")
             }
+        default:
+            break
         }
         return !session.isClosing
     }
 
-    private mutating func dispatch(type: String, data: [String: Any], id: String?) async throws {
-        switch type {
-        case "ping":
-            session.send(Wire.frame("pong", [:], id: id))
-        case "status":
-            guard let raw = data["status"] as? String, let status = PresenceStatus(rawValue: raw) else {
-                throw APIError.invalid("status must be one of online, away, offline")
-            }
+    private mutating func dispatch(_ frame: ClientFrame, id: String?) async throws {
+        switch frame {
+        case .ping:
+            session.send(gateway.frames.text(.pong, id: id))
+        case .status(let status):
             if let wait = statusBucket.take() { throw APIError.rateLimited("too many status changes", retryAfter: wait) }
             session.setDeviceStatus(status)
             _ = try await gateway.engine.setStatus(user: user.userID, device: session.deviceID, session: session.id, status: status)
-            session.send(Wire.frame("ack", [:], id: id))
-        case "subscribe", "unsubscribe":
-            if let raw = data["conversation_id"] {
-                let conversation = try conversationID(raw)
-                if type == "unsubscribe" {
-                    await gateway.hub.unfollow(session, conversation)
-                    session.send(Wire.frame("ack", [:], id: id))
-                } else {
-                    if let wait = subscribeBucket.take() { throw APIError.rateLimited("too many subscribes", retryAfter: wait) }
-                    try await followConversation(conversation, id: id)
-                }
-                return
-            }
-            let users = try userIDs(data)
-            if type == "unsubscribe" {
-                // Members of a followed conversation stay watched for its counts, without updates.
-                let members = users.filter { session.isMemberOfFollowed($0) }
-                session.markQuiet(members)
-                await gateway.hub.unwatch(session, users.filter { !members.contains($0) })
-                session.send(Wire.frame("ack", [:], id: id))
-                return
-            }
+            session.send(gateway.frames.text(.ack, id: id))
+        case .subscribe(.conversation(let conversation)):
+            if let wait = subscribeBucket.take() { throw APIError.rateLimited("too many subscribes", retryAfter: wait) }
+            try await followConversation(conversation, id: id)
+        case .unsubscribe(.conversation(let conversation)):
+            await gateway.hub.unfollow(session, conversation)
+            session.send(gateway.frames.text(.ack, id: id))
+        case .subscribe(.users(let users)):
+            try checkCount(users)
             if let wait = subscribeBucket.take() { throw APIError.rateLimited("too many subscribes", retryAfter: wait) }
             guard session.watchedCount + users.count <= gateway.configuration.maxWatchedUsers else {
                 throw APIError.invalid("a session may watch at most \(gateway.configuration.maxWatchedUsers) users")
@@ -175,20 +145,31 @@ struct WebSocketSession {
             // Users watched so far only for a large group's counts become fully watched.
             let promoted = visible.filter { session.isQuiet($0) }
             session.unquiet(promoted)
+            let frames = gateway.frames
             try await gateway.hub.watchAndRead(session, visible) { presences in
-                [gateway.wire.initialState(presences, id: id)]
+                [frames.text(.initialState(presences.map { PresencePayload($0) }), id: id)]
             }
-        case "typing":
-            let conversation = try conversationID(data["conversation_id"] as Any)
-            guard let isTyping = data["is_typing"] as? Bool else { throw APIError.invalid("is_typing must be true or false") }
+        case .unsubscribe(.users(let users)):
+            try checkCount(users)
+            // Members of a followed conversation stay watched for its counts, without updates.
+            let members = users.filter { session.isMemberOfFollowed($0) }
+            session.markQuiet(members)
+            await gateway.hub.unwatch(session, users.filter { !members.contains($0) })
+            session.send(gateway.frames.text(.ack, id: id))
+        case .typing(let conversation, let isTyping):
             if let wait = typingBucket.take() { throw APIError.rateLimited("too many typing frames", retryAfter: wait) }
             // A device that said offline sends no typing.
             if !session.deviceStatus.saidOffline {
                 try await gateway.engine.setTyping(user: user.userID, conversation: conversation, isTyping: isTyping)
             }
-            session.send(Wire.frame("ack", [:], id: id))
-        default:
-            throw APIError.invalid("unknown frame type '\(type.prefix(64))'")
+            session.send(gateway.frames.text(.ack, id: id))
+        }
+    }
+
+    /// A frame names at most `maxIDsPerRequest` users.
+    private func checkCount(_ users: [String]) throws(APIError) {
+        guard users.count <= gateway.configuration.maxIDsPerRequest else {
+            throw .invalid("at most \(gateway.configuration.maxIDsPerRequest) user ids per frame")
         }
     }
 
@@ -237,30 +218,8 @@ struct WebSocketSession {
         // A large group gets counts and typing only, not every member's presence.
         let shown = members.count > Session.largeGroup ? [] : presences
         let dirty = session.endRead(memberList, mark, snapshot: presences, answering: (conversation, id)) { _ in
-            [gateway.wire.initialState(shown, id: id)]
+            [gateway.frames.text(.initialState(shown.map { PresencePayload($0) }), id: id)]
         }
         if !dirty.isEmpty { await gateway.hub.catchUp(session, dirty) }
-    }
-
-    /// A frame's `conversation_id`, in its stored spelling.
-    private func conversationID(_ raw: Any) throws(APIError) -> String {
-        let format = gateway.configuration.idFormat
-        guard let conversation = format.canonical(json: raw) else { throw .invalid("conversation_id must be \(format.rule)") }
-        return conversation
-    }
-
-    private func userIDs(_ data: [String: Any]) throws(APIError) -> [String] {
-        guard let raw = data["user_ids"] as? [Any] else { throw .invalid("user_ids must be an array of user ids") }
-        guard raw.count <= gateway.configuration.maxIDsPerRequest else {
-            throw .invalid("at most \(gateway.configuration.maxIDsPerRequest) user ids per frame")
-        }
-        let format = gateway.configuration.idFormat
-        var ids: [String] = []
-        var seen = Set<String>()
-        for item in raw {
-            guard let id = format.canonical(json: item) else { throw .invalid("user ids must be \(format.rule)") }
-            if seen.insert(id).inserted { ids.append(id) }
-        }
-        return ids
     }
 }

@@ -145,7 +145,7 @@ actor Display {
         case .group(let group):
             say("\(stamp()) \(group.conversationID): \(PresenceText.group(group))")
         case .error(let code, let message):
-            say("\(stamp()) ! \(code): \(message)")
+            say("\(stamp()) ! \(code.rawValue): \(message)")
         }
     }
 

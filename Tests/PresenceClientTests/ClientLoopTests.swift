@@ -49,7 +49,7 @@ final class ScriptedTransport: PresenceTransport {
                 for await frame in outgoing {
                     switch frame {
                     case .text(let text): self.state.withLockedValue { $0.written.append(text) }
-                    case .close(let code): return code
+                    case .close(let code): return code.rawValue
                     }
                 }
                 return nil

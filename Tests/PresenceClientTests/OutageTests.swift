@@ -85,7 +85,7 @@ struct OutageTests {
             return true
         }
         let refusals = clients.reduce(0) { sum, client in
-            sum + client.events.filter { if case .error(let code, _) = $0 { code == "unavailable" } else { false } }.count
+            sum + client.events.filter { if case .error(let code, _) = $0 { code == .unavailable } else { false } }.count
         }
         print("outage (\(dataKept ? "data kept" : "restarted empty")): \(Self.outage) s; REST \(restStatuses) codes \(restCodes); /readyz \(readyz); status refusals \(refusals)")
         #expect(stillConnected && clients.map(\.connections) == connectionsBefore, "every session stayed open through the outage")

@@ -10,6 +10,7 @@ import Logging
 import NIOWebSocket
 import NIOConcurrencyHelpers
 import RedisTestSupport
+import PresenceProtocol
 import Testing
 
 @testable import PresenceGateway

@@ -1,4 +1,5 @@
 import PresenceEngine
+import PresenceProtocol
 import Testing
 
 @testable import PresenceGateway
@@ -7,7 +8,7 @@ import Testing
 struct SessionTests {
     @Test("overlapping reads of one user: events wait for the last one, and each read an event crossed is done again")
     func overlappingReads() {
-        let session = Session(userID: "bob", deviceID: "phone", wire: Wire(ids: .string), queueLimit: 64)
+        let session = Session(userID: "bob", deviceID: "phone", frames: FrameCoder(ids: .string), queueLimit: 64)
         _ = session.addWatched(["ann"])
         func presence(_ status: PresenceStatus) -> Presence { Presence(userID: "ann", status: status, lastSeen: nil) }
         let first = session.beginRead(["ann"])

@@ -20,12 +20,6 @@ public enum PresenceID {
         }
     }
 
-    /// Throws ``PresenceError/Code/invalidRequest`` naming `what` unless `id` is valid.
-    public static func validate(_ id: String, as what: String) throws(PresenceError) {
-        guard isValid(id) else {
-            throw PresenceError(.invalidRequest, "\(what) must be \(rule)")
-        }
-    }
 }
 
 /// How user and conversation ids look on the wire (`PRESENCE_ID_FORMAT`).
@@ -87,7 +81,34 @@ public enum PresenceIDFormat: String, Sendable, CaseIterable {
     /// The JSON value for a stored id: a number in the numeric format (an id that is not one,
     /// stored before the format was chosen, stays a string), the string otherwise.
     public func json(_ id: String) -> Any {
-        guard self == .numeric, let number = Int64(id), canonical(id) == id else { return id }
+        number(id) ?? id
+    }
+
+    /// The number a stored id is written as, or `nil` if it is written as a string.
+    public func number(_ id: String) -> Int64? {
+        guard self == .numeric, let number = Int64(id), canonical(id) == id else { return nil }
         return number
     }
+}
+
+extension PresenceIDFormat {
+    /// The format a frame or body is written or read in: `string` unless the encoder's or
+    /// decoder's `userInfo` names one under ``Foundation/CodingUserInfoKey/presenceIDFormat``.
+    public init(userInfo: [CodingUserInfoKey: Any]) {
+        self = userInfo[.presenceIDFormat] as? PresenceIDFormat ?? .string
+    }
+
+    /// Writes a stored id under `key` as this format writes it (see ``json(_:)``).
+    public func encode<Key: CodingKey>(_ id: String, forKey key: Key, in container: inout KeyedEncodingContainer<Key>) throws {
+        if let number = number(id) {
+            try container.encode(number, forKey: key)
+        } else {
+            try container.encode(id, forKey: key)
+        }
+    }
+}
+
+extension CodingUserInfoKey {
+    /// The ``PresenceIDFormat`` that frames and bodies write and read ids in.
+    public static let presenceIDFormat = CodingUserInfoKey(rawValue: "presence.id_format")!
 }

@@ -1,0 +1,202 @@
+import Foundation
+
+/// What a client sends the gateway. Each case is one `type` of the API, with its `data`.
+public enum ClientFrame: Sendable, Hashable {
+    /// The device's own status.
+    case status(PresenceStatus)
+    /// Start watching users, or follow a conversation.
+    case subscribe(Subject)
+    /// Stop watching users, or stop following a conversation.
+    case unsubscribe(Subject)
+    /// The user started or stopped typing in a conversation.
+    case typing(conversationID: String, isTyping: Bool)
+    /// Asks for a `pong`.
+    case ping
+
+    /// Whom a `subscribe` or `unsubscribe` is about: `{"user_ids": [...]}` or `{"conversation_id": "..."}`.
+    public enum Subject: Sendable, Hashable {
+        /// These users, each once, in the order given.
+        case users([String])
+        /// A conversation: its counts, its members' presence and its typing.
+        case conversation(String)
+    }
+
+    /// The frame's `type`.
+    public var type: String {
+        switch self {
+        case .status: "status"
+        case .subscribe: "subscribe"
+        case .unsubscribe: "unsubscribe"
+        case .typing: "typing"
+        case .ping: "ping"
+        }
+    }
+}
+
+/// A client frame with the `id` the gateway's answer will carry: `{"type", "data", "id"?}`.
+public struct ClientMessage: Sendable, Hashable {
+    /// The frame.
+    public var frame: ClientFrame
+    /// Carried by the answer (`ack`, a snapshot or `error`); at most 128 bytes.
+    public var id: String?
+
+    /// A frame with an id for its answer.
+    public init(_ frame: ClientFrame, id: String? = nil) {
+        self.frame = frame
+        self.id = id
+    }
+
+    /// The most bytes an `id` has.
+    public static let maxIDBytes = 128
+}
+
+/// A client frame the gateway cannot take, with words saying why and the frame's `id` if it
+/// could be read, so that the `error` answering it carries that id.
+public struct FrameError: Error, Sendable, Hashable, CustomStringConvertible {
+    /// What is wrong, for the `error` frame.
+    public var message: String
+    /// The refused frame's `id`.
+    public var id: String?
+
+    /// An error about a frame.
+    public init(_ message: String, id: String? = nil) {
+        self.message = message
+        self.id = id
+    }
+
+    public var description: String { message }
+}
+
+extension ClientMessage: Codable {
+    enum CodingKeys: String, CodingKey { case type, data, id }
+    enum DataKeys: String, CodingKey {
+        case status, userIDs = "user_ids", conversationID = "conversation_id", isTyping = "is_typing"
+    }
+
+    /// Reads a frame as the gateway takes it, throwing ``FrameError`` with the API's words for
+    /// each thing that can be wrong. User and conversation ids must be ids in the
+    /// ``PresenceIDFormat`` of the decoder's `userInfo`; they come out in their stored spelling.
+    public init(from decoder: any Decoder) throws {
+        guard let container = try? decoder.container(keyedBy: CodingKeys.self) else { throw FrameError(Self.notAnObject) }
+        var id: String?
+        if container.contains(.id) {
+            guard let value = try? container.decode(String.self, forKey: .id), value.utf8.count <= Self.maxIDBytes else {
+                throw FrameError("id must be a string of at most \(Self.maxIDBytes) bytes")
+            }
+            id = value
+        }
+        self.id = id
+        guard let type = try? container.decode(String.self, forKey: .type) else { throw FrameError("the frame has no type", id: id) }
+        var data: KeyedDecodingContainer<DataKeys>?
+        if container.contains(.data) {
+            guard let object = try? container.nestedContainer(keyedBy: DataKeys.self, forKey: .data) else {
+                throw FrameError("data must be an object", id: id)
+            }
+            data = object
+        }
+        let fields = Fields(data: data, ids: PresenceIDFormat(userInfo: decoder.userInfo), frameID: id)
+        switch type {
+        case "ping": frame = .ping
+        case "status": frame = .status(try fields.status())
+        case "subscribe": frame = .subscribe(try fields.subject())
+        case "unsubscribe": frame = .unsubscribe(try fields.subject())
+        case "typing": frame = .typing(conversationID: try fields.conversationID(), isTyping: try fields.isTyping())
+        default: throw FrameError("unknown frame type '\(type.prefix(64))'", id: id)
+        }
+    }
+
+    static let notAnObject = #"a frame must be a JSON object {"type", "data", "id"?}"#
+
+    /// The fields of a frame's `data`, each read with its own error.
+    private struct Fields {
+        let data: KeyedDecodingContainer<DataKeys>?
+        let ids: PresenceIDFormat
+        let frameID: String?
+
+        func status() throws(FrameError) -> PresenceStatus {
+            guard let raw = try? data?.decode(String.self, forKey: .status), let status = PresenceStatus(rawValue: raw) else {
+                throw FrameError("status must be \(PresenceStatus.rule)", id: frameID)
+            }
+            return status
+        }
+
+        func subject() throws(FrameError) -> ClientFrame.Subject {
+            if data?.contains(.conversationID) == true { return .conversation(try conversationID()) }
+            guard var list = try? data?.nestedUnkeyedContainer(forKey: .userIDs) else {
+                throw FrameError("user_ids must be an array of user ids", id: frameID)
+            }
+            var users: [String] = []
+            var seen = Set<String>()
+            while !list.isAtEnd {
+                let user: String?
+                if let text = try? list.decode(String.self) {
+                    user = ids.canonical(text)
+                } else if let number = try? list.decode(Int64.self) {
+                    user = ids.canonical(number: number)
+                } else {
+                    user = nil
+                }
+                guard let user else { throw FrameError("user ids must be \(ids.rule)", id: frameID) }
+                if seen.insert(user).inserted { users.append(user) }
+            }
+            return .users(users)
+        }
+
+        func conversationID() throws(FrameError) -> String {
+            let conversation: String? =
+                if let text = try? data?.decode(String.self, forKey: .conversationID) { ids.canonical(text) }
+                else if let number = try? data?.decode(Int64.self, forKey: .conversationID) { ids.canonical(number: number) }
+                else { nil }
+            guard let conversation else { throw FrameError("conversation_id must be \(ids.rule)", id: frameID) }
+            return conversation
+        }
+
+        func isTyping() throws(FrameError) -> Bool {
+            guard let isTyping = try? data?.decode(Bool.self, forKey: .isTyping) else {
+                throw FrameError("is_typing must be true or false", id: frameID)
+            }
+            return isTyping
+        }
+    }
+
+    public func encode(to encoder: any Encoder) throws {
+        let ids = PresenceIDFormat(userInfo: encoder.userInfo)
+        var container = encoder.container(keyedBy: CodingKeys.self)
+        try container.encode(frame.type, forKey: .type)
+        var data = container.nestedContainer(keyedBy: DataKeys.self, forKey: .data)
+        switch frame {
+        case .ping:
+            break
+        case .status(let status):
+            try data.encode(status, forKey: .status)
+        case .subscribe(let subject), .unsubscribe(let subject):
+            switch subject {
+            case .users(let users):
+                var list = data.nestedUnkeyedContainer(forKey: .userIDs)
+                for user in users {
+                    if let number = ids.number(user) { try list.encode(number) } else { try list.encode(user) }
+                }
+            case .conversation(let conversation):
+                try ids.encode(conversation, forKey: .conversationID, in: &data)
+            }
+        case .typing(let conversation, let isTyping):
+            try ids.encode(conversation, forKey: .conversationID, in: &data)
+            try data.encode(isTyping, forKey: .isTyping)
+        }
+        try container.encodeIfPresent(id, forKey: .id)
+    }
+}
+
+extension FrameCoder {
+    /// A client frame as the gateway takes it (see ``ClientMessage/init(from:)``); anything
+    /// that is not JSON is ``FrameError`` too.
+    public func clientMessage(_ text: String) throws(FrameError) -> ClientMessage {
+        do {
+            return try decoder.decode(ClientMessage.self, from: Data(text.utf8))
+        } catch let error as FrameError {
+            throw error
+        } catch {
+            throw FrameError(ClientMessage.notAnObject)
+        }
+    }
+}

@@ -1,0 +1,143 @@
+import Foundation
+
+/// What the gateway sends a client. Each case is one `type` of the API, with its `data`.
+public enum ServerFrame: Sendable, Hashable {
+    /// The presence of users: first on every session, then in answer to `subscribe`.
+    case initialState([PresencePayload])
+    /// A watched user's aggregate status (or `last_seen` on going offline) changed.
+    case presenceUpdate(PresencePayload)
+    /// A user started or stopped typing in a conversation the session follows.
+    case typingUpdate(TypingUpdate)
+    /// A followed conversation's counts: on subscribing, and whenever they change.
+    case groupPresence(GroupPresence)
+    /// A client frame was done.
+    case ack
+    /// The answer to `ping`.
+    case pong
+    /// A client frame was refused, or the session is about to be closed.
+    case error(ErrorPayload)
+
+    /// The frame's `type`.
+    public var type: String {
+        switch self {
+        case .initialState: "initial_state"
+        case .presenceUpdate: "presence_update"
+        case .typingUpdate: "typing_update"
+        case .groupPresence: "group_presence"
+        case .ack: "ack"
+        case .pong: "pong"
+        case .error: "error"
+        }
+    }
+}
+
+/// A server frame with the `id` of the client frame it answers, if it answers one:
+/// `{"type", "data", "id"?}`.
+public struct ServerMessage: Sendable, Hashable {
+    /// The frame.
+    public var frame: ServerFrame
+    /// The `id` of the client frame this answers.
+    public var id: String?
+
+    /// A frame, answering the client frame `id` if given.
+    public init(_ frame: ServerFrame, id: String? = nil) {
+        self.frame = frame
+        self.id = id
+    }
+}
+
+extension ServerMessage: Codable {
+    enum CodingKeys: String, CodingKey { case type, data, id }
+    enum InitialStateKeys: String, CodingKey { case presences }
+    struct NoData: Codable {}
+
+    /// Decodes any frame of the API; a `type` this version does not know throws
+    /// ``ProtocolError/unknownType(_:)`` (newer gateways may send more).
+    public init(from decoder: any Decoder) throws {
+        let container = try decoder.container(keyedBy: CodingKeys.self)
+        id = try container.decodeIfPresent(String.self, forKey: .id)
+        let type = try container.decode(String.self, forKey: .type)
+        switch type {
+        case "initial_state":
+            let data = try container.nestedContainer(keyedBy: InitialStateKeys.self, forKey: .data)
+            frame = .initialState(try data.decode([PresencePayload].self, forKey: .presences))
+        case "presence_update": frame = .presenceUpdate(try container.decode(PresencePayload.self, forKey: .data))
+        case "typing_update": frame = .typingUpdate(try container.decode(TypingUpdate.self, forKey: .data))
+        case "group_presence": frame = .groupPresence(try container.decode(GroupPresence.self, forKey: .data))
+        case "ack": frame = .ack
+        case "pong": frame = .pong
+        case "error": frame = .error(try container.decode(ErrorPayload.self, forKey: .data))
+        default: throw ProtocolError.unknownType(String(type.prefix(64)))
+        }
+    }
+
+    public func encode(to encoder: any Encoder) throws {
+        var container = encoder.container(keyedBy: CodingKeys.self)
+        try container.encode(frame.type, forKey: .type)
+        switch frame {
+        case .initialState(let presences):
+            var data = container.nestedContainer(keyedBy: InitialStateKeys.self, forKey: .data)
+            try data.encode(presences, forKey: .presences)
+        case .presenceUpdate(let presence): try container.encode(presence, forKey: .data)
+        case .typingUpdate(let typing): try container.encode(typing, forKey: .data)
+        case .groupPresence(let group): try container.encode(group, forKey: .data)
+        case .ack, .pong: try container.encode(NoData(), forKey: .data)
+        case .error(let error): try container.encode(error, forKey: .data)
+        }
+        try container.encodeIfPresent(id, forKey: .id)
+    }
+}
+
+/// A frame that is not one of the protocol's.
+public enum ProtocolError: Error, Sendable, Hashable, CustomStringConvertible {
+    /// A `type` this version does not know.
+    case unknownType(String)
+
+    public var description: String {
+        switch self {
+        case .unknownType(let type): "unknown frame type '\(type)'"
+        }
+    }
+}
+
+/// Turns frames into the JSON text of a WebSocket message and back, with ids in one
+/// ``PresenceIDFormat``. Keys are sorted, so equal frames are equal text.
+public struct FrameCoder: Sendable {
+    /// How user and conversation ids are written.
+    public let ids: PresenceIDFormat
+    private let encoder: JSONEncoder
+    let decoder: JSONDecoder
+
+    /// A coder writing ids in `ids`. With `snakeCaseKeys`, the keys of types that name none
+    /// of their own are written in the API's style (`leaseExpiresAt` as `lease_expires_at`).
+    public init(ids: PresenceIDFormat = .string, snakeCaseKeys: Bool = false) {
+        self.ids = ids
+        encoder = JSONEncoder()
+        encoder.outputFormatting = [.sortedKeys, .withoutEscapingSlashes]
+        if snakeCaseKeys { encoder.keyEncodingStrategy = .convertToSnakeCase }
+        encoder.userInfo[.presenceIDFormat] = ids
+        decoder = JSONDecoder()
+        decoder.userInfo[.presenceIDFormat] = ids
+    }
+
+    /// The JSON text of any frame or body.
+    public func text(_ value: some Encodable) -> String {
+        String(decoding: data(value), as: UTF8.self)
+    }
+
+    /// The JSON bytes of any frame or body.
+    public func data(_ value: some Encodable) -> Data {
+        // Every value here encodes: strings, numbers, booleans and null.
+        (try? encoder.encode(value)) ?? Data("{}".utf8)
+    }
+
+    /// The text of a server frame.
+    public func text(_ frame: ServerFrame, id: String? = nil) -> String {
+        text(ServerMessage(frame, id: id))
+    }
+
+    /// A server frame from its text.
+    public func serverMessage(_ text: String) throws -> ServerMessage {
+        try decoder.decode(ServerMessage.self, from: Data(text.utf8))
+    }
+}
