@@ -3,6 +3,7 @@ import Foundation
 import Logging
 import NIOConcurrencyHelpers
 import PresenceEngine
+import PresenceProtocol
 import RedisClient
 
 /// An engine on its own Redis connection, for setting up data beside running nodes.
@@ -45,12 +46,15 @@ struct GroupBench: AsyncParsableCommand {
         let latencies = NIOLockedValueBox<[Double]>([])
         let followed = NIOLockedValueBox(false)
         let (watcher, task) = try await nodes.connect(node: 1, user: "bench-watcher", device: "w") { text in
-            guard let (type, data) = decodeFrame(text) else { return }
-            if type == "error" {
-                FileHandle.standardError.write(Data("the node refused: \(data)\n".utf8))
+            switch serverFrame(text) {
+            case .error(let error):
+                FileHandle.standardError.write(Data("the node refused: \(error.code.rawValue): \(error.message)\n".utf8))
                 Foundation.exit(1)
+            case .groupPresence:
+                break
+            default:
+                return
             }
-            guard type == "group_presence" else { return }
             if !followed.withLockedValue({ $0 }) {
                 followed.withLockedValue { $0 = true }
                 return
@@ -62,7 +66,7 @@ struct GroupBench: AsyncParsableCommand {
         }
         try await Task.sleep(for: .milliseconds(500))
         let subscribeStart = ContinuousClock.now
-        watcher.yield(#"{"type":"subscribe","data":{"conversation_id":"bench-big"},"id":"big"}"#)
+        watcher.yield(clientText(.subscribe(.conversation("bench-big")), id: "big"))
         while !followed.withLockedValue({ $0 }) { try await Task.sleep(for: .milliseconds(5)) }
         let subscribeTime = seconds(ContinuousClock.now - subscribeStart) * 1000
         try await Task.sleep(for: .seconds(1))

@@ -2,6 +2,7 @@ import ArgumentParser
 import Foundation
 import NIOConcurrencyHelpers
 import PresenceEngine
+import PresenceProtocol
 
 /// Time from a status change (or a typing frame) on node A to the watcher's update on node B.
 struct LatencyBench: AsyncParsableCommand {
@@ -23,13 +24,20 @@ struct LatencyBench: AsyncParsableCommand {
         let pending = NIOLockedValueBox<[String: [ContinuousClock.Instant]]>([:])
         let latencies = NIOLockedValueBox<[Double]>([])
         let ready = NIOLockedValueBox(0)
-        let expected = typing ? "typing_update" : "presence_update"
 
         let (watcher, watcherTask) = try await nodes.connect(node: 1, user: "bench-watcher", device: "w") { text in
-            guard let (type, data) = decodeFrame(text) else { return }
-            if type == "initial_state" { ready.withLockedValue { $0 += 1 } }
-            guard type == expected, let user = data["user_id"] as? String else { return }
-            let state = (data["status"] as? String) ?? ((data["is_typing"] as? Bool) == true ? "typing" : "idle")
+            let user: String, state: String
+            switch serverFrame(text) {
+            case .initialState:
+                ready.withLockedValue { $0 += 1 }
+                return
+            case .presenceUpdate(let presence) where !typing:
+                (user, state) = (presence.userID, presence.status.rawValue)
+            case .typingUpdate(let update) where typing:
+                (user, state) = (update.userID, update.isTyping ? "typing" : "idle")
+            default:
+                return
+            }
             let now = ContinuousClock.now
             if let sent = pending.withLockedValue({ $0["\(user)/\(state)"]?.isEmpty == false ? $0["\(user)/\(state)"]!.removeFirst() : nil }) {
                 latencies.withLockedValue { $0.append(seconds(now - sent) * 1000) }
@@ -39,19 +47,18 @@ struct LatencyBench: AsyncParsableCommand {
         var tasks = [watcherTask]
         for (index, name) in names.enumerated() {
             let (sender, task) = try await nodes.connect(node: 0, user: name, device: "d\(index)") { text in
-                if text.contains("initial_state") { ready.withLockedValue { $0 += 1 } }
+                if case .initialState = serverFrame(text) { ready.withLockedValue { $0 += 1 } }
             }
             senders.append(sender)
             tasks.append(task)
         }
         while ready.withLockedValue({ $0 }) < users + 1 { try await Task.sleep(for: .milliseconds(20)) }
-        let ids = names.map { "\"\($0)\"" }.joined(separator: ",")
         if typing {
             let engine = try await BenchEngine.make(redisURL: common.redisURL, prefix: nodes.prefix)
             _ = try await engine.use { try await $0.setMembers(of: "bench-room", to: names + ["bench-watcher"]) }
-            watcher.yield(#"{"type":"subscribe","data":{"conversation_id":"bench-room"},"id":"s"}"#)
+            watcher.yield(clientText(.subscribe(.conversation("bench-room")), id: "s"))
         } else {
-            watcher.yield(#"{"type":"subscribe","data":{"user_ids":["# + ids + "]},\"id\":\"s\"}")
+            watcher.yield(clientText(.subscribe(.users(names)), id: "s"))
         }
         try await Task.sleep(for: .seconds(1))
 
@@ -67,10 +74,10 @@ struct LatencyBench: AsyncParsableCommand {
             let state: String, frame: String
             if typing {
                 state = flipped[index] ? "typing" : "idle"
-                frame = #"{"type":"typing","data":{"conversation_id":"bench-room","is_typing":"# + (flipped[index] ? "true" : "false") + "}}"
+                frame = clientText(.typing(conversationID: "bench-room", isTyping: flipped[index]))
             } else {
                 state = flipped[index] ? "away" : "online"
-                frame = #"{"type":"status","data":{"status":""# + state + #""}}"#
+                frame = clientText(.status(flipped[index] ? .away : .online))
             }
             pending.withLockedValue { $0["\(names[index])/\(state)", default: []].append(.now) }
             senders[index].yield(frame)
@@ -81,7 +88,7 @@ struct LatencyBench: AsyncParsableCommand {
         let measured = latencies.withLockedValue { $0 }
         let elapsed = seconds(ContinuousClock.now - start) - 2
         print("")
-        print("\(typing ? "typing frame" : "status change") on node A → \(expected) at a watcher on node B, \(rate)/s for \(duration) s, \(users) users")
+        print("\(typing ? "typing frame" : "status change") on node A → \(typing ? "typing_update" : "presence_update") at a watcher on node B, \(rate)/s for \(duration) s, \(users) users")
         print(String(format: "  sent %d, timed %d (%.0f/s achieved)", total, measured.count, Double(total) / elapsed))
         print("  " + latencyLine(measured))
         for task in tasks { task.cancel() }

@@ -2,6 +2,7 @@ import ArgumentParser
 import Foundation
 import Logging
 import NIOConcurrencyHelpers
+import PresenceProtocol
 import RedisClient
 
 /// Options of the scenarios that run node processes.
@@ -65,11 +66,10 @@ struct IdleScenario: AsyncParsableCommand {
         let rssBefore = nodes.residentBytes(0)
         let answers = FrameCounter()
         let sockets = try await fleet.connect((0..<sessions).map { ("idle-\($0)", "d", 0) }, label: "idle") { index, text in
-            if text.hasPrefix(#"{"data":{"presences""#) || text.contains(#""type":"initial_state""#) { answers.add(index) }
+            if case .initialState = serverFrame(text) { answers.add(index) }
         }
         for (index, socket) in sockets.enumerated() {
-            let watched = (1...watch).map { "\"idle-\((index + $0) % sessions)\"" }.joined(separator: ",")
-            socket.send(#"{"type":"subscribe","data":{"user_ids":[\#(watched)]},"id":"w"}"#)
+            socket.send(clientText(.subscribe(.users((1...watch).map { "idle-\((index + $0) % sessions)" })), id: "w"))
             if index % 500 == 499 { try await Task.sleep(for: .milliseconds(10)) }
         }
         let subscribed = await answers.wait(for: sessions * 2, timeout: .seconds(Int64(60 + sessions / 500)), label: "idle: snapshots")
@@ -119,14 +119,18 @@ struct ChurnScenario: AsyncParsableCommand {
         let latency = LatencyRecorder()
         let ready = FrameCounter()
         let watcher = try await fleet.connect([("churn-watcher", "w", 1)], label: "churn") { _, text in
-            if text.contains(#""type":"initial_state""#) { ready.add(0) }
-            guard text.contains(#""type":"presence_update""#), let (_, data) = decodeFrame(text),
-                  let user = data["user_id"] as? String, let status = data["status"] as? String else { return }
-            let now = ContinuousClock.now
-            if let sent = pending.withLockedValue({ $0.removeValue(forKey: "\(user)/\(status)") }) { latency.record(now - sent) }
+            switch serverFrame(text) {
+            case .initialState:
+                ready.add(0)
+            case .presenceUpdate(let presence):
+                let now = ContinuousClock.now
+                if let sent = pending.withLockedValue({ $0.removeValue(forKey: "\(presence.userID)/\(presence.status.rawValue)") }) { latency.record(now - sent) }
+            default:
+                break
+            }
         }[0]
         let senders = try await fleet.connect(names.map { ($0, "d", 0) }, label: "churn") { _, _ in }
-        watcher.send(#"{"type":"subscribe","data":{"user_ids":[\#(names.map { "\"\($0)\"" }.joined(separator: ","))]},"id":"s"}"#)
+        watcher.send(clientText(.subscribe(.users(names)), id: "s"))
         _ = await ready.wait(for: 2, timeout: .seconds(30))
         try await Task.sleep(for: .seconds(1))
 
@@ -137,9 +141,9 @@ struct ChurnScenario: AsyncParsableCommand {
         for change in 0..<total {
             let index = change % users
             away[index].toggle()
-            let status = away[index] ? "away" : "online"
-            pending.withLockedValue { $0["\(names[index])/\(status)"] = ContinuousClock.now }
-            senders[index].send(#"{"type":"status","data":{"status":"\#(status)"}}"#)
+            let status: PresenceStatus = away[index] ? .away : .online
+            pending.withLockedValue { $0["\(names[index])/\(status.rawValue)"] = ContinuousClock.now }
+            senders[index].send(clientText(.status(status)))
             if change % rate == 0 { progress("churn: \(change)/\(total) changes") }
             try await Task.sleep(until: start + interval * (change + 1))
         }
@@ -199,8 +203,7 @@ func publishFloor(redisURL: String, rate: Int, count: Int) async throws -> Laten
 /// `subscribe` frames for `users`, 500 ids each (the gateway's limit per frame).
 func subscribeFrames(_ users: [String]) -> [String] {
     stride(from: 0, to: users.count, by: 500).map { start in
-        let ids = users[start..<min(start + 500, users.count)].map { "\"\($0)\"" }.joined(separator: ",")
-        return #"{"type":"subscribe","data":{"user_ids":[\#(ids)]},"id":"s\#(start)"}"#
+        clientText(.subscribe(.users(Array(users[start..<min(start + 500, users.count)]))), id: "s\(start)")
     }
 }
 
@@ -213,10 +216,11 @@ func watchers(
     let groups = stride(from: 0, to: users.count, by: 5_000).map { Array(users[$0..<min($0 + 5_000, users.count)]) }
     let snapshots = FrameCounter()
     let sockets = try await fleet.connect(groups.indices.map { ("\(label)-watcher-\($0)", "w", node) }, label: label) { _, text in
-        if text.contains(#""type":"initial_state""#) { snapshots.add(0) }
-        guard text.contains(#""type":"presence_update""#), let (_, data) = decodeFrame(text),
-              let user = data["user_id"] as? String, let status = data["status"] as? String else { return }
-        onUpdate(user, status)
+        switch serverFrame(text) {
+        case .initialState: snapshots.add(0)
+        case .presenceUpdate(let presence): onUpdate(presence.userID, presence.status.rawValue)
+        default: break
+        }
     }
     var expected = groups.count
     for (socket, group) in zip(sockets, groups) {
@@ -292,13 +296,16 @@ struct FanoutScenario: AsyncParsableCommand {
         let changedAt = NIOLockedValueBox<ContinuousClock.Instant?>(nil)
         let snapshots = FrameCounter()
         let sockets = try await fleet.connect((0..<watchers).map { ("fan-\($0)", "w", $0 % 2) }, label: "fanout") { index, text in
-            if text.contains(#""type":"initial_state""#) { snapshots.add(index) }
-            guard text.contains(#""type":"presence_update""#), text.contains(#""user_id":"star""#) else { return }
+            switch serverFrame(text) {
+            case .initialState: snapshots.add(index)
+            case .presenceUpdate(let presence) where presence.userID == "star": break
+            default: return
+            }
             if let sent = changedAt.withLockedValue({ $0 }) { latency.record(ContinuousClock.now - sent) }
             received.add(index)
         }
         for (index, socket) in sockets.enumerated() {
-            socket.send(#"{"type":"subscribe","data":{"user_ids":["star"]},"id":"s"}"#)
+            socket.send(clientText(.subscribe(.users(["star"])), id: "s"))
             if index % 500 == 499 { try await Task.sleep(for: .milliseconds(10)) }
         }
         _ = await snapshots.wait(for: watchers * 2, timeout: .seconds(120), label: "fanout: snapshots")
@@ -310,7 +317,7 @@ struct FanoutScenario: AsyncParsableCommand {
             let target = watchers * (change + 1)
             changedAt.withLockedValue { $0 = ContinuousClock.now }
             let start = ContinuousClock.now
-            star.send(#"{"type":"status","data":{"status":"\#(change % 2 == 1 ? "away" : "online")"}}"#)
+            star.send(clientText(.status(change % 2 == 1 ? .away : .online)))
             guard await received.wait(for: target, timeout: .seconds(60)) else { throw BenchError("fanout: only \(received.count) of \(target) updates arrived") }
             completions.append(seconds(ContinuousClock.now - start) * 1000)
         }
@@ -385,7 +392,7 @@ struct CostScenario: AsyncParsableCommand {
         let fleet = Fleet(nodes: nodes)
         let acks = FrameCounter()
         let sockets = try await fleet.connect((0..<devices).map { ("cost-\($0)", "d", 0) }, label: "cost") { index, text in
-            if text.contains(#""type":"ack""#) { acks.add(index) }
+            if case .ack = serverFrame(text) { acks.add(index) }
         }
         try await Task.sleep(for: .seconds(2))
         let idle = try await withRedis(options.common.redisURL) { redis in
@@ -403,7 +410,7 @@ struct CostScenario: AsyncParsableCommand {
             _ = try await redis.send("CONFIG", "RESETSTAT")
             let start = ContinuousClock.now
             for index in 0..<changes {
-                sockets[index % devices].send(#"{"type":"status","data":{"status":"\#(index / devices % 2 == 0 ? "away" : "online")"},"id":"c"}"#)
+                sockets[index % devices].send(clientText(.status(index / devices % 2 == 0 ? .away : .online), id: "c"))
                 if index % 100 == 99 { try await Task.sleep(for: .milliseconds(50)) }
             }
             _ = await acks.wait(for: changes, timeout: .seconds(60))

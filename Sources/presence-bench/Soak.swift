@@ -3,6 +3,7 @@ import Foundation
 import NIOConcurrencyHelpers
 import NIOCore
 import NIOPosix
+import PresenceProtocol
 import RedisClient
 
 // MARK: - soak
@@ -128,16 +129,16 @@ struct SoakScenario: AsyncParsableCommand {
         }
         tally.opened()
         for _ in 0..<(1 + random.below(8)) {
-            let frame: String
+            let frame: ClientFrame
             switch random.below(6) {
-            case 0: frame = #"{"type":"status","data":{"status":"\#(["online", "away", "offline"][random.below(3)])"}}"#
-            case 1: frame = #"{"type":"typing","data":{"conversation_id":"\#(room)","is_typing":true}}"#
-            case 2: frame = #"{"type":"typing","data":{"conversation_id":"\#(room)","is_typing":false}}"#
-            case 3: frame = #"{"type":"subscribe","data":{"conversation_id":"\#(room)"}}"#
-            case 4: frame = #"{"type":"subscribe","data":{"user_ids":["\#(names[random.below(names.count)])","\#(names[random.below(names.count)])"]}}"#
-            default: frame = #"{"type":"ping","data":{}}"#
+            case 0: frame = .status(PresenceStatus.allCases[random.below(3)])
+            case 1: frame = .typing(conversationID: room, isTyping: true)
+            case 2: frame = .typing(conversationID: room, isTyping: false)
+            case 3: frame = .subscribe(.conversation(room))
+            case 4: frame = .subscribe(.users([names[random.below(names.count)], names[random.below(names.count)]]))
+            default: frame = .ping
             }
-            socket.send(frame)
+            socket.send(clientText(frame))
             tally.sent()
             try? await Task.sleep(for: .milliseconds(50 + random.below(350)))
         }
@@ -145,7 +146,7 @@ struct SoakScenario: AsyncParsableCommand {
         case 0..<5: await socket.closeNormally()
         case 5..<8: socket.abort()
         default:
-            socket.send(#"{"type":"status","data":{"status":"offline"}}"#)
+            socket.send(clientText(.status(.offline)))
             await socket.closeNormally()
         }
     }
@@ -169,9 +170,8 @@ final class SoakTally: Sendable {
 
     /// Counts `error` frames by code (rate limits are expected: the clients do not pace typing).
     func received(_ text: String) {
-        guard text.contains(#""type":"error""#), let (_, data) = decodeFrame(text) else { return }
-        let code = data["code"] as? String ?? "?"
-        state.withLockedValue { $0.errors[code, default: 0] += 1 }
+        guard case .error(let error) = serverFrame(text) else { return }
+        state.withLockedValue { $0.errors[error.code.rawValue, default: 0] += 1 }
     }
 }
 

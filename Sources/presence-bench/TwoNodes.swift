@@ -5,6 +5,7 @@ import Logging
 import NIOConcurrencyHelpers
 import PresenceEngine
 import PresenceGateway
+import PresenceProtocol
 import ServiceLifecycle
 
 /// Two gateway nodes in this process on one Redis, and WebSocket clients for them.
@@ -81,11 +82,18 @@ struct TwoNodes {
     }
 }
 
-/// The `type` and `data` of a frame.
-func decodeFrame(_ text: String) -> (type: String, data: [String: Any])? {
-    guard let object = try? JSONSerialization.jsonObject(with: Data(text.utf8)) as? [String: Any], let type = object["type"] as? String else { return nil }
-    return (type, object["data"] as? [String: Any] ?? [:])
+/// A frame from a node, or `nil` for text that is none this version knows.
+func serverFrame(_ text: String) -> ServerFrame? {
+    try? benchFrames.serverMessage(text).frame
 }
+
+/// The text of a client frame.
+func clientText(_ frame: ClientFrame, id: String? = nil) -> String {
+    benchFrames.text(ClientMessage(frame, id: id))
+}
+
+/// Frames as a client writes and reads them.
+let benchFrames = FrameCoder()
 
 /// Prints a latency line from milliseconds.
 func latencyLine(_ values: [Double]) -> String {
