@@ -151,6 +151,7 @@ let package = Package(
             name: "PresenceFuzz",
             dependencies: [
                 "PresenceGateway", "PresenceProtocol", "RedisClient",
+                .product(name: "NIOConcurrencyHelpers", package: "swift-nio"),
                 .product(name: "NIOCore", package: "swift-nio"),
                 .product(name: "NIOEmbedded", package: "swift-nio"),
                 .product(name: "NIOWebSocket", package: "swift-nio"),

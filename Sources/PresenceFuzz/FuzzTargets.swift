@@ -1,3 +1,4 @@
+import NIOConcurrencyHelpers
 import NIOCore
 import NIOEmbedded
 import NIOWebSocket
@@ -47,15 +48,15 @@ private func fuzzRESP(_ bytes: [UInt8]) {
     // Three commands wait; whatever arrives, each must end with a reply or an error once the
     // connection closes.
     let channel = EmbeddedChannel(handler: makeRedisReplyHandler(maxReplyBytes: 1 << 16, subscriber: first & 0x80 != 0))
-    var completed = 0
+    let completed = NIOLockedValueBox(0)
     for _ in 0..<3 {
         let promise = channel.eventLoop.makePromise(of: RESPValue.self)
-        promise.futureResult.whenComplete { _ in completed += 1 }
-        try? channel.writeOutbound(RedisRequest(encoded: ByteBuffer(string: "*1\r\n$4\r\nPING\r\n"), expectedReplies: 1, promise: promise))
+        promise.futureResult.whenComplete { _ in completed.withLockedValue { $0 += 1 } }
+        _ = try? channel.writeOutbound(RedisRequest(encoded: ByteBuffer(string: "*1\r\n$4\r\nPING\r\n"), expectedReplies: 1, promise: promise))
     }
-    try? channel.writeInbound(ByteBuffer(bytes: body))
+    _ = try? channel.writeInbound(ByteBuffer(bytes: body))
     _ = try? channel.finish()
-    precondition(completed == 3, "a command was left waiting after the connection closed")
+    precondition(completed.withLockedValue { $0 } == 3, "a command was left waiting after the connection closed")
 }
 
 /// How many arrays nest in `value`, the outermost included (a scalar is 0).
@@ -76,7 +77,7 @@ private func fuzzFrames(_ bytes: [UInt8]) {
     } catch {
         preconditionFailure("cannot set up the pipeline: \(error)")
     }
-    try? channel.writeInbound(ByteBuffer(bytes: bytes))
+    _ = try? channel.writeInbound(ByteBuffer(bytes: bytes))
     var message: [UInt8] = []
     while let frame = try? channel.readInbound(as: WebSocketFrame.self) {
         precondition(frame.length <= maxFrameSize, "the decoder let a frame over the limit through")

@@ -49,9 +49,7 @@ final class Session: Sendable {
         /// changes only; presence changes adjust the counts in O(1)).
         mutating func recount(_ conversation: String) {
             guard var view = conversations[conversation] else { return }
-            view.online = 0
-            view.away = 0
-            for member in view.members { view.count(watched[member]??.status ?? .offline, +1) }
+            view.counts = GroupCounts(view.members.map { watched[$0]??.status ?? .offline })
             conversations[conversation] = view
         }
     }
@@ -74,24 +72,9 @@ final class Session: Sendable {
     /// A subscribed conversation as this session knows it.
     struct GroupView {
         var members: Set<String>
-        var online = 0
-        var away = 0
+        var counts = GroupCounts([])
+        /// The counts last sent, so that a change that leaves them as they were sends nothing.
         var sent: GroupCounts?
-
-        mutating func count(_ status: PresenceStatus, _ delta: Int) {
-            switch status {
-            case .online: online += delta
-            case .away: away += delta
-            case .offline: break
-            }
-        }
-    }
-
-    /// "3 of 5 online".
-    struct GroupCounts: Equatable {
-        var total: Int
-        var online: Int
-        var away: Int
     }
 
     init(userID: String, deviceID: String, frames: FrameCoder, queueLimit: Int) {
@@ -251,8 +234,8 @@ final class Session: Sendable {
         let changed = old != presence.status
         if changed {
             for conversation in state.memberOf[presence.userID] ?? [] {
-                state.conversations[conversation]?.count(old, -1)
-                state.conversations[conversation]?.count(presence.status, +1)
+                state.conversations[conversation]?.counts.count(old, -1)
+                state.conversations[conversation]?.counts.count(presence.status, +1)
             }
         }
         return Remembered(tell: !state.quiet.contains(presence.userID), statusChanged: changed)
@@ -332,10 +315,10 @@ final class Session: Sendable {
         var texts: [String] = []
         for conversation in conversations {
             guard let view = state.conversations[conversation] else { continue }
-            let counts = GroupCounts(total: view.members.count, online: view.online, away: view.away)
+            let counts = view.counts
             guard counts != view.sent || id != nil else { continue }
             state.conversations[conversation]?.sent = counts
-            texts.append(frames.text(.groupPresence(GroupPresence(conversationID: conversation, total: counts.total, online: counts.online, away: counts.away)), id: id))
+            texts.append(frames.text(.groupPresence(counts.payload(conversation)), id: id))
         }
         return texts
     }
@@ -349,51 +332,6 @@ final class Session: Sendable {
         state.withLockedValue { state in
             state.status = status
             state.saidOffline = status == .offline
-        }
-    }
-}
-
-/// A token bucket: `rate` tokens a second, holding at most `burst`.
-struct TokenBucket: Sendable {
-    let rate: Double
-    let burst: Double
-    private var tokens: Double
-    private var updated: ContinuousClock.Instant
-
-    init(rate: Double, burst: Double) {
-        self.rate = rate
-        self.burst = burst
-        self.tokens = burst
-        self.updated = .now
-    }
-
-    /// Takes a token; on refusal, the seconds until one is available.
-    mutating func take(now: ContinuousClock.Instant = .now) -> Int? {
-        let elapsed = now - updated
-        let seconds = Double(elapsed.components.seconds) + Double(elapsed.components.attoseconds) / 1e18
-        tokens = min(burst, tokens + seconds * rate)
-        updated = now
-        guard tokens >= 1 else { return max(1, Int(((1 - tokens) / rate).rounded(.up))) }
-        tokens -= 1
-        return nil
-    }
-}
-
-/// Token buckets by key (a user id), for REST routes; old entries are dropped as it grows.
-final class RateLimiter: Sendable {
-    private let buckets = NIOLockedValueBox([String: TokenBucket]())
-    let rate: Double
-
-    init(rate: Double) { self.rate = rate }
-
-    /// Takes a token for `key`; on refusal, the seconds to wait.
-    func take(_ key: String) -> Int? {
-        buckets.withLockedValue { buckets in
-            if buckets.count > 100_000 { buckets.removeAll(keepingCapacity: true) }
-            var bucket = buckets[key] ?? TokenBucket(rate: rate, burst: rate * 2)
-            let wait = bucket.take()
-            buckets[key] = bucket
-            return wait
         }
     }
 }

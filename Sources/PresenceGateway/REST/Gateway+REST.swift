@@ -78,11 +78,9 @@ extension Gateway {
             guard members.contains(user.userID) else { throw APIError.forbidden("you are not a member of this conversation") }
             let presences = try await self.engine.views(of: members).map { $0.seen(by: user.userID) }
             let typing = try await self.engine.typingUsers(in: conversation)
+            let counts = GroupCounts(presences.map(\.status))
             return self.respond(RESTBody.ConversationPresence(
-                conversationId: JSONID(conversation),
-                total: presences.count,
-                online: presences.count { $0.status == .online },
-                away: presences.count { $0.status == .away },
+                conversationId: JSONID(conversation), total: counts.total, online: counts.online, away: counts.away,
                 members: presences.map { PresencePayload($0, isTyping: typing.contains($0.userID)) }
             ))
         }

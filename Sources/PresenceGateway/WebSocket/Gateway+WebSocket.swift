@@ -153,7 +153,7 @@ extension Gateway {
                 logger.info("the client took nothing for the close timeout; shutting its connection", metadata: ["presence.close_code": "\(session.closeRequest?.code?.rawValue ?? 0)"])
                 channel.close(promise: nil)
             }
-            var handler = WebSocketSession(gateway: self, session: session, user: user, logger: logger)
+            var handler = FrameHandler(gateway: self, session: session, user: user, logger: logger)
             var readError: (any Error)?
             do {
                 for try await message in inbound.messages(maxSize: configuration.maxFrameSize) {
