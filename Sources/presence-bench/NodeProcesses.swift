@@ -3,19 +3,18 @@ import Foundation
 import FoundationNetworking
 #endif
 import JWTKit
-import NIOCore
-import NIOPosix
+import RedisTestSupport
 
 /// Gateway nodes as real `presence-gateway` processes on loopback, for the scenarios that
 /// measure a node from the outside (its memory, its death). They share one Redis and a fresh key
-/// prefix; tokens are signed with a secret made up for the run.
-final class NodeProcesses: @unchecked Sendable {
-    // Safe: built once, then only read; the processes are only signalled.
+/// prefix; tokens are signed with a secret made up for the run. Each is a ``GatewayProcess``, the
+/// launcher the tests use too.
+final class NodeProcesses: Sendable {
     let ports: [Int]
     let prefix: String
     let secret: String
     let adminToken = "bench-admin-\(UInt32.random(in: 0...UInt32.max))"
-    private var processes: [Process]
+    private let nodes: [GatewayProcess]
     private let keys: JWTKeyCollection
 
     private struct Claims: JWTPayload {
@@ -34,32 +33,21 @@ final class NodeProcesses: @unchecked Sendable {
         secret = (0..<4).map { _ in String(UInt64.random(in: 0...UInt64.max), radix: 16) }.joined() + "-bench-secret"
         keys = JWTKeyCollection()
         await keys.add(hmac: HMACKey(from: secret), digestAlgorithm: .sha256)
-        var ports: [Int] = []
-        processes = []
+        let settings = [
+            "PRESENCE_REDIS_URL": redisURL, "PRESENCE_KEY_PREFIX": prefix, "PRESENCE_JWT_SECRET": secret,
+            "PRESENCE_ADMIN_TOKEN": adminToken, "PRESENCE_VISIBILITY": "open", "PRESENCE_LOG_LEVEL": "error",
+        ].merging(environment) { _, new in new }
+        var nodes: [GatewayProcess] = []
         for index in 0..<count {
-            let port = try await NodeProcesses.freePort()
-            let process = Process()
-            process.executableURL = URL(fileURLWithPath: binary)
-            var variables = ProcessInfo.processInfo.environment.filter { !$0.key.hasPrefix("PRESENCE_") }
-            variables.merge([
-                "PRESENCE_PORT": "\(port)", "PRESENCE_HOST": "127.0.0.1", "PRESENCE_REDIS_URL": redisURL,
-                "PRESENCE_KEY_PREFIX": prefix, "PRESENCE_NODE_ID": "bench-node-\(index)", "PRESENCE_JWT_SECRET": secret,
-                "PRESENCE_ADMIN_TOKEN": adminToken, "PRESENCE_VISIBILITY": "open", "PRESENCE_LOG_LEVEL": "error",
-            ]) { _, new in new }
-            variables.merge(environment) { _, new in new }
-            process.environment = variables
-            process.standardOutput = FileHandle.nullDevice
-            process.standardError = FileHandle.nullDevice
-            try process.run()
-            processes.append(process)
-            ports.append(port)
+            nodes.append(try await GatewayProcess(nodeID: "bench-node-\(index)", environment: settings, binary: URL(fileURLWithPath: binary)))
         }
-        self.ports = ports
-        for port in ports {
-            let deadline = ContinuousClock.now + .seconds(30)
-            while await NodeProcesses.status(port: port, path: "/readyz") != 200 {
-                guard ContinuousClock.now < deadline else { stop(); throw BenchError("node on port \(port) not ready within 30 s") }
-                try await Task.sleep(for: .milliseconds(50))
+        self.nodes = nodes
+        ports = nodes.map(\.port)
+        for node in nodes {
+            let ready = await eventually(timeout: .seconds(30), poll: .milliseconds(50)) { GatewayProcess.httpStatus(port: node.port, path: "/readyz") == 200 }
+            guard ready else {
+                stop()
+                throw BenchError("node on port \(node.port) not ready within 30 s: \(node.output.suffix(2000))")
             }
         }
     }
@@ -83,30 +71,17 @@ final class NodeProcesses: @unchecked Sendable {
 
     /// SIGKILL node `index`, as a crash would.
     func kill(_ index: Int) {
-        guard processes[index].isRunning else { return }
-        Foundation.kill(processes[index].processIdentifier, SIGKILL)
-        processes[index].waitUntilExit()
+        nodes[index].kill()
     }
 
     /// Resident memory of node `index`, bytes.
     func residentBytes(_ index: Int) -> Int {
-        guard let status = try? String(contentsOfFile: "/proc/\(processes[index].processIdentifier)/status", encoding: .utf8),
-              let line = status.split(separator: "\n").first(where: { $0.hasPrefix("VmRSS:") }),
-              let kib = Int(line.split(separator: " ").dropFirst().first ?? "") else { return 0 }
-        return kib * 1024
+        nodes[index].residentBytes ?? 0
     }
 
     /// Stops every node (SIGKILL: nothing of theirs needs to survive a benchmark).
     func stop() {
-        for index in processes.indices { kill(index) }
-    }
-
-    /// A free loopback port (bound by the kernel, then released).
-    static func freePort() async throws -> Int {
-        let channel = try await ServerBootstrap(group: MultiThreadedEventLoopGroup.singleton).bind(host: "127.0.0.1", port: 0).get()
-        defer { channel.close(promise: nil) }
-        guard let port = channel.localAddress?.port else { throw BenchError("no free port") }
-        return port
+        for node in nodes { node.kill() }
     }
 
     /// An admin call on node `index`; throws unless it answers 200.
@@ -126,14 +101,6 @@ final class NodeProcesses: @unchecked Sendable {
         request.timeoutInterval = 2
         guard let (data, _) = try? await URLSession.shared.data(for: request) else { return nil }
         return String(decoding: data, as: UTF8.self)
-    }
-
-    /// The HTTP status of a GET on a loopback port, or nil when nothing answers.
-    static func status(port: Int, path: String) async -> Int? {
-        var request = URLRequest(url: URL(string: "http://127.0.0.1:\(port)\(path)")!)
-        request.timeoutInterval = 2
-        guard let (_, response) = try? await URLSession.shared.data(for: request) else { return nil }
-        return (response as? HTTPURLResponse)?.statusCode
     }
 }
 

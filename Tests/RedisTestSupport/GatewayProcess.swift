@@ -19,14 +19,14 @@ public final class GatewayProcess: @unchecked Sendable {
 
     /// Starts a node with `environment` (`PRESENCE_*` values) over `port` (a free one when nil:
     /// pass a killed node's to restart it where its clients look) and the node id, and waits
-    /// until it answers `/healthz`.
-    public init(nodeID: String, environment: [String: String], port: Int? = nil) async throws {
+    /// until it answers `/healthz`. `binary` replaces ``binary`` (a release build, say).
+    public init(nodeID: String, environment: [String: String], port: Int? = nil, binary: URL? = nil) async throws {
         self.port = try port ?? RedisServerProcess.freePort()
         self.nodeID = nodeID
         log = FileManager.default.temporaryDirectory.appendingPathComponent("gateway-\(nodeID)-\(UUID().uuidString).log")
         _ = FileManager.default.createFile(atPath: log.path, contents: nil)
         process = Process()
-        process.executableURL = Self.binary
+        process.executableURL = binary ?? Self.binary
         var variables = ProcessInfo.processInfo.environment.filter { !$0.key.hasPrefix("PRESENCE_") }
         variables.merge(environment) { _, new in new }
         variables["PRESENCE_PORT"] = "\(self.port)"
