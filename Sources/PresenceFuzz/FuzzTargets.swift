@@ -107,14 +107,7 @@ private func checkClientFrame(_ text: String, _ coder: FrameCoder) {
         return
     }
     precondition((message.id?.utf8.count ?? 0) <= ClientMessage.maxIDBytes, "an id over 128 bytes was taken")
-    let ids: [String] =
-        switch message.frame {
-        case .subscribe(.users(let users)), .unsubscribe(.users(let users)): users
-        case .subscribe(.conversation(let conversation)), .unsubscribe(.conversation(let conversation)): [conversation]
-        case .typing(let conversation, _): [conversation]
-        case .status, .ping: []
-        }
-    precondition(ids.allSatisfy { coder.ids.canonical($0) == $0 }, "an id not in its stored spelling was taken")
+    precondition(message.frame.ids.allSatisfy { coder.ids.canonical($0) == $0 }, "an id not in its stored spelling was taken")
     let again = try? coder.clientMessage(coder.text(message))
     precondition(again == message, "a frame written again reads differently: \(text.prefix(200))")
 }

@@ -21,6 +21,16 @@ public enum ClientFrame: Sendable, Hashable {
         case conversation(String)
     }
 
+    /// The user and conversation ids the frame names.
+    public var ids: [String] {
+        switch self {
+        case .subscribe(.users(let users)), .unsubscribe(.users(let users)): users
+        case .subscribe(.conversation(let conversation)), .unsubscribe(.conversation(let conversation)): [conversation]
+        case .typing(let conversation, _): [conversation]
+        case .status, .ping: []
+        }
+    }
+
     /// The frame's `type`.
     public var type: String {
         switch self {

@@ -85,7 +85,10 @@ struct ClockSkewTests {
         await carol.client.networkChanged(available: false)
         for peer in ["dan", "carol"] {
             #expect(await bob.sees(peer, .offline, within: .seconds(setting.linger + 3)), "\(peer) goes offline")
-            let offlineAt = try #require(bob.arrivals(of: peer).first { $0.at >= dropped && $0.status == .offline }?.at)
+            // The client's cache changes before its event reaches the test's log: wait for the event.
+            func heard() -> ContinuousClock.Instant? { bob.arrivals(of: peer).first { $0.at >= dropped && $0.status == .offline }?.at }
+            #expect(await eventually(timeout: .seconds(2)) { heard() != nil }, "bob's log has \(peer)'s offline: \(bob.timeline(since: dropped, peer: peer))")
+            let offlineAt = try #require(heard())
             let after = offlineAt - dropped
             print("skew ±\(setting.skew) s: \(peer) dropped, bob heard offline after \(after) (linger \(setting.linger) s)")
             #expect(after >= .seconds(setting.linger - 1) && after <= .seconds(setting.linger + 1), "\(peer) offline after \(after), linger \(setting.linger) s")
