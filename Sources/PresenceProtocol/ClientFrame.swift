@@ -196,17 +196,3 @@ extension ClientMessage: Codable {
         try container.encodeIfPresent(id, forKey: .id)
     }
 }
-
-extension FrameCoder {
-    /// A client frame as the gateway takes it (see ``ClientMessage/init(from:)``); anything
-    /// that is not JSON is ``FrameError`` too.
-    public func clientMessage(_ text: String) throws(FrameError) -> ClientMessage {
-        do {
-            return try decoder.decode(ClientMessage.self, from: Data(text.utf8))
-        } catch let error as FrameError {
-            throw error
-        } catch {
-            throw FrameError(ClientMessage.notAnObject)
-        }
-    }
-}

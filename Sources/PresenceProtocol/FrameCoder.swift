@@ -1,0 +1,55 @@
+import Foundation
+
+/// Turns frames into the JSON text of a WebSocket message and back, with ids in one
+/// ``PresenceIDFormat``. Keys are sorted, so equal frames are equal text.
+public struct FrameCoder: Sendable {
+    /// How user and conversation ids are written.
+    public let ids: PresenceIDFormat
+    private let encoder: JSONEncoder
+    private let decoder: JSONDecoder
+
+    /// A coder writing ids in `ids`. With `snakeCaseKeys`, the keys of types that name none
+    /// of their own are written in the API's style (`leaseExpiresAt` as `lease_expires_at`).
+    public init(ids: PresenceIDFormat = .string, snakeCaseKeys: Bool = false) {
+        self.ids = ids
+        encoder = JSONEncoder()
+        encoder.outputFormatting = [.sortedKeys, .withoutEscapingSlashes]
+        if snakeCaseKeys { encoder.keyEncodingStrategy = .convertToSnakeCase }
+        encoder.userInfo[.presenceIDFormat] = ids
+        decoder = JSONDecoder()
+        decoder.userInfo[.presenceIDFormat] = ids
+    }
+
+    /// The JSON text of any frame or body.
+    public func text(_ value: some Encodable) -> String {
+        String(decoding: data(value), as: UTF8.self)
+    }
+
+    /// The JSON bytes of any frame or body.
+    public func data(_ value: some Encodable) -> Data {
+        // Every value here encodes: strings, numbers, booleans and null.
+        (try? encoder.encode(value)) ?? Data("{}".utf8)
+    }
+
+    /// The text of a server frame.
+    public func text(_ frame: ServerFrame, id: String? = nil) -> String {
+        text(ServerMessage(frame, id: id))
+    }
+
+    /// A server frame from its text.
+    public func serverMessage(_ text: String) throws -> ServerMessage {
+        try decoder.decode(ServerMessage.self, from: Data(text.utf8))
+    }
+
+    /// A client frame as the gateway takes it (see ``ClientMessage/init(from:)``); anything
+    /// that is not JSON is ``FrameError`` too.
+    public func clientMessage(_ text: String) throws(FrameError) -> ClientMessage {
+        do {
+            return try decoder.decode(ClientMessage.self, from: Data(text.utf8))
+        } catch let error as FrameError {
+            throw error
+        } catch {
+            throw FrameError(ClientMessage.notAnObject)
+        }
+    }
+}
