@@ -21,7 +21,10 @@ extension PresenceEngine {
     }
 
     private func publish(_ message: NodeMessage, on channel: String) async throws(PresenceError) -> Int {
-        let text = FrameCoder().data(message)
+        let text = nodeMessageCoder.data(message)
         return try await run { try await self.redis.send("PUBLISH", RedisArgument(channel), RedisArgument(bytes: Array(text))) }.int ?? 0
     }
 }
+
+/// Writes node messages; made once, not per message.
+private let nodeMessageCoder = FrameCoder()

@@ -19,6 +19,7 @@ struct OutageTests {
         let directory = NSTemporaryDirectory() + "presence-outage-" + UUID().uuidString.prefix(8).lowercased()
         try FileManager.default.createDirectory(atPath: directory, withIntermediateDirectories: true)
         defer { try? FileManager.default.removeItem(atPath: directory) }
+        let startedAt = ContinuousClock.now
         // With data kept: an append-only file synced on every write, loaded again at restart.
         let persistence = dataKept ? ["--appendonly", "yes", "--appendfsync", "always", "--dir", directory] : []
         let redis = try RedisServerProcess(arguments: persistence)
@@ -88,7 +89,8 @@ struct OutageTests {
             sum + client.events.filter { if case .error(let code, _) = $0 { code == .unavailable } else { false } }.count
         }
         print("outage (\(dataKept ? "data kept" : "restarted empty")): \(Self.outage) s; REST \(restStatuses) codes \(restCodes); /readyz \(readyz); status refusals \(refusals)")
-        #expect(stillConnected && clients.map(\.connections) == connectionsBefore, "every session stayed open through the outage")
+        #expect(stillConnected && clients.map(\.connections) == connectionsBefore,
+                "every session stayed open through the outage: \(Self.reconnected(clients, since: connectionsBefore, at: stoppedAt))")
         #expect(!restStatuses.isEmpty && restStatuses.keys.allSatisfy { $0 == 503 } && restCodes == ["unavailable"], "REST: \(restStatuses) \(restCodes)")
         #expect(!readyz.isEmpty && readyz.keys.allSatisfy { $0 == 503 }, "/readyz: \(readyz)")
         #expect(refusals > 0, "status changes made during the outage were answered with error unavailable")
@@ -128,10 +130,30 @@ struct OutageTests {
             let ready = GatewayProcess.httpStatus(port: node.port, path: "/readyz")
             #expect(ready == 200, "node \(node.nodeID) not ready; it printed:\n\(node.output.suffix(3000))")
         }
-        #expect(clients.map(\.connections) == connectionsBefore, "no session was dropped on the way back")
+        #expect(clients.map(\.connections) == connectionsBefore,
+                "no session was dropped on the way back: \(Self.reconnected(clients, since: connectionsBefore, at: stoppedAt))")
         // Nobody disconnected, so no watcher may have been shown anyone offline.
         let offline = clients.flatMap { watcher in names.filter { watcher.statusesSinceOnline(of: $0).contains(.offline) }.map { "\(watcher.user) saw \($0)" } }
-        #expect(offline.isEmpty, "offline shown for live users: \(offline.prefix(5))")
+        #expect(offline.isEmpty, "offline shown for live users: \(offline.prefix(5)); \(Self.offlineTimelines(clients, since: startedAt))")
+    }
+
+    /// The clients whose session count changed since `before`, with their connection states
+    /// since `start`: for explaining a failure.
+    static func reconnected(_ clients: [LiveClient], since before: [Int], at start: ContinuousClock.Instant) -> [String] {
+        zip(clients, before).filter { $0.connections != $1 }.prefix(3).map { client, count in
+            "\(client.user) (\(count) → \(client.connections)): " + client.timeline(since: start).joined(separator: ", ")
+        }
+    }
+
+    /// For the first two watchers shown a live user offline: what each heard of that user since
+    /// `start`.
+    static func offlineTimelines(_ clients: [LiveClient], since start: ContinuousClock.Instant) -> [String] {
+        let names = clients.map(\.user)
+        return clients.compactMap { watcher in
+            names.first { watcher.statusesSinceOnline(of: $0).contains(.offline) }.map { name in
+                "\(watcher.user) on \(name): " + watcher.timeline(since: start, peer: name).joined(separator: ", ")
+            }
+        }.prefix(2).map { $0 }
     }
 }
 

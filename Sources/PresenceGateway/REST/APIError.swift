@@ -85,11 +85,14 @@ public struct APIError: Error, HTTPResponseError, Sendable {
     /// The JSON body.
     struct Body: Encodable { var error: ErrorPayload }
 
+    /// Writes error bodies (they carry no ids); made once, not per answer.
+    private static let bodies = FrameCoder()
+
     public func response(from request: Request, context: some RequestContext) throws -> Response {
         var headers: HTTPFields = [.contentType: "application/json; charset=utf-8"]
         if let retryAfter { headers[.retryAfter] = String(retryAfter) }
         if let allow { headers[.allow] = allow.joined(separator: ", ") }
-        let data = FrameCoder().data(Body(error: payload))
+        let data = Self.bodies.data(Body(error: payload))
         return Response(status: status, headers: headers, body: .init(byteBuffer: ByteBuffer(bytes: data)))
     }
 }
