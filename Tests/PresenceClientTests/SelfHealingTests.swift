@@ -69,4 +69,46 @@ struct SelfHealingTests {
         #expect(!bob.statuses(of: "alice").contains(.offline), "bob never heard alice go offline")
         #expect(await alice.client.connectionState == .connected, "alice's session was never closed")
     }
+
+    /// After an outage, nodes reach Redis one after another, up to a reconnect backoff apart. A
+    /// node's subscriber reconnects first and holds back "offline" for the recovery grace
+    /// (lease + 5 s); finding its own lease gone a moment later must not cut that short to the
+    /// data-loss grace (lease / 3 + 2 s), or its watchers are told "offline" for the users of a
+    /// node that is still on its way back. Node a is frozen through the loss to be that late node.
+    @Test("Redis comes back empty and one node reaches it 4.5 s after the other: the other node's watchers never hear that node's users go offline")
+    func lateNode() async throws {
+        let redis = try RedisServerProcess()
+        let prefix = TestRedis.uniquePrefix("late")
+        let lease = 3
+        let environment = nodeEnvironment(prefix: prefix, redisURL: redis.url(), extra: ["PRESENCE_VISIBILITY": "open", "PRESENCE_LEASE_TTL": "\(lease)"])
+        let a = try await GatewayProcess(nodeID: "a", environment: environment)
+        let b = try await GatewayProcess(nodeID: "b", environment: environment)
+        defer { a.resume() }
+        let alice = try await LiveClient("alice", device: "phone", nodes: [a])
+        let bob = try await LiveClient("bob", device: "laptop", nodes: [b])
+        for client in [alice, bob] { #expect(await client.connected(), "\(client.user) is connected") }
+        try await bob.client.watch(["alice"])
+        try #require(await bob.sees("alice", .online), "bob sees alice online")
+
+        let started = ContinuousClock.now
+        a.pause()
+        // Every subscriber is dropped, as in an outage: b's reconnects at once and starts its
+        // catch-up with the recovery grace.
+        #expect(try redis.cli("CLIENT", "KILL", "TYPE", "pubsub").trimmingCharacters(in: .whitespacesAndNewlines) != "0")
+        try await Task.sleep(for: .milliseconds(500))
+        // Redis is back, empty: b finds its lease gone within a third of a lease.
+        #expect(try redis.cli("FLUSHALL").contains("OK"))
+        try await Task.sleep(for: .milliseconds(4500))
+        a.resume()
+        let reader = try await mint("reader")
+        let restOnline = await eventually(timeout: .seconds(lease + 2), poll: .milliseconds(100)) {
+            GatewayProcess.httpGet(port: b.port, path: "/api/presence/users/alice", headers: ["Authorization": "Bearer \(reader)"])?.body.contains(#""status":"online""#) == true
+        }
+        #expect(restOnline, "a wrote alice again once it ran")
+        // Past the recovery grace, when a catch-up could tell bob offline at the latest.
+        try await Task.sleep(for: .seconds(lease + 5) - (ContinuousClock.now - started) + .seconds(1))
+        #expect(!bob.statuses(of: "alice").contains(.offline), "bob never heard alice go offline: \(bob.timeline(since: started, peer: "alice"))")
+        #expect(await bob.sees("alice", .online), "bob sees alice online")
+        #expect(await alice.client.connectionState == .connected, "alice's session was never closed")
+    }
 }

@@ -67,6 +67,19 @@ public final class GatewayProcess: @unchecked Sendable {
         process.waitUntilExit()
     }
 
+    /// SIGSTOP: the node is frozen, as a paused VM or a long stall is; its connections stay
+    /// open and nothing on it runs until ``resume()``.
+    public func pause() {
+        guard process.isRunning else { return }
+        Foundation.kill(process.processIdentifier, SIGSTOP)
+    }
+
+    /// SIGCONT after ``pause()``.
+    public func resume() {
+        guard process.isRunning else { return }
+        Foundation.kill(process.processIdentifier, SIGCONT)
+    }
+
     /// SIGTERM, as an orchestrator's stop is: the node drains its sessions, then exits. Returns
     /// at once.
     public func terminate() {

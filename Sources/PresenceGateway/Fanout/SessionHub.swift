@@ -27,8 +27,11 @@ final class SessionHub: Service, Sendable {
         var draining = false
         /// WebSocket connections admitted, from the upgrade to their end.
         var admitted = 0
-        /// The catch-up after a pub/sub reconnect; a newer reconnect replaces it.
+        /// The catch-up after a pub/sub reconnect or a data loss; a newer one replaces it.
         var resync: Task<Void, Never>?
+        /// Until when catch-ups leave users told online or away as told when they read them
+        /// offline; a newer catch-up may move it later, never earlier.
+        var holdOfflineUntil: ContinuousClock.Instant?
     }
 
     init(engine: PresenceEngine, subscriber: RedisSubscriber, frames: FrameCoder, logger: Logger) {
@@ -171,7 +174,7 @@ final class SessionHub: Service, Sendable {
     /// Sends `session` the current presence of `users` it has not been told yet, as updates.
     /// A read that crossed an event about a user is repeated for that user (a few times at most).
     /// Returns false when Redis could not be read. With `holdingBackOffline`, a user read as
-    /// offline whom the session was told is online or away is left as told (see ``resync()``).
+    /// offline whom the session was told is online or away is left as told (see ``resync(holdingOfflineUntil:)``).
     @discardableResult
     func catchUp(_ session: Session, _ users: [String], holdingBackOffline: Bool = false) async -> Bool {
         var pending = users
@@ -291,12 +294,18 @@ final class SessionHub: Service, Sendable {
         configuration.leaseTTL / 3 + .seconds(2)
     }
 
-    /// Starts a catch-up of every session (see ``resync(grace:)``); a newer one replaces it.
+    /// Starts a catch-up of every session (see ``resync(holdingOfflineUntil:)``); a newer one
+    /// replaces it, but never ends the hold-back on offline sooner than the one it replaces.
+    /// After an outage, the subscriber's reconnect asks for the recovery grace (other nodes may
+    /// reach Redis seconds later) and this node's own finding of the data loss, a moment after,
+    /// for a shorter one: taking the shorter would tell watchers "offline" for the users of a
+    /// node that has not come back yet.
     private func startResync(grace: Duration) {
-        let task = Task { await self.resync(grace: grace) }
         state.withLockedValue { state in
+            let until = max(state.holdOfflineUntil ?? .now, .now + grace)
+            state.holdOfflineUntil = until
             state.resync?.cancel()
-            state.resync = task
+            state.resync = Task { await self.resync(holdingOfflineUntil: until) }
         }
     }
 
@@ -373,13 +382,13 @@ final class SessionHub: Service, Sendable {
     ///
     /// Reads are retried until Redis answers: the command connection may come back later than
     /// the subscriber's. A user read as offline whom a session was told is online is told so only
-    /// after `grace`, in a second pass. Redis may have lost its data, and the nodes holding live
-    /// sessions write them again within that grace; the first read would show those users
-    /// offline for a moment.
-    private func resync(grace: Duration) async {
+    /// at `until`, in a second pass. Redis may have lost its data, and the nodes holding live
+    /// sessions write them again by then; the first read would show those users offline for a
+    /// moment.
+    private func resync(holdingOfflineUntil until: ContinuousClock.Instant) async {
         await refreshMembershipOfEverySession()
         await catchUpEverySession(holdingBackOffline: true)
-        guard (try? await Task.sleep(for: grace)) != nil else { return }
+        guard (try? await Task.sleep(until: until, clock: .continuous)) != nil else { return }
         await catchUpEverySession(holdingBackOffline: false)
     }
 
