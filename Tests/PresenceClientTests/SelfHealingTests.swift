@@ -111,4 +111,37 @@ struct SelfHealingTests {
         #expect(await bob.sees("alice", .online), "bob sees alice online")
         #expect(await alice.client.connectionState == .connected, "alice's session was never closed")
     }
+
+    /// A half-open pub/sub connection: the node's subscriber hears nothing and nothing tells it
+    /// so, while its commands go through. Its PING (every 2 s, answered within the command
+    /// timeout of 5 s) finds out; the connection is made again and every watcher re-read.
+    @Test("a node's pub/sub connection goes deaf without a FIN: it is dropped and made again within 10 s, and its watcher gets the change it missed, then live events again")
+    func deafSubscriber() async throws {
+        let redis = try RedisServerProcess()
+        let proxy = try RedisProxy(upstreamPort: redis.port)
+        defer { proxy.stop() }
+        let prefix = TestRedis.uniquePrefix("deaf")
+        let environment = nodeEnvironment(prefix: prefix, redisURL: redis.url(), extra: ["PRESENCE_VISIBILITY": "open"])
+        // Node a reaches Redis through the proxy; b directly.
+        let a = try await GatewayProcess(nodeID: "a", environment: environment.merging(["PRESENCE_REDIS_URL": proxy.url]) { _, new in new })
+        let b = try await GatewayProcess(nodeID: "b", environment: environment)
+        let alice = try await LiveClient("alice", device: "phone", nodes: [b])
+        let bob = try await LiveClient("bob", device: "laptop", nodes: [a])
+        for client in [alice, bob] { #expect(await client.connected(), "\(client.user) is connected") }
+        try await bob.client.watch(["alice"])
+        try #require(await bob.sees("alice", .online), "bob sees alice online")
+        let connectionsBefore = [alice.connections, bob.connections]
+
+        #expect(proxy.deafenSubscribers() == 1, "node a's one subscriber connection goes deaf")
+        let deafened = ContinuousClock.now
+        await alice.client.setStatus(.away)
+        #expect(await !bob.sees("alice", .away, within: .seconds(1)), "the change does not reach bob while his node is deaf")
+        #expect(await bob.sees("alice", .away, within: .seconds(10)), "bob gets the change once his node's subscriber is made again: \(bob.timeline(since: deafened, peer: "alice"))")
+        print("deaf subscriber: bob heard alice away \(ContinuousClock.now - deafened) after the connection went deaf")
+        await alice.client.setStatus(.online)
+        #expect(await bob.sees("alice", .online, within: .seconds(2)), "live events reach bob again")
+        #expect(GatewayProcess.httpStatus(port: a.port, path: "/readyz") == 200, "node a is ready again")
+        #expect(!bob.statuses(of: "alice").contains(.offline), "bob never heard alice go offline")
+        #expect([alice.connections, bob.connections] == connectionsBefore, "no session was dropped")
+    }
 }

@@ -15,6 +15,15 @@ final class ManualClock: PresenceClock {
     }
 }
 
+/// A node's own clock, `offset` milliseconds off the shared one, whose scripts still take the
+/// shared time as now (`base` stands in for Redis's clock): a node with a wrong wall clock.
+struct OffsetClock: PresenceClock {
+    let base: ManualClock
+    let offset: Int64
+    func nowMilliseconds() -> Int64 { base.nowMilliseconds() + offset }
+    var scriptTime: Int64? { base.nowMilliseconds() }
+}
+
 /// Engines for several simulated nodes sharing one Redis client and one key prefix.
 struct EngineCluster {
     let redis: RedisClient
@@ -22,11 +31,13 @@ struct EngineCluster {
     let prefix = TestRedis.uniquePrefix("engine")
     var prefixKeys: PresenceKeys { PresenceKeys(prefix: prefix) }
 
-    func engine(node: String, visibility: Visibility = .conversations, maxDevices: Int = 32, lease: Duration = .seconds(10)) -> PresenceEngine {
+    /// An engine for `node`; with `skew`, its own clock is that many milliseconds off (see
+    /// ``OffsetClock``).
+    func engine(node: String, visibility: Visibility = .conversations, maxDevices: Int = 32, lease: Duration = .seconds(10), skew: Int64 = 0) -> PresenceEngine {
         PresenceEngine(
             redis: redis,
             configuration: PresenceConfiguration(keyPrefix: prefix, nodeID: node, visibility: visibility, leaseTTL: lease, maxDevicesPerUser: maxDevices),
-            clock: clock,
+            clock: skew == 0 ? clock : OffsetClock(base: clock, offset: skew),
             logger: TestRedis.logger()
         )
     }
