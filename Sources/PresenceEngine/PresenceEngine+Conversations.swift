@@ -153,7 +153,7 @@ extension PresenceEngine {
         }
         // A removed member stops typing there, once no longer a member: a start that raced the
         // removal was refused, or is ended here.
-        for user in event.removed { _ = try await writeTyping(user: user, conversation: conversation, isTyping: false) }
+        for user in event.removed { _ = try await evaluate(SetTyping(conversation: conversation, user: user, isTyping: false, checked: false)) }
         return event
     }
 

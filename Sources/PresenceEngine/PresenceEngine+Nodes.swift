@@ -35,32 +35,23 @@ extension PresenceEngine {
 
     /// Registers this node: lease, registry entry and info, as after a start or a lost lease.
     public func registerNode() async throws(PresenceError) {
-        _ = try await leaseScript(mode: "register")
+        _ = try await leaseScript(register: true)
         registered.withLockedValue { $0 = true }
     }
 
-    /// Runs the lease script (`register` or `renew`); returns the renewal's moment, 0 if a
-    /// renewal found the lease gone. An index holding fewer devices than this node's sessions
+    /// Runs the lease script; returns whether the lease was renewed (or taken, with
+    /// `register`), not found gone. An index holding fewer devices than this node's sessions
     /// asks for an audit: Redis lost part of it, and a node that died now could not be reaped.
-    private func leaseScript(mode: String) async throws(PresenceError) -> Int {
-        let node = configuration.nodeID
+    private func leaseScript(register: Bool) async throws(PresenceError) -> Bool {
+        let sessions = localDeviceCount
         do {
             let sent = clock.nowMilliseconds()
-            let reply = try await run {
-                try await self.redis.evaluate(
-                    PresenceScripts.renewLease,
-                    keys: [keys.lease(node), keys.nodes, keys.nodeInfo(node), keys.nodeDevices(node)],
-                    arguments: [nowArgument, RedisArgument(Int(configuration.leaseTTL.milliseconds)), RedisArgument(node),
-                                RedisArgument(localDeviceCount), RedisArgument(Int(configuration.deviceKeyTTL.milliseconds)), RedisArgument(mode)]
-                )
-            }
-            let values = reply.array ?? []
-            if let storeNow = values.first?.int, storeNow > 0 {
-                let local = (sent + clock.nowMilliseconds()) / 2
-                storeClockOffset.withLockedValue { $0 = Int64(storeNow) - local }
-            }
-            if values.count == 2, let indexed = values[1].int, indexed < localDeviceCount { requestAudit() }
-            return values.first?.int ?? 0
+            let outcome = try await evaluate(RenewLease(node: configuration.nodeID, register: register, sessions: sessions))
+            guard case .renewed(let storeNow, let indexed) = outcome else { return false }
+            let local = (sent + clock.nowMilliseconds()) / 2
+            storeClockOffset.withLockedValue { $0 = storeNow - local }
+            if indexed < sessions { requestAudit() }
+            return true
         } catch where error.code == .unavailable {
             let now = clock.nowMilliseconds()
             lastRedisFailure.withLockedValue { $0 = now }
@@ -96,7 +87,7 @@ extension PresenceEngine {
     /// Renews the lease. Returns `false` when the lease was gone: the node was reaped or Redis
     /// lost its data, and the caller must ``reregister()``.
     public func renewLease() async throws(PresenceError) -> Bool {
-        guard try await leaseScript(mode: "renew") > 0 else { return false }
+        guard try await leaseScript(register: false) else { return false }
         // The node's other keys follow the lease; their safety TTL is refreshed at the same time.
         let node = configuration.nodeID
         let keep = RedisArgument(Int(configuration.deviceKeyTTL.milliseconds))
@@ -124,10 +115,7 @@ extension PresenceEngine {
     /// that a reaper takes offline any device a session still held (one whose close Redis did not
     /// take); devices whose sessions closed are lingering already and do not depend on it.
     public func deregisterNode() async throws(PresenceError) {
-        let node = configuration.nodeID
-        _ = try await run {
-            try await self.redis.evaluate(PresenceScripts.releaseLease, keys: [keys.lease(node), keys.nodes], arguments: [nowArgument, RedisArgument(node)])
-        }
+        try await evaluate(ReleaseLease(node: configuration.nodeID))
     }
 
     /// How many devices this node's sessions hold.
@@ -151,7 +139,7 @@ extension PresenceEngine {
         return pairs.enumerated().map { index, pair in
             let fields = (try? replies[2 * index].get())?.array ?? []
             let leaseExists = (try? replies[2 * index + 1].get())?.int == 1
-            let renewed = fields.count == 2 ? Self.timestamp(fields[1]) : nil
+            let renewed = fields.count == 2 ? ScriptLua.timestamp(fields[1]) : nil
             // A node being reaped has its registry score moved forward by the claim, but its
             // lease key has expired: it is lapsed either way.
             return NodeRecord(
@@ -180,7 +168,7 @@ extension PresenceEngine {
                     report.changedUsers += changed
                     report.nodes.append(node)
                 }
-                _ = try await run { try await self.redis.evaluate(PresenceScripts.removeIfScore, keys: [keys.nodes], arguments: [RedisArgument(node), nodes.retry]) }
+                _ = try await evaluate(RemoveIfScore(key: keys.nodes, member: node, score: nodes.retry))
             }
         }
         let due = try await claim(keys.deadlines, limit: limit)
@@ -190,19 +178,10 @@ extension PresenceEngine {
                 return
             }
             // The script keeps the device's entry in `deadlines` right whatever it finds.
-            let reply = try await run {
-                try await self.redis.evaluate(
-                    PresenceScripts.removeDevice,
-                    keys: [keys.devices(user), keys.state(user), keys.deadlines],
-                    arguments: [nowArgument, RedisArgument(user), RedisArgument(device), "", "expire", "0",
-                                RedisArgument(keys.userChannel(user)), deviceTTLArgument]
-                )
-            }
-            let values = reply.array ?? []
-            if let flag = values.first?.int, flag >= 0 {
+            if case .removed(let change) = try await evaluate(RemoveDevice(user: user, device: device, mode: .expire)) {
                 report.expiredDevices += 1
-                if flag == 1 || values.count > 3 && values[3].int == 1 { report.changedUsers += 1 }
-                if let change = try? Self.change(from: values, user: user) { await settle(change) }
+                if change.changed || change.shownChanged { report.changedUsers += 1 }
+                await settle(change)
             }
         }
         report.typingEnded = try await reapTyping(limit: limit)
@@ -222,10 +201,7 @@ extension PresenceEngine {
     ///   the lease is not checked and the index is kept (this process may have added to it).
     private func reapNode(_ node: String, leaseEnded: Int64, predecessor: Bool = false) async throws(PresenceError) -> Int? {
         if !predecessor {
-            let live = try await run {
-                try await self.redis.evaluate(PresenceScripts.leaseLive, keys: [keys.lease(node), keys.nodes], arguments: [nowArgument, RedisArgument(node)])
-            }
-            guard live.int != 1 else {
+            guard try await !evaluate(LeaseLive(node: node)) else {
                 logger.info("a node claimed as lapsed holds its lease; not reaped", metadata: ["presence.node_id": "\(node)"])
                 return nil
             }
@@ -233,7 +209,7 @@ extension PresenceEngine {
         let info = try await run { try await self.redis.send("HMGET", RedisArgument(keys.nodeInfo(node)), "renewed_at", "sessions") }.array ?? []
         // Without its info (lost with Redis data), the best known moment is a lease before the
         // lease's end.
-        let renewed = info.first.flatMap(Self.timestamp) ?? (leaseEnded - configuration.leaseTTL.milliseconds)
+        let renewed = info.first.flatMap(ScriptLua.timestamp) ?? (leaseEnded - configuration.leaseTTL.milliseconds)
         let sessions = info.count == 2 ? info[1].int ?? 0 : 0
         var cursor = "0"
         var byUser: [String: Int] = [:]
@@ -255,25 +231,18 @@ extension PresenceEngine {
         var changed = 0
         let users = Array(byUser.keys)
         for start in stride(from: 0, to: users.count, by: 200) {
-            let batch = users[start..<min(start + 200, users.count)]
-            let calls = batch.map { user in
-                (keys: [keys.devices(user), keys.state(user), keys.deadlines],
-                 arguments: [nowArgument, RedisArgument(user), RedisArgument(node), RedisArgument(Int(renewed)),
-                             RedisArgument(keys.userChannel(user)), RedisArgument(Int(leaseEnded)),
-                             RedisArgument(predecessor ? Int(configuration.linger.milliseconds) : 0), deviceTTLArgument])
+            let calls = users[start..<min(start + 200, users.count)].map { user in
+                ReapNode(user: user, node: node, renewed: renewed, leaseEnded: leaseEnded, linger: predecessor ? configuration.linger : .zero)
             }
-            let results = try await run { try await self.redis.evaluate(PresenceScripts.reapNode, calls: calls) }
-            for (user, result) in zip(batch, results) {
-                if case .success(let reply) = result, let values = reply.array, values.count >= 6, values[0].int == 1 || values[3].int == 1 {
+            for result in try await evaluate(calls) {
+                if case .success(.reaped(let change)) = result, change.changed || change.shownChanged {
                     changed += 1
-                    if let change = try? Self.change(from: values, user: user) { await settle(change) }
+                    await settle(change)
                 }
             }
         }
         if !predecessor {
-            _ = try await run {
-                try await self.redis.evaluate(PresenceScripts.dropNode, keys: [keys.lease(node), keys.nodeDevices(node), keys.nodeInfo(node)], arguments: [nowArgument])
-            }
+            _ = try await evaluate(DropNode(node: node))
         }
         logger.info("reaped a dead node", metadata: ["presence.node_id": "\(node)", "presence.users": "\(byUser.count)", "presence.last_renewal": "\(renewed)"])
         return changed
@@ -296,24 +265,16 @@ extension PresenceEngine {
         return users
     }
 
-    /// What a claim took: the retry score it gave the entries, and the entries with their
-    /// scores before it.
-    struct Claim {
-        var retry: RedisArgument
-        var entries: [(String, Double)]
-    }
-
     /// Runs `body` on each claimed entry. An entry whose work Redis refuses (a script error) stays
     /// claimed, so that it is retried only after the claim and does not hold up the rest; when
     /// Redis cannot be reached, the entries not done yet are given back at once (best effort), so
     /// that one timeout does not park a whole page of them for a claim's 30 s.
-    func forEachClaimed(_ key: String, _ claim: Claim, _ body: (String, Double) async throws(PresenceError) -> Void) async throws(PresenceError) {
+    func forEachClaimed(_ key: String, _ claim: ClaimDue.Claim, _ body: (String, Double) async throws(PresenceError) -> Void) async throws(PresenceError) {
         for (index, (member, score)) in claim.entries.enumerated() {
             do {
                 try await body(member, score)
             } catch where error.code == .unavailable {
-                let rest = claim.entries[index...].flatMap { [RedisArgument($0.0), RedisArgument(Int($0.1))] }
-                _ = try? await run { try await self.redis.evaluate(PresenceScripts.unclaim, keys: [key], arguments: [claim.retry] + rest) }
+                _ = try? await evaluate(Unclaim(key: key, retry: claim.retry, entries: Array(claim.entries[index...])))
                 throw error
             } catch {
                 logger.warning("reaper work refused; retried after the claim", metadata: ["presence.key": "\(key)", "presence.member": "\(member)", "error": "\(error)"])
@@ -321,20 +282,8 @@ extension PresenceEngine {
         }
     }
 
-    /// Claims up to `limit` due entries of a deadline sorted set (see ``PresenceScripts/claimDue``).
-    func claim(_ key: String, limit: Int) async throws(PresenceError) -> Claim {
-        let reply = try await run {
-            try await self.redis.evaluate(
-                PresenceScripts.claimDue, keys: [key],
-                arguments: [nowArgument, RedisArgument(Int(Self.claimMilliseconds)), RedisArgument(limit)]
-            )
-        }
-        let values = reply.array ?? []
-        guard values.count >= 2, let retry = values[1].int else { throw PresenceError(.internal, "unexpected reply from the claim script") }
-        var entries: [(String, Double)] = []
-        for index in stride(from: 2, to: values.count - 1, by: 2) {
-            if let member = values[index].string, let score = values[index + 1].double { entries.append((member, score)) }
-        }
-        return Claim(retry: RedisArgument(retry), entries: entries)
+    /// Claims up to `limit` due entries of a deadline sorted set (see ``ClaimDue``).
+    func claim(_ key: String, limit: Int) async throws(PresenceError) -> ClaimDue.Claim {
+        try await evaluate(ClaimDue(key: key, claimFor: .milliseconds(Self.claimMilliseconds), limit: limit))
     }
 }

@@ -39,29 +39,17 @@ extension PresenceEngine {
     /// whether watchers were told.
     @discardableResult
     public func setTyping(user: String, conversation: String, isTyping: Bool) async throws(PresenceError) -> Bool {
-        let outcome = try await writeTyping(user: user, conversation: conversation, isTyping: isTyping, checked: true)
-        guard outcome >= 0 else { throw PresenceError(.forbidden, "you are not a member of this conversation") }
-        return outcome == 1
-    }
-
-    /// Runs ``PresenceScripts/setTyping``; `checked` for a client's request.
-    func writeTyping(user: String, conversation: String, isTyping: Bool, checked: Bool = false) async throws(PresenceError) -> Int {
-        let reply = try await run {
-            try await self.redis.evaluate(
-                PresenceScripts.setTyping,
-                keys: [keys.typing(conversation), keys.typingDeadlines, keys.members(conversation), keys.state(user)],
-                arguments: [nowArgument, RedisArgument(conversation), RedisArgument(user), isTyping ? "1" : "0",
-                            RedisArgument(Int(configuration.typingTTL.milliseconds)), RedisArgument(Int(Self.typingCoalescingMilliseconds)),
-                            RedisArgument(keys.conversationChannel(conversation)), checked ? "check" : ""]
-            )
+        switch try await evaluate(SetTyping(conversation: conversation, user: user, isTyping: isTyping, checked: true)) {
+        case .notMember: throw PresenceError(.forbidden, "you are not a member of this conversation")
+        case .published: return true
+        case .quiet: return false
         }
-        return reply.int ?? 0
     }
 
     /// Ends every typing state of `user`, as when they go offline.
     public func clearTyping(user: String) async throws(PresenceError) {
         for conversation in try await conversations(of: user) {
-            _ = try await writeTyping(user: user, conversation: conversation, isTyping: false)
+            _ = try await evaluate(SetTyping(conversation: conversation, user: user, isTyping: false, checked: false))
         }
     }
 
@@ -97,22 +85,17 @@ extension PresenceEngine {
         var ended = 0
         try await forEachClaimed(keys.typingDeadlines, due) { member, _ throws(PresenceError) in
             let parts = member.split(separator: "|", maxSplits: 1).map(String.init)
-            var reply = RESPValue.integer(0)
+            var outcome = ExpireTyping.Outcome.none
             if parts.count == 2 {
-                reply = try await run {
-                    try await self.redis.evaluate(
-                        PresenceScripts.expireTyping, keys: [keys.typing(parts[0])],
-                        arguments: [nowArgument, RedisArgument(parts[0]), RedisArgument(parts[1]), RedisArgument(keys.conversationChannel(parts[0]))]
-                    )
-                }
+                outcome = try await evaluate(ExpireTyping(conversation: parts[0], user: parts[1]))
             }
-            if let expiry = reply.int, expiry > 1 {
+            if case .running(let expiry) = outcome {
                 // Refreshed since it was indexed: keep it at its real expiry.
-                _ = try await run { try await self.redis.send("ZADD", RedisArgument(keys.typingDeadlines), RedisArgument(expiry), RedisArgument(member)) }
+                _ = try await run { try await self.redis.send("ZADD", RedisArgument(keys.typingDeadlines), RedisArgument(Int(expiry)), RedisArgument(member)) }
                 return
             }
-            _ = try await run { try await self.redis.evaluate(PresenceScripts.removeIfScore, keys: [keys.typingDeadlines], arguments: [RedisArgument(member), retry]) }
-            if reply.int == 1 { ended += 1 }
+            _ = try await evaluate(RemoveIfScore(key: keys.typingDeadlines, member: member, score: retry))
+            if outcome == .ended { ended += 1 }
         }
         return ended
     }

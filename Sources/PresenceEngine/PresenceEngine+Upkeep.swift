@@ -68,29 +68,25 @@ extension PresenceEngine {
             try await self.redis.send([RedisArgument("SADD"), RedisArgument(self.keys.nodeDevices(node))] + batch.map { RedisArgument($0.member) })
         }
         let calls = batch.map { entry in
-            upsertCall(user: entry.device.user, device: entry.device.device, status: entry.device.status, node: node, session: entry.device.session, mode: "restore")
+            UpsertDevice(user: entry.device.user, device: entry.device.device, status: entry.device.status, node: node, session: entry.device.session, mode: .restore)
         }
-        let results = try await run { try await self.redis.evaluate(PresenceScripts.upsertDevice, calls: calls) }
         var written = 0
         var overtaken: [(member: String, device: LocalDevice)] = []
-        for (entry, result) in zip(batch, results) {
-            let values: [RESPValue]
+        for (entry, result) in zip(batch, try await evaluate(calls)) {
             switch result {
-            case .success(let reply):
-                values = reply.array ?? []
+            case .success(.heldByAnother):
+                await takenOver(entry.member, session: entry.device.session)
+                continue
+            case .success(.written(let change, _)):
+                written += 1
+                await settle(change)
             case .failure(let error):
                 // A server error (the device limit, say) is this device's alone; anything else
                 // stops the run, and the batch is written again on the next tick.
-                guard error.code == .server else { throw Self.presenceError(error) }
+                guard error.code != .unavailable else { throw error }
                 logger.warning("cannot write a device again", metadata: ["presence.user_id": "\(entry.device.user)", "error": "\(error)"])
                 continue
             }
-            if values.first?.int == -3 {
-                await takenOver(entry.member, session: entry.device.session)
-                continue
-            }
-            written += 1
-            if let change = try? Self.change(from: values, user: entry.device.user) { await settle(change) }
             let now = local.withLockedValue { $0[entry.member] }
             if now?.session != entry.device.session || now?.status != entry.device.status { overtaken.append(entry) }
         }
@@ -175,22 +171,15 @@ extension PresenceEngine {
         let node = configuration.nodeID
         for start in stride(from: 0, to: devices.count, by: Self.auditBatch) {
             let slice = devices[start..<min(start + Self.auditBatch, devices.count)]
-            let reply = try await run {
-                try await self.redis.evaluate(
-                    PresenceScripts.auditDevices,
-                    keys: [self.keys.nodeDevices(node)] + slice.map { self.keys.devices($0.value.user) },
-                    arguments: slice.flatMap { [RedisArgument($0.key), RedisArgument($0.value.device), RedisArgument($0.value.session)] }
-                )
-            }
-            let codes = reply.array ?? []
+            let findings = try await evaluate(AuditDevices(node: node, devices: slice.map { AuditDevices.Device(user: $0.value.user, device: $0.value.device, session: $0.value.session) }))
             report.checked += slice.count
-            for ((member, device), code) in zip(slice, codes) {
-                switch code.int {
-                case 1, 2: lost.append(member)
-                case 3:
+            for ((member, device), finding) in zip(slice, findings) {
+                switch finding {
+                case .lost, .unindexed: lost.append(member)
+                case .heldByAnother:
                     report.takenOver += 1
                     await takenOver(member, session: device.session)
-                default: break
+                case .held: break
                 }
             }
         }

@@ -102,11 +102,9 @@ public final class PresenceEngine: Sendable {
         // The node's device index is written first: if the script then fails, a stale entry
         // costs the reaper one no-op; the other order could leave a device nobody reaps.
         try await run { try await self.redis.send("SADD", RedisArgument(self.keys.nodeDevices(self.configuration.nodeID)), RedisArgument(member)) }
-        let reply = try await upsert(user: user, device: device, status: status, node: configuration.nodeID, session: session, mode: "session")
-        let previousSession = reply.count > 7 ? reply[6].string ?? "" : ""
-        let previousNode = reply.count > 7 ? reply[7].string ?? "" : ""
-        let replaced = !previousSession.isEmpty && previousSession != session ? (previousNode, previousSession) : nil
-        return SessionOpened(change: try Self.change(from: reply, user: user), replaced: replaced)
+        let outcome = try await evaluate(UpsertDevice(user: user, device: device, status: status, node: configuration.nodeID, session: session, mode: .session))
+        guard case .written(let change, let previous) = outcome else { throw PresenceError(.internal, "unexpected reply from the device script") }
+        return SessionOpened(change: change, replaced: previous)
     }
 
     /// Changes the status of a device held by a live session of this node.
@@ -127,9 +125,8 @@ public final class PresenceEngine: Sendable {
     /// Writes the status of a device held by `session` of this node and settles the change;
     /// `nil` when another session has taken the device over.
     func writeStatus(user: String, device: String, session: String, status: PresenceStatus) async throws(PresenceError) -> PresenceChange? {
-        let reply = try await upsert(user: user, device: device, status: status, node: configuration.nodeID, session: session, mode: "status")
-        guard reply.first?.int != -3 else { return nil }
-        let change = try Self.change(from: reply, user: user)
+        let outcome = try await evaluate(UpsertDevice(user: user, device: device, status: status, node: configuration.nodeID, session: session, mode: .status))
+        guard case .written(let change, _) = outcome else { return nil }
         await settle(change)
         return change
     }
@@ -211,15 +208,7 @@ public final class PresenceEngine: Sendable {
 
     private func release(user: String, device: String, session: String, clean: Bool) async throws(PresenceError) -> PresenceChange? {
         let member = keys.deviceMember(user: user, device: device)
-        let reply = try await run {
-            try await self.redis.evaluate(
-                PresenceScripts.removeDevice,
-                keys: [self.keys.devices(user), self.keys.state(user), self.keys.deadlines],
-                arguments: [self.nowArgument, RedisArgument(user), RedisArgument(device), RedisArgument(session),
-                            clean ? "clean" : "linger", RedisArgument(Int(configuration.linger.milliseconds)), RedisArgument(self.keys.userChannel(user)), self.deviceTTLArgument]
-            )
-        }
-        let values = reply.array ?? []
+        let outcome = try await evaluate(RemoveDevice(user: user, device: device, session: session, mode: clean ? .clean : .linger))
         // This session no longer holds the device: out of the node's index, unless a session of
         // this node holds it again (a new one, or the one that took it over). A device taken
         // over by another node's session is indexed there; left here, it would stay for good.
@@ -227,8 +216,7 @@ public final class PresenceEngine: Sendable {
         if local.withLockedValue({ $0[member] != nil }) {
             _ = try? await redis.send("SADD", RedisArgument(keys.nodeDevices(configuration.nodeID)), RedisArgument(member))
         }
-        guard let first = values.first?.int, first >= 0 else { return nil }
-        let change = try Self.change(from: values, user: user)
+        guard case .removed(let change) = outcome else { return nil }
         await settle(change)
         return change
     }
@@ -239,23 +227,16 @@ public final class PresenceEngine: Sendable {
     /// for the heartbeat TTL; `offline` takes it away at once.
     public func post(user: String, device: String, status: PresenceStatus) async throws(PresenceError) -> PresenceChange {
         if status == .offline {
-            let reply = try await run {
-                try await self.redis.evaluate(
-                    PresenceScripts.removeDevice,
-                    keys: [self.keys.devices(user), self.keys.state(user), self.keys.deadlines],
-                    arguments: [self.nowArgument, RedisArgument(user), RedisArgument(device), "", "clean", "0",
-                                RedisArgument(self.keys.userChannel(user)), self.deviceTTLArgument]
-                )
-            }
-            if let values = reply.array, let first = values.first?.int, first >= 0 {
-                let change = try Self.change(from: values, user: user)
+            if case .removed(let change) = try await evaluate(RemoveDevice(user: user, device: device, mode: .clean)) {
                 await settle(change)
                 return change
             }
             return PresenceChange(changed: false, shownChanged: false, views: try await views(of: user))
         }
-        let reply = try await upsert(user: user, device: device, status: status, node: "", session: "", mode: "rest")
-        return try Self.change(from: reply, user: user)
+        guard case .written(let change, _) = try await evaluate(UpsertDevice(user: user, device: device, status: status, mode: .rest)) else {
+            throw PresenceError(.internal, "unexpected reply from the device script")
+        }
+        return change
     }
 
     // MARK: Privacy
@@ -263,16 +244,7 @@ public final class PresenceEngine: Sendable {
     /// Turns `show_online_status` on or off. Others see `offline` with the `last_seen` of this
     /// moment while it is off; the user's own devices see the truth.
     public func setPrivacy(user: String, showOnlineStatus: Bool) async throws(PresenceError) -> PresenceChange {
-        let reply = try await run {
-            try await self.redis.evaluate(
-                PresenceScripts.setPrivacy,
-                keys: [self.keys.devices(user), self.keys.state(user)],
-                arguments: [self.nowArgument, RedisArgument(user), showOnlineStatus ? "1" : "0",
-                            RedisArgument(self.keys.userChannel(user)), self.deviceTTLArgument]
-            )
-        }
-        guard let values = reply.array else { throw PresenceError(.internal, "unexpected reply from the privacy script") }
-        let change = try Self.change(from: values, user: user)
+        let change = try await evaluate(SetPrivacy(user: user, showOnlineStatus: showOnlineStatus))
         await settle(change)
         return change
     }
@@ -286,27 +258,7 @@ public final class PresenceEngine: Sendable {
 
     /// The presence of many users, read in one pipeline, in the order given.
     public func views(of users: [String]) async throws(PresenceError) -> [PresenceViews] {
-        guard !users.isEmpty else { return [] }
-        let now = nowArgument
-        let calls = users.map { user in (keys: [keys.devices(user), keys.state(user)], arguments: [now]) }
-        let results = try await run { try await self.redis.evaluate(PresenceScripts.read, calls: calls) }
-        return try zip(users, results).map { (user, result) throws(PresenceError) in
-            let reply: RESPValue
-            switch result {
-            case .success(let value): reply = value
-            case .failure(let error): throw Self.presenceError(error)
-            }
-            let values = reply.array ?? []
-            guard values.count == 6, let status = values[0].string.flatMap(PresenceStatus.init(rawValue:)) else {
-                throw PresenceError(.internal, "unexpected reply from the read script")
-            }
-            // Online or away: the latest moment seen live is now, by Redis's clock.
-            let lastSeen: Int64? = status == .offline ? Self.timestamp(values[1]) : Self.timestamp(values[5])
-            let hidden = values[2].string == "1"
-            let real = Presence(userID: user, status: status, lastSeen: lastSeen)
-            let shown = hidden ? Presence(userID: user, status: .offline, lastSeen: Self.timestamp(values[3])) : real
-            return PresenceViews(real: real, shown: shown, hidden: hidden)
-        }
+        try await evaluate(users.map { ReadUser(user: $0) }).map { (result) throws(PresenceError) in try result.get() }
     }
 
     /// The devices of a user, as stored.
@@ -315,14 +267,8 @@ public final class PresenceEngine: Sendable {
         let values = reply.array ?? []
         var records: [DeviceRecord] = []
         for index in stride(from: 0, to: values.count - 1, by: 2) {
-            guard let id = values[index].string, let raw = values[index + 1].string else { continue }
-            let fields = raw.split(separator: "|", omittingEmptySubsequences: false)
-            guard fields.count == 6, let status = PresenceStatus(rawValue: String(fields[0])) else { continue }
-            let deadline = Int64(fields[4]) ?? 0
-            records.append(DeviceRecord(
-                deviceID: id, status: status, node: String(fields[1]), since: Int64(fields[3]) ?? 0,
-                deadline: deadline == 0 ? nil : deadline, lastAlive: Int64(fields[5]) ?? 0
-            ))
+            guard let id = values[index].string, let raw = values[index + 1].string, let record = DeviceRecord(id: id, stored: raw) else { continue }
+            records.append(record)
         }
         return records.sorted { $0.deviceID < $1.deviceID }
     }
@@ -354,7 +300,7 @@ public final class PresenceEngine: Sendable {
 
     // MARK: Helpers
 
-    var deviceTTLArgument: RedisArgument { RedisArgument(Int(configuration.deviceKeyTTL.milliseconds)) }
+    var deviceTTLArgument: RedisArgument { ScriptContext.milliseconds(configuration.deviceKeyTTL) }
 
     /// Every script's ARGV[1]: empty, so that it reads Redis's clock, or a test clock's time.
     var nowArgument: RedisArgument { clock.scriptTime.map { RedisArgument(Int($0)) } ?? "" }
@@ -374,21 +320,6 @@ public final class PresenceEngine: Sendable {
             throw PresenceError(.internal, "unexpected reply to TIME")
         }
         return Int64(seconds) * 1000 + Int64(micros) / 1000
-    }
-
-    private func upsert(user: String, device: String, status: PresenceStatus, node: String, session: String, mode: String) async throws(PresenceError) -> [RESPValue] {
-        let call = upsertCall(user: user, device: device, status: status, node: node, session: session, mode: mode)
-        let reply = try await run { try await self.redis.evaluate(PresenceScripts.upsertDevice, keys: call.keys, arguments: call.arguments) }
-        guard let values = reply.array else { throw PresenceError(.internal, "unexpected reply from the device script") }
-        return values
-    }
-
-    /// The keys and arguments of ``PresenceScripts/upsertDevice`` for one device.
-    func upsertCall(user: String, device: String, status: PresenceStatus, node: String, session: String, mode: String) -> (keys: [String], arguments: [RedisArgument]) {
-        (keys: [keys.devices(user), keys.state(user), keys.deadlines],
-         arguments: [nowArgument, RedisArgument(user), RedisArgument(device), RedisArgument(status.rawValue),
-                     RedisArgument(node), RedisArgument(session), RedisArgument(Int(configuration.heartbeatTTL.milliseconds)), RedisArgument(configuration.maxDevicesPerUser),
-                     RedisArgument(keys.userChannel(user)), RedisArgument(mode), deviceTTLArgument])
     }
 
     /// Runs a Redis call, mapping its errors to presence errors.
@@ -416,25 +347,5 @@ public final class PresenceEngine: Sendable {
         default:
             return PresenceError(.unavailable, "the presence store is unreachable", underlying: error)
         }
-    }
-
-    static func timestamp(_ value: RESPValue) -> Int64? {
-        guard let number = value.int, number > 0 else { return nil }
-        return Int64(number)
-    }
-
-    /// Reads finish()'s array: changed, status, last_seen, shown changed, shown status, shown last_seen.
-    static func change(from values: [RESPValue], user: String) throws(PresenceError) -> PresenceChange {
-        guard values.count >= 6,
-              let status = values[1].string.flatMap(PresenceStatus.init(rawValue:)),
-              let shownStatus = values[4].string.flatMap(PresenceStatus.init(rawValue:))
-        else { throw PresenceError(.internal, "unexpected reply from a presence script") }
-        let real = Presence(userID: user, status: status, lastSeen: timestamp(values[2]))
-        let shown = Presence(userID: user, status: shownStatus, lastSeen: timestamp(values[5]))
-        return PresenceChange(
-            changed: values[0].int == 1,
-            shownChanged: values[3].int == 1,
-            views: PresenceViews(real: real, shown: shown, hidden: shown != real)
-        )
     }
 }

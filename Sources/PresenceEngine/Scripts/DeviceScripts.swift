@@ -1,0 +1,407 @@
+import PresenceProtocol
+import RedisClient
+
+// The scripts that change a user's devices. Each touches the keys of one user (one hash slot,
+// `{u:ID}`), works the aggregate out again and publishes on the user's channel only when the
+// aggregate, or the view others have of it, changed.
+
+/// Adds or updates a device, and indexes a REST device's deadline in the same step (a device a
+/// session holds is taken out of the index), so no device is left with a deadline nobody reaps.
+struct UpsertDevice: ScriptCall {
+    enum Mode: String {
+        /// A session opens.
+        case session
+        /// A session's device is written again after Redis lost it.
+        case restore
+        /// A session changes its status.
+        case status
+        /// A REST post: a heartbeat with the heartbeat TTL.
+        case rest
+    }
+
+    enum Outcome {
+        /// Written; `previous` is the other session (and its node) that held the device before.
+        case written(PresenceChange, previous: (node: String, session: String)?)
+        /// A `status` or `restore` from a session that lost the device to another: nothing changed.
+        case heldByAnother
+    }
+
+    var user: String
+    var device: String
+    var status: PresenceStatus
+    /// The node and session holding the device; empty for REST.
+    var node = ""
+    var session = ""
+    var mode: Mode
+
+    func keys(_ context: ScriptContext) -> [String] {
+        [context.keys.devices(user), context.keys.state(user), context.keys.deadlines]
+    }
+
+    func arguments(_ context: ScriptContext) -> [RedisArgument] {
+        [context.now, RedisArgument(user), RedisArgument(device), RedisArgument(status.rawValue), RedisArgument(node),
+         RedisArgument(session), ScriptContext.milliseconds(context.configuration.heartbeatTTL),
+         RedisArgument(context.configuration.maxDevicesPerUser), RedisArgument(context.keys.userChannel(user)),
+         RedisArgument(mode.rawValue), context.deviceTTL]
+    }
+
+    func decode(_ reply: RESPValue) throws(PresenceError) -> Outcome {
+        let values = reply.array ?? []
+        if values.first?.int == -3 { return .heldByAnother }
+        let change = try ScriptLua.change(values, user: user)
+        let previousSession = values.count > 7 ? values[6].string ?? "" : ""
+        let previousNode = values.count > 7 ? values[7].string ?? "" : ""
+        let previous = previousSession.isEmpty || previousSession == session ? nil : (node: previousNode, session: previousSession)
+        return .written(change, previous: previous)
+    }
+
+    static let script = RedisScript(ScriptLua.devices + """
+    local now = clock(ARGV[1])
+    local user, device, status, node, session = ARGV[2], ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+    local heartbeat, maxDevices, channel, mode, ttl = tonumber(ARGV[7]), tonumber(ARGV[8]), ARGV[9], ARGV[10], ARGV[11]
+    local deadline = 0
+    if mode == 'rest' then deadline = now + heartbeat end
+    local raw = redis.call('HGET', KEYS[1], device)
+    local prevSession, prevNode = '', ''
+    local since = now
+    local wentOffline = 0
+    if raw then
+      local d = parse(raw)
+      -- A status change from a session that no longer holds the device changes nothing.
+      if mode == 'status' and d.session ~= '' and d.session ~= session then return {-3} end
+      -- Written again after a loss, a device that another session took meanwhile stays its.
+      if mode == 'restore' and d.session ~= '' and d.session ~= session then return {-3} end
+      prevSession, prevNode = d.session, d.node
+      if d.status == status then since = d.since end
+      if status == 'offline' and d.status ~= 'offline' then wentOffline = now end
+      if mode == 'rest' and d.deadline == 0 and d.node ~= '' then
+        -- A REST post for a device that a live session holds changes its status only.
+        node, session, deadline = d.node, d.session, 0
+      end
+    elseif maxDevices > 0 and redis.call('HLEN', KEYS[1]) >= maxDevices then
+      return redis.error_reply('TOO_MANY_DEVICES the user has ' .. maxDevices .. ' devices already')
+    end
+    redis.call('HSET', KEYS[1], device, encode({status = status, node = node, session = session, since = since, deadline = deadline, alive = now}))
+    if deadline > 0 then
+      redis.call('ZADD', KEYS[3], deadline, user .. '|' .. device)
+    else
+      redis.call('ZREM', KEYS[3], user .. '|' .. device)
+    end
+    -- A device that says offline was alive until now: that is the user's last_seen if it was the last.
+    local result = finish(KEYS[2], KEYS[1], channel, now, wentOffline, user, ttl)
+    table.insert(result, prevSession)
+    table.insert(result, prevNode)
+    return result
+    """)
+}
+
+/// Checks devices this node's sessions hold against what Redis has, reading only.
+struct AuditDevices: ScriptCall {
+    struct Device {
+        var user: String
+        var device: String
+        /// The session holding it here.
+        var session: String
+    }
+
+    enum Finding: Equatable {
+        /// As it should be.
+        case held
+        /// Gone, or held by no session: lost.
+        case lost
+        /// Missing from the node's index.
+        case unindexed
+        /// Another session holds it now.
+        case heldByAnother
+    }
+
+    var node: String
+    var devices: [Device]
+
+    func keys(_ context: ScriptContext) -> [String] {
+        [context.keys.nodeDevices(node)] + devices.map { context.keys.devices($0.user) }
+    }
+
+    func arguments(_ context: ScriptContext) -> [RedisArgument] {
+        devices.flatMap { [RedisArgument(context.keys.deviceMember(user: $0.user, device: $0.device)), RedisArgument($0.device), RedisArgument($0.session)] }
+    }
+
+    /// One finding per device, in order.
+    func decode(_ reply: RESPValue) throws(PresenceError) -> [Finding] {
+        let codes = reply.array ?? []
+        guard codes.count == devices.count else { throw PresenceError(.internal, "unexpected reply from the audit script") }
+        return codes.map { code in
+            switch code.int {
+            case 1: .lost
+            case 2: .unindexed
+            case 3: .heldByAnother
+            default: .held
+            }
+        }
+    }
+
+    static let script = RedisScript(ScriptLua.devices + """
+    local codes = {}
+    for i = 2, #KEYS do
+      local base = (i - 2) * 3
+      local member, device, session = ARGV[base + 1], ARGV[base + 2], ARGV[base + 3]
+      local raw = redis.call('HGET', KEYS[i], device)
+      local code = 0
+      if not raw then
+        code = 1
+      else
+        local held = parse(raw).session
+        if held == '' then
+          code = 1
+        elseif held ~= session then
+          code = 3
+        elseif redis.call('SISMEMBER', KEYS[1], member) == 0 then
+          code = 2
+        end
+      end
+      codes[#codes + 1] = code
+    end
+    return codes
+    """)
+}
+
+/// Takes a device away; its entry in `deadlines` follows in the same step (set to its deadline
+/// while it has one, removed otherwise).
+struct RemoveDevice: ScriptCall {
+    enum Mode: String {
+        /// Removes at once.
+        case clean
+        /// Keeps the device live for the linger, without its session.
+        case linger
+        /// The reaper: removes it only if its deadline has passed.
+        case expire
+    }
+
+    enum Outcome {
+        /// Removed, or there was no such device; the aggregate was worked out again either way.
+        case removed(PresenceChange)
+        /// The device stays live: lingering, or not due yet (the deadline, if it has one).
+        case live(deadline: Int64?)
+        /// Another session holds it now.
+        case heldByAnother
+    }
+
+    var user: String
+    var device: String
+    /// Only if this session holds it; `nil` for whichever does.
+    var session: String?
+    var mode: Mode
+
+    func keys(_ context: ScriptContext) -> [String] {
+        [context.keys.devices(user), context.keys.state(user), context.keys.deadlines]
+    }
+
+    func arguments(_ context: ScriptContext) -> [RedisArgument] {
+        let linger = mode == .linger ? ScriptContext.milliseconds(context.configuration.linger) : "0"
+        return [context.now, RedisArgument(user), RedisArgument(device), RedisArgument(session ?? ""), RedisArgument(mode.rawValue),
+                linger, RedisArgument(context.keys.userChannel(user)), context.deviceTTL]
+    }
+
+    func decode(_ reply: RESPValue) throws(PresenceError) -> Outcome {
+        let values = reply.array ?? []
+        switch values.first?.int {
+        case -3: return .heldByAnother
+        case -1: return .live(deadline: values.count > 1 ? ScriptLua.timestamp(values[1]) : nil)
+        default: return .removed(try ScriptLua.change(values, user: user))
+        }
+    }
+
+    static let script = RedisScript(ScriptLua.devices + """
+    local now = clock(ARGV[1])
+    local user, device, session, mode, linger, channel = ARGV[2], ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6]), ARGV[7]
+    local ttl = ARGV[8]
+    local member = user .. '|' .. device
+    local raw = redis.call('HGET', KEYS[1], device)
+    if not raw then
+      -- Gone already, or lost with Redis data: the user's state is worked out again from the
+      -- devices that are left, so a state the lost devices made stale is set right, and watchers
+      -- are told.
+      redis.call('ZREM', KEYS[3], member)
+      return finish(KEYS[2], KEYS[1], channel, now, 0, user, ttl)
+    end
+    local d = parse(raw)
+    if session ~= '' and d.session ~= session then return {-3} end
+    if mode == 'linger' then
+      d.node, d.session, d.deadline, d.alive = '', '', now + linger, now
+      redis.call('HSET', KEYS[1], device, encode(d))
+      redis.call('ZADD', KEYS[3], d.deadline, member)
+      return {-1, tostring(d.deadline)}
+    end
+    -- A device that already said offline was last alive when it said so.
+    local alive = now
+    if d.status == 'offline' then alive = d.alive end
+    if mode == 'expire' then
+      if d.deadline == 0 then
+        redis.call('ZREM', KEYS[3], member)
+        return {-1, '0'}
+      end
+      if d.deadline > now then
+        redis.call('ZADD', KEYS[3], d.deadline, member)
+        return {-1, tostring(d.deadline)}
+      end
+      alive = d.alive
+    end
+    redis.call('HDEL', KEYS[1], device)
+    redis.call('ZREM', KEYS[3], member)
+    return finish(KEYS[2], KEYS[1], channel, now, alive, user, ttl)
+    """)
+}
+
+/// Removes the devices of one user that a dead node's sessions held. A device written after the
+/// node's lease ended belongs to a new process under the same node id and stays. With a linger
+/// (a process restarted under the node id reaping what the killed one left, at once), each
+/// device lingers as after a drop instead, so that a client reconnecting meanwhile shows no
+/// offline. A removed device that had said `offline` was last alive when it said so, not at the
+/// node's last renewal.
+struct ReapNode: ScriptCall {
+    enum Outcome {
+        case reaped(PresenceChange)
+        /// The node held none of this user's devices.
+        case noDevices
+    }
+
+    var user: String
+    var node: String
+    /// The node's last renewal: the last moment its devices were known alive.
+    var renewed: Int64
+    /// When its lease ended.
+    var leaseEnded: Int64
+    /// Zero to remove the devices; else how long they linger.
+    var linger: Duration = .zero
+
+    func keys(_ context: ScriptContext) -> [String] {
+        [context.keys.devices(user), context.keys.state(user), context.keys.deadlines]
+    }
+
+    func arguments(_ context: ScriptContext) -> [RedisArgument] {
+        [context.now, RedisArgument(user), RedisArgument(node), RedisArgument(Int(renewed)), RedisArgument(context.keys.userChannel(user)),
+         RedisArgument(Int(leaseEnded)), ScriptContext.milliseconds(linger), context.deviceTTL]
+    }
+
+    func decode(_ reply: RESPValue) throws(PresenceError) -> Outcome {
+        let values = reply.array ?? []
+        if values.first?.int == -2 { return .noDevices }
+        return .reaped(try ScriptLua.change(values, user: user))
+    }
+
+    static let script = RedisScript(ScriptLua.devices + """
+    local now = clock(ARGV[1])
+    local user, node, renewed, channel = ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
+    local ended, linger, ttl = tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8]
+    local all = redis.call('HGETALL', KEYS[1])
+    local removed = 0
+    local alive = 0
+    for i = 1, #all, 2 do
+      local d = parse(all[i + 1])
+      if d.node == node and d.deadline == 0 and d.alive <= ended then
+        removed = removed + 1
+        local last = renewed
+        if d.status == 'offline' then last = d.alive end
+        if linger > 0 then
+          d.node, d.session, d.deadline, d.alive = '', '', now + linger, last
+          redis.call('HSET', KEYS[1], all[i], encode(d))
+          redis.call('ZADD', KEYS[3], d.deadline, user .. '|' .. all[i])
+        else
+          redis.call('HDEL', KEYS[1], all[i])
+          if last > alive then alive = last end
+        end
+      end
+    end
+    if removed == 0 then return {-2} end
+    return finish(KEYS[2], KEYS[1], channel, now, alive, user, ttl)
+    """)
+}
+
+/// Turns `show_online_status` on or off.
+struct SetPrivacy: ScriptCall {
+    var user: String
+    var showOnlineStatus: Bool
+
+    func keys(_ context: ScriptContext) -> [String] {
+        [context.keys.devices(user), context.keys.state(user)]
+    }
+
+    func arguments(_ context: ScriptContext) -> [RedisArgument] {
+        [context.now, RedisArgument(user), showOnlineStatus ? "1" : "0", RedisArgument(context.keys.userChannel(user))]
+    }
+
+    func decode(_ reply: RESPValue) throws(PresenceError) -> PresenceChange {
+        try ScriptLua.change(reply.array ?? [], user: user)
+    }
+
+    static let script = RedisScript(ScriptLua.devices + """
+    local now = clock(ARGV[1])
+    local user, show, channel = ARGV[2], ARGV[3], ARGV[4]
+    local state = redis.call('HMGET', KEYS[2], 'status', 'last_seen', 'hidden')
+    local wasHidden = state[3] == '1'
+    if show == '0' and not wasHidden then
+      local status = state[1] or 'offline'
+      local seen = tonumber(state[2] or '0')
+      if status ~= 'offline' then seen = now end
+      redis.call('HSET', KEYS[2], 'hidden', '1', 'hidden_last_seen', seen)
+      -- Others saw online/away until now; an offline user keeps the last_seen they already show.
+      local publicChanged = status ~= 'offline'
+      if publicChanged then publishPresence(channel, user, status, seen, 'offline', seen, false, true, now) end
+      return {0, status, tostring(seen), publicChanged and 1 or 0, 'offline', tostring(seen)}
+    elseif show == '1' and wasHidden then
+      redis.call('HSET', KEYS[2], 'hidden', '0')
+      local status = state[1] or 'offline'
+      local seen = tonumber(state[2] or '0')
+      if status ~= 'offline' then seen = now end
+      publishPresence(channel, user, status, seen, status, seen, false, true, now)
+      return {0, status, tostring(seen), 1, status, tostring(seen)}
+    end
+    local status, seen = view(state[1] or 'offline', tonumber(state[2] or '0'), state[3] or '0', 0)
+    return {0, state[1] or 'offline', state[2] or '0', 0, status, tostring(seen)}
+    """)
+}
+
+/// Reads a user: their real and shown presence. A stored aggregate whose devices are all gone
+/// (their safety TTL ran out with every node dead) reads as offline; an online or away user's
+/// `last_seen` is now, by the scripts' clock.
+struct ReadUser: ScriptCall {
+    var user: String
+
+    func keys(_ context: ScriptContext) -> [String] {
+        [context.keys.devices(user), context.keys.state(user)]
+    }
+
+    func arguments(_ context: ScriptContext) -> [RedisArgument] { [context.now] }
+
+    func decode(_ reply: RESPValue) throws(PresenceError) -> PresenceViews {
+        let values = reply.array ?? []
+        guard values.count == 6, let status = values[0].string.flatMap(PresenceStatus.init(rawValue:)) else {
+            throw PresenceError(.internal, "unexpected reply from the read script")
+        }
+        let lastSeen = status == .offline ? ScriptLua.timestamp(values[1]) : ScriptLua.timestamp(values[5])
+        let hidden = values[2].string == "1"
+        let real = Presence(userID: user, status: status, lastSeen: lastSeen)
+        let shown = hidden ? Presence(userID: user, status: .offline, lastSeen: ScriptLua.timestamp(values[3])) : real
+        return PresenceViews(real: real, shown: shown, hidden: hidden)
+    }
+
+    /// Returns {status, last_seen, hidden, hidden_last_seen, seen_ever, now}.
+    static let script = RedisScript(ScriptLua.clock + """
+    local s = redis.call('HMGET', KEYS[2], 'status', 'last_seen', 'hidden', 'hidden_last_seen')
+    local status = s[1] or 'offline'
+    if status ~= 'offline' and redis.call('EXISTS', KEYS[1]) == 0 then status = 'offline' end
+    return {status, s[2] or '0', s[3] or '0', s[4] or '0', s[2] and 1 or 0, tostring(clock(ARGV[1]))}
+    """)
+}
+
+extension DeviceRecord {
+    /// Reads a field of a devices hash: `status|node|session|since|deadline|alive` (see
+    /// ``ScriptLua/devices``); `nil` for anything else.
+    init?(id: String, stored: String) {
+        let fields = stored.split(separator: "|", omittingEmptySubsequences: false)
+        guard fields.count == 6, let status = PresenceStatus(rawValue: String(fields[0])) else { return nil }
+        let deadline = Int64(fields[4]) ?? 0
+        self.init(deviceID: id, status: status, node: String(fields[1]), since: Int64(fields[3]) ?? 0,
+                  deadline: deadline == 0 ? nil : deadline, lastAlive: Int64(fields[5]) ?? 0)
+    }
+}
