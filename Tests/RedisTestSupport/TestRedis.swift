@@ -13,10 +13,14 @@ public enum TestRedis {
         ProcessInfo.processInfo.environment["PRESENCE_TEST_REDIS_URL"] ?? "redis://127.0.0.1:6379/0"
     }
 
-    /// The shared test server's configuration.
+    /// The shared test server's configuration. A command waits up to 5 s for the connection
+    /// (500 ms by default): every test of a run starts at once, and on 2 cores a first connect
+    /// then took longer than 500 ms. Tests of failing fast use a server of their own.
     public static func configuration() -> RedisConfiguration {
         do {
-            return try RedisConfiguration(url: url)
+            var configuration = try RedisConfiguration(url: url)
+            configuration.waitForConnection = .seconds(5)
+            return configuration
         } catch {
             fatalError("PRESENCE_TEST_REDIS_URL is not a Redis URL: \(error)")
         }
