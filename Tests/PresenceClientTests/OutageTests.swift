@@ -126,10 +126,16 @@ struct OutageTests {
             }
         }
         #expect(recovered, "converged within 20 s of Redis returning")
+        // Watchers may have the truth before a node's subscriber is back: a node that finds its
+        // lease gone re-reads them over the command connection. The subscriber comes back
+        // after its own backoff (at most 5 s), and the node is ready again with it.
         for node in nodes {
-            let ready = GatewayProcess.httpStatus(port: node.port, path: "/readyz")
-            #expect(ready == 200, "node \(node.nodeID) not ready; it printed:\n\(node.output.suffix(3000))")
+            let ready = await eventually(timeout: .seconds(10), poll: .milliseconds(100)) {
+                GatewayProcess.httpStatus(port: node.port, path: "/readyz") == 200
+            }
+            #expect(ready, "node \(node.nodeID) not ready within 10 s; it printed:\n\(node.output.suffix(3000))")
         }
+        print("outage (\(dataKept ? "data kept" : "restarted empty")): both nodes ready \(ContinuousClock.now - returnedAt) after Redis returned")
         #expect(clients.map(\.connections) == connectionsBefore,
                 "no session was dropped on the way back: \(Self.reconnected(clients, since: connectionsBefore, at: stoppedAt))")
         // Nobody disconnected, so no watcher may have been shown anyone offline.
