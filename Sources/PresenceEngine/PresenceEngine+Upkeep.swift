@@ -81,8 +81,9 @@ extension PresenceEngine {
                 written += 1
                 await settle(change)
             case .failure(let error):
-                // A server error (the device limit, say) is this device's alone; anything else
-                // stops the run, and the batch is written again on the next tick.
+                // An error Redis answered with (the device limit, say) is this device's alone;
+                // an unreachable Redis stops the run, and the batch is written again on the next
+                // tick.
                 guard error.code != .unavailable else { throw error }
                 logger.warning("cannot write a device again", metadata: ["presence.user_id": "\(entry.device.user)", "error": "\(error)"])
                 continue
