@@ -99,6 +99,7 @@ public func buildGateway(
     let gateway = try await Gateway(configuration: configuration, logger: logger)
     let router = Router(context: GatewayRequestContext.self)
     router.add(middleware: APIErrorMiddleware())
+    router.add(middleware: RESTCodingMiddleware(coder: gateway.bodies))
     gateway.addRESTRoutes(to: router)
     gateway.addAdminRoutes(to: router)
     gateway.addWebSocketRoute(to: router)

@@ -8,8 +8,8 @@ public struct FrameCoder: Sendable {
     private let encoder: JSONEncoder
     private let decoder: JSONDecoder
 
-    /// A coder writing ids in `ids`. With `snakeCaseKeys`, the keys of types that name none
-    /// of their own are written in the API's style (`leaseExpiresAt` as `lease_expires_at`).
+    /// A coder writing ids in `ids`. With `snakeCaseKeys`, keys are written and read in the
+    /// API's style (`leaseExpiresAt` as `lease_expires_at`).
     public init(ids: PresenceIDFormat = .string, snakeCaseKeys: Bool = false) {
         self.ids = ids
         encoder = JSONEncoder()
@@ -17,6 +17,7 @@ public struct FrameCoder: Sendable {
         if snakeCaseKeys { encoder.keyEncodingStrategy = .convertToSnakeCase }
         encoder.userInfo[.presenceIDFormat] = ids
         decoder = JSONDecoder()
+        if snakeCaseKeys { decoder.keyDecodingStrategy = .convertFromSnakeCase }
         decoder.userInfo[.presenceIDFormat] = ids
     }
 
@@ -29,6 +30,11 @@ public struct FrameCoder: Sendable {
     public func data(_ value: some Encodable) -> Data {
         // Every value here encodes: strings, numbers, booleans and null.
         (try? encoder.encode(value)) ?? Data("{}".utf8)
+    }
+
+    /// Any body from its JSON bytes.
+    public func decode<Value: Decodable>(_ type: Value.Type, from data: Data) throws -> Value {
+        try decoder.decode(type, from: data)
     }
 
     /// The text of a server frame.

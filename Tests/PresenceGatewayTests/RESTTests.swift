@@ -80,6 +80,31 @@ struct RESTTests {
         }
     }
 
+    @Test("a bad body's 422 names the field as the client wrote it; bodies are taken up to 64 KiB")
+    func bodyErrors() async throws {
+        try await withNodes(1) { ports in
+            let port = ports[0]
+            let alice = try await token("alice")
+            func message(_ path: String, _ body: String, method: String = "POST") async throws -> String? {
+                let answer = try await call(port, method, path, token: alice, body: body)
+                #expect(answer.status == 422, "\(path) \(body.prefix(40)): \(answer.status)")
+                return ((answer.json as? [String: Any])?["error"] as? [String: Any])?["message"] as? String
+            }
+            let wrongType = try await message("/api/presence/status", #"{"status":"online","device_id":7}"#)
+            #expect(wrongType?.contains("'device_id'") == true, "\(wrongType ?? "nil")")
+            let missing = try await message("/api/presence/privacy", "{}", method: "PUT")
+            #expect(missing?.contains("'show_online_status'") == true, "\(missing ?? "nil")")
+            let null = try await message("/api/conversations/room/typing", #"{"is_typing":null}"#)
+            #expect(null?.contains("'is_typing'") == true, "\(null ?? "nil")")
+            // Whitespace pads a valid body to just under and just over the limit.
+            let padded = { (size: Int) in #"{"status":"online","# + String(repeating: " ", count: size - 20) + "}" }
+            #expect(padded(64 * 1024).utf8.count == 64 * 1024)
+            #expect(try await call(port, "POST", "/api/presence/status", token: alice, body: padded(64 * 1024)).status == 200)
+            let tooLarge = try await message("/api/presence/status", padded(64 * 1024 + 1))
+            #expect(tooLarge?.contains("64 KiB") == true, "\(tooLarge ?? "nil")")
+        }
+    }
+
     @Test("reads honour visibility and privacy; unknown and invisible users look the same")
     func reads() async throws {
         try await withNodes(1) { ports in

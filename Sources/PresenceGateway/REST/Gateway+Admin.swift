@@ -8,18 +8,18 @@ extension Gateway {
         router.put("/api/admin/conversations/{conversation_id}") { request, context in
             try self.requireAdmin(request)
             let conversation = try self.pathID(context, "conversation_id", "conversation id")
-            let body = try await Self.decode(MembersBody.self, request, context)
-            let members = try self.validIDs(body.member_ids)
+            let body = try await request.decode(as: MembersBody.self, context: context)
+            let members = try self.validIDs(body.memberIds)
             try await self.engine.setMembers(of: conversation, to: members)
-            return self.respond(RESTBody.Members(conversationId: JSONID(conversation), memberIds: Array(Set(members)).sorted().map(JSONID.init)))
+            return RESTBody.Members(conversationId: JSONID(conversation), memberIds: Array(Set(members)).sorted().map(JSONID.init))
         }
         router.post("/api/admin/conversations/{conversation_id}/members") { request, context in
             try self.requireAdmin(request)
             let conversation = try self.pathID(context, "conversation_id", "conversation id")
-            let body = try await Self.decode(UsersBody.self, request, context)
-            let users = try self.validIDs(body.user_ids)
+            let body = try await request.decode(as: UsersBody.self, context: context)
+            let users = try self.validIDs(body.userIds)
             try await self.engine.addMembers(to: conversation, users)
-            return self.respond(RESTBody.Members(conversationId: JSONID(conversation), memberIds: (try await self.engine.members(of: conversation) ?? []).map(JSONID.init)))
+            return RESTBody.Members(conversationId: JSONID(conversation), memberIds: (try await self.engine.members(of: conversation) ?? []).map(JSONID.init))
         }
         router.delete("/api/admin/conversations/{conversation_id}/members/{user_id}") { request, context in
             try self.requireAdmin(request)
@@ -27,29 +27,29 @@ extension Gateway {
             let user = try self.pathID(context, "user_id", "user id")
             guard try await self.engine.members(of: conversation) != nil else { throw APIError.notFound("no such conversation") }
             let removed = try await self.engine.removeMember(from: conversation, user)
-            return self.respond(RESTBody.MemberRemoved(conversationId: JSONID(conversation), userId: JSONID(user), removed: removed))
+            return RESTBody.MemberRemoved(conversationId: JSONID(conversation), userId: JSONID(user), removed: removed)
         }
         router.delete("/api/admin/conversations/{conversation_id}") { request, context in
             try self.requireAdmin(request)
             let conversation = try self.pathID(context, "conversation_id", "conversation id")
             guard try await self.engine.deleteConversation(conversation) else { throw APIError.notFound("no such conversation") }
-            return self.respond(RESTBody.ConversationDeleted(conversationId: JSONID(conversation), deleted: true))
+            return RESTBody.ConversationDeleted(conversationId: JSONID(conversation), deleted: true)
         }
         router.post("/api/admin/users/{user_id}/disconnect") { request, context in
             try self.requireAdmin(request)
             let user = try self.pathID(context, "user_id", "user id")
             try await self.engine.requestDisconnect(user: user)
-            return self.respond(RESTBody.Disconnected(userId: JSONID(user)))
+            return RESTBody.Disconnected(userId: JSONID(user))
         }
         router.get("/api/admin/nodes") { request, _ in
             try self.requireAdmin(request)
             let nodes = try await self.engine.nodes().filter { !$0.lapsed }
-            return self.respond(nodes.map { RESTBody.Node(nodeID: $0.nodeID, sessions: $0.sessions, leaseExpiresAt: $0.leaseExpiresAt) })
+            return nodes.map { RESTBody.Node(nodeID: $0.nodeID, sessions: $0.sessions, leaseExpiresAt: $0.leaseExpiresAt) }
         }
     }
 
-    struct MembersBody: Decodable { var member_ids: [JSONID] }
-    struct UsersBody: Decodable { var user_ids: [JSONID] }
+    struct MembersBody: Decodable { var memberIds: [JSONID] }
+    struct UsersBody: Decodable { var userIds: [JSONID] }
 
     /// User ids of a body, each valid in the node's id format, in their stored spelling.
     func validIDs(_ ids: [JSONID]) throws(APIError) -> [String] {

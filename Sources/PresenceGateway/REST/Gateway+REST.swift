@@ -8,25 +8,25 @@ import PresenceProtocol
 
 extension Gateway {
     func addRESTRoutes(to router: Router<GatewayRequestContext>) {
-        router.get("/healthz") { _, _ in self.respond(RESTBody.Status(status: "ok")) }
+        router.get("/healthz") { _, _ in RESTBody.Status(status: "ok") }
         router.get("/readyz") { _, _ in
             guard !self.hub.isDraining else { throw APIError.unavailable("this node is shutting down") }
             guard self.engine.redis.isConnected, self.hub.subscriber.isConnected else { throw APIError.unavailable() }
-            return self.respond(RESTBody.Status(status: "ready"))
+            return RESTBody.Status(status: "ready")
         }
         router.get("/metrics") { _, _ in
             Response(status: .ok, headers: [.contentType: "text/plain; version=0.0.4"], body: .init(byteBuffer: ByteBuffer(string: GatewayMetrics.render())))
         }
         router.post("/api/presence/status") { request, context in
             let user = try await self.authenticate(request)
-            let body = try await Self.decode(StatusBody.self, request, context)
+            let body = try await request.decode(as: StatusBody.self, context: context)
             guard let status = PresenceStatus(rawValue: body.status) else { throw APIError.invalid("status must be \(PresenceStatus.rule)") }
-            let device = body.device_id ?? "rest"
+            let device = body.deviceId ?? "rest"
             guard PresenceID.isValid(device) else { throw APIError.invalid("device_id must be \(PresenceID.rule)") }
             if let wait = self.restLimiter.take(user.userID) { throw APIError.rateLimited("too many status posts", retryAfter: wait) }
             let change = try await self.engine.post(user: user.userID, device: device, status: status)
             if change.changed { GatewayMetrics.transition() }
-            return self.respond(PresencePayload(change.views.real))
+            return PresencePayload(change.views.real)
         }
         router.get("/api/presence/users") { request, _ in
             let user = try await self.authenticate(request)
@@ -55,7 +55,7 @@ extension Gateway {
                 let typing = try await self.engine.isTyping(view.real.userID, sharedWith: user.userID)
                 presences.append(PresencePayload(view.seen(by: user.userID), isTyping: typing))
             }
-            return self.respond(presences)
+            return presences
         }
         router.get("/api/presence/users/{user_id}") { request, context in
             let user = try await self.authenticate(request)
@@ -63,13 +63,13 @@ extension Gateway {
             guard try await self.engine.canSee(viewer: user.userID, target: target) else { throw APIError.notFound("no such user") }
             let view = try await self.engine.views(of: target)
             let typing = try await self.engine.isTyping(target, sharedWith: user.userID)
-            return self.respond(PresencePayload(view.seen(by: user.userID), isTyping: typing))
+            return PresencePayload(view.seen(by: user.userID), isTyping: typing)
         }
         router.put("/api/presence/privacy") { request, context in
             let user = try await self.authenticate(request)
-            let body = try await Self.decode(RESTBody.Privacy.self, request, context)
-            _ = try await self.engine.setPrivacy(user: user.userID, showOnlineStatus: body.show_online_status)
-            return self.respond(RESTBody.Privacy(show_online_status: body.show_online_status))
+            let body = try await request.decode(as: RESTBody.Privacy.self, context: context)
+            _ = try await self.engine.setPrivacy(user: user.userID, showOnlineStatus: body.showOnlineStatus)
+            return RESTBody.Privacy(showOnlineStatus: body.showOnlineStatus)
         }
         router.get("/api/conversations/{conversation_id}/presence") { request, context in
             let user = try await self.authenticate(request)
@@ -79,53 +79,28 @@ extension Gateway {
             let presences = try await self.engine.views(of: members).map { $0.seen(by: user.userID) }
             let typing = try await self.engine.typingUsers(in: conversation)
             let counts = GroupCounts(presences.map(\.status))
-            return self.respond(RESTBody.ConversationPresence(
+            return RESTBody.ConversationPresence(
                 conversationId: JSONID(conversation), total: counts.total, online: counts.online, away: counts.away,
                 members: presences.map { PresencePayload($0, isTyping: typing.contains($0.userID)) }
-            ))
+            )
         }
         router.post("/api/conversations/{conversation_id}/typing") { request, context in
             let user = try await self.authenticate(request)
             let conversation = try self.pathID(context, "conversation_id", "conversation id")
-            let body = try await Self.decode(TypingBody.self, request, context)
+            let body = try await request.decode(as: TypingBody.self, context: context)
             if let wait = self.typingLimiter.take(user.userID) { throw APIError.rateLimited("too many typing posts", retryAfter: wait) }
-            try await self.engine.setTyping(user: user.userID, conversation: conversation, isTyping: body.is_typing)
-            return self.respond(RESTBody.Empty())
+            try await self.engine.setTyping(user: user.userID, conversation: conversation, isTyping: body.isTyping)
+            return RESTBody.Empty()
         }
     }
 
     struct StatusBody: Decodable {
         var status: String
-        var device_id: String?
+        var deviceId: String?
     }
 
     struct TypingBody: Decodable {
-        var is_typing: Bool
-    }
-
-    /// Decodes a JSON body of at most 64 KiB; anything else is 422 with the reason.
-    static func decode<T: Decodable>(_ type: T.Type, _ request: Request, _ context: GatewayRequestContext) async throws -> T {
-        var request = request
-        let buffer: ByteBuffer
-        do {
-            buffer = try await request.collectBody(upTo: 64 * 1024)
-        } catch {
-            throw APIError.invalid("the body must be JSON of at most 64 KiB")
-        }
-        do {
-            return try JSONDecoder().decode(T.self, from: Data(buffer.readableBytesView))
-        } catch {
-            throw APIError.invalid("the body is not the JSON this route expects: \(Self.describe(error))")
-        }
-    }
-
-    private static func describe(_ error: any Error) -> String {
-        switch error {
-        case DecodingError.keyNotFound(let key, _): return "missing field '\(key.stringValue)'"
-        case DecodingError.typeMismatch(_, let context): return "wrong type for '\(context.codingPath.map(\.stringValue).joined(separator: "."))'"
-        case DecodingError.valueNotFound(_, let context): return "null for '\(context.codingPath.map(\.stringValue).joined(separator: "."))'"
-        default: return "not valid JSON"
-        }
+        var isTyping: Bool
     }
 
     /// A path parameter that must be a valid user or conversation id in the node's id format

@@ -2,33 +2,34 @@ import Hummingbird
 import NIOCore
 import PresenceProtocol
 
-/// The answers of the REST routes that are not a presence or a list of them. Keys are written
-/// in snake case (`conversationID` as `conversation_id`) and ids in the node's format.
+/// The answers of the REST routes that are not a presence or a list of them, written by
+/// ``RESTResponseEncoder``: keys in snake case (`conversationId` as `conversation_id`), ids in
+/// the node's format.
 enum RESTBody {
-    struct Status: Encodable { var status: String }
-    struct Empty: Encodable {}
-    struct Privacy: Codable { var show_online_status: Bool }
-    struct ConversationPresence: Encodable {
+    struct Status: ResponseEncodable { var status: String }
+    struct Empty: ResponseEncodable {}
+    struct Privacy: ResponseCodable { var showOnlineStatus: Bool }
+    struct ConversationPresence: ResponseEncodable {
         var conversationId: JSONID
         var total: Int
         var online: Int
         var away: Int
         var members: [PresencePayload]
     }
-    struct Members: Encodable {
+    struct Members: ResponseEncodable {
         var conversationId: JSONID
         var memberIds: [JSONID]
     }
-    struct MemberRemoved: Encodable {
+    struct MemberRemoved: ResponseEncodable {
         var conversationId: JSONID
         var userId: JSONID
         var removed: Bool
     }
-    struct ConversationDeleted: Encodable {
+    struct ConversationDeleted: ResponseEncodable {
         var conversationId: JSONID
         var deleted: Bool
     }
-    struct Disconnected: Encodable { var userId: JSONID }
+    struct Disconnected: ResponseEncodable { var userId: JSONID }
     struct Node: Encodable {
         var nodeID: String
         var sessions: Int
@@ -43,12 +44,5 @@ enum RESTBody {
             try container.encode(sessions, forKey: .sessions)
             try container.encode(leaseExpiresAt.map(PresenceTimestamp.iso8601), forKey: .leaseExpiresAt)
         }
-    }
-}
-
-extension Gateway {
-    /// A 200 answer with `body` as JSON.
-    func respond(_ body: some Encodable) -> Response {
-        Response(status: .ok, headers: [.contentType: "application/json; charset=utf-8"], body: .init(byteBuffer: ByteBuffer(bytes: bodies.data(body))))
     }
 }

@@ -2,13 +2,21 @@ import Hummingbird
 import HummingbirdWebSocket
 import NIOConcurrencyHelpers
 import NIOCore
+import PresenceProtocol
 
 /// The request context of every route: Hummingbird's, plus the channel (to read a client's
-/// close code) and the WebSocket handler slot.
+/// close code), the WebSocket handler slot and the node's REST body coder.
 public struct GatewayRequestContext: RequestContext, WebSocketRequestContext {
     public var coreContext: CoreRequestContextStorage
     /// The connection's channel.
     public let channel: any Channel
+    /// How bodies are read and written: set for every request by ``RESTCodingMiddleware``.
+    var bodies = FrameCoder(snakeCaseKeys: true)
+
+    /// API.md's limit on a request body.
+    public var maxUploadSize: Int { 64 * 1024 }
+    public var requestDecoder: RESTRequestDecoder { RESTRequestDecoder(coder: bodies) }
+    public var responseEncoder: RESTResponseEncoder { RESTResponseEncoder(coder: bodies) }
     private let slot: WebSocketSlot
 
     /// hummingbird-websocket (2.8) stores the upgrade's handler in this reference together with
