@@ -18,7 +18,7 @@ build-tests: deps
 # The deployment files are checked first. The end-to-end test (3 nodes behind HAProxy, 300
 # clients) and the benchmark runs load the whole machine, so they run after the others, alone:
 # beside them, the timing of the other tests (leases of 3 s) would not hold on 2 cores.
-HEAVY_TESTS = ClusterTests|BenchmarkTests|OutageTests|SlowReaderTests|FloodTests|ClockSkewTests|SelfHealingTests|ChaosTests
+HEAVY_TESTS = GatewayFaultTests
 # A test run that fails prints its failures again at its end (scripts/test-run).
 # Then the soak (60 s), schemathesis on the REST routes and a bounded run of each libFuzzer target.
 # Both searches run with fixed seeds (printed), so that every run tries the same inputs: a red

@@ -6,6 +6,16 @@ let swiftSettings: [SwiftSetting] = [
     .enableUpcomingFeature("MemberImportVisibility"),
 ]
 
+/// The client's tests and the gateway's fault tests: clients against live gateway processes.
+let liveClientTestDependencies: [Target.Dependency] = [
+    "ClientTestSupport", "PresenceClient", "PresenceGateway", "PresenceEngine", "PresenceProtocol", "RedisClient", "RedisTestSupport",
+    .product(name: "Hummingbird", package: "hummingbird"),
+    .product(name: "HummingbirdTesting", package: "hummingbird"),
+    .product(name: "JWTKit", package: "jwt-kit"),
+    .product(name: "Logging", package: "swift-log"),
+    .product(name: "NIOConcurrencyHelpers", package: "swift-nio"),
+]
+
 let package = Package(
     name: "presence-gateway",
     platforms: [.macOS(.v14), .iOS(.v17)],
@@ -197,16 +207,30 @@ let package = Package(
             ],
             swiftSettings: swiftSettings
         ),
-        .testTarget(
-            name: "PresenceClientTests",
+        // A client that records what it reports, tokens and node environments: shared by the
+        // client's tests and the gateway's fault tests.
+        .target(
+            name: "ClientTestSupport",
             dependencies: [
-                "PresenceClient", "PresenceGateway", "PresenceEngine", "PresenceProtocol", "RedisClient", "RedisTestSupport",
-                .product(name: "Hummingbird", package: "hummingbird"),
-                .product(name: "HummingbirdTesting", package: "hummingbird"),
+                "PresenceClient", "RedisTestSupport",
                 .product(name: "JWTKit", package: "jwt-kit"),
                 .product(name: "Logging", package: "swift-log"),
                 .product(name: "NIOConcurrencyHelpers", package: "swift-nio"),
             ],
+            path: "Tests/ClientTestSupport",
+            swiftSettings: swiftSettings
+        ),
+        .testTarget(
+            name: "PresenceClientTests",
+            dependencies: liveClientTestDependencies,
+            swiftSettings: swiftSettings
+        ),
+        // The gateway under faults, as processes: nodes killed or frozen, Redis down or emptied,
+        // skewed clocks, slow readers, floods, and the benchmark runs. They load the whole
+        // machine, so `make test` runs them after the others, one at a time.
+        .testTarget(
+            name: "GatewayFaultTests",
+            dependencies: liveClientTestDependencies,
             swiftSettings: swiftSettings
         ),
         .testTarget(

@@ -1,55 +1,56 @@
+// What the client's tests and the gateway's fault tests share: tokens, the environment of a test's
+// gateway processes, and a client that records everything it reports.
+
 import Foundation
 import JWTKit
 import Logging
 import NIOConcurrencyHelpers
+import PresenceClient
 import RedisTestSupport
-import Testing
 
-@testable import PresenceClient
-
-let secret = "client-test-secret-that-is-long-enough-for-hs256"
-let adminToken = "client-test-admin-token"
+public let secret = "client-test-secret-that-is-long-enough-for-hs256"
+public let adminToken = "client-test-admin-token"
 
 struct Claims: JWTPayload {
     var sub: SubjectClaim
     var exp: ExpirationClaim
-    func verify(using algorithm: some JWTAlgorithm) async throws {}
+    public func verify(using algorithm: some JWTAlgorithm) async throws {}
 }
 
 /// An HS256 token for `user` that expires in `seconds`.
-func mint(_ user: String, expiresIn seconds: TimeInterval = 3600, secret: String = secret) async throws -> String {
+public func mint(_ user: String, expiresIn seconds: TimeInterval = 3600, secret: String = secret) async throws -> String {
     let keys = JWTKeyCollection()
     await keys.add(hmac: HMACKey(from: secret), digestAlgorithm: .sha256)
     return try await keys.sign(Claims(sub: .init(value: user), exp: .init(value: Date(timeIntervalSinceNow: seconds))))
 }
 
 /// Environment for gateway processes of one test: its own key prefix, short lease and linger.
-func nodeEnvironment(prefix: String, redisURL: String = TestRedis.url, extra: [String: String] = [:]) -> [String: String] {
+public func nodeEnvironment(prefix: String, redisURL: String = TestRedis.url, extra: [String: String] = [:]) -> [String: String] {
     [
         "PRESENCE_REDIS_URL": redisURL, "PRESENCE_KEY_PREFIX": prefix, "PRESENCE_JWT_SECRET": secret,
         "PRESENCE_ADMIN_TOKEN": adminToken, "PRESENCE_LEASE_TTL": "3", "PRESENCE_LINGER": "2",
     ].merging(extra) { _, new in new }
 }
 
-func admin(_ node: GatewayProcess, _ method: String, _ path: String, _ body: String? = nil) -> (status: Int, body: String)? {
+public func admin(_ node: GatewayProcess, _ method: String, _ path: String, _ body: String? = nil) -> (status: Int, body: String)? {
     GatewayProcess.http(port: node.port, method: method, path: path, headers: ["Authorization": "Bearer \(adminToken)"], body: body)
 }
 
 /// A client of `user` and everything it reported, running until the test ends.
-final class LiveClient: Sendable {
-    let client: PresenceClient
-    let user: String
-    let calls = NIOLockedValueBox<[Bool]>([])
+public final class LiveClient: Sendable {
+    public let client: PresenceClient
+    public let user: String
+    public let calls = NIOLockedValueBox<[Bool]>([])
     private let log = NIOLockedValueBox<[(at: ContinuousClock.Instant, event: PresenceClientEvent)]>([])
     private let running: Task<Void, Never>
     private let listening: Task<Void, Never>
 
-    convenience init(_ user: String, device: String, nodes: [GatewayProcess], tokenLifetime: TimeInterval = 3600,
+    public convenience init(_ user: String, device: String, nodes: [GatewayProcess], tokenLifetime: TimeInterval = 3600,
                      configure: (inout PresenceClientConfiguration) -> Void = { _ in }) async throws {
         try await self.init(user, device: device, ports: nodes.map(\.port), tokenLifetime: tokenLifetime, configure: configure)
     }
 
-    init(_ user: String, device: String, ports: [Int], tokenLifetime: TimeInterval = 3600, secret: String = secret,
+    public init(_ user: String, device: String, ports: [Int], tokenLifetime: TimeInterval = 3600, secret: String = secret,
          configure: (inout PresenceClientConfiguration) -> Void = { _ in }) async throws {
         self.user = user
         var configuration = try PresenceClientConfiguration(
@@ -73,26 +74,26 @@ final class LiveClient: Sendable {
         listening.cancel()
     }
 
-    var events: [PresenceClientEvent] { log.withLockedValue { $0.map(\.event) } }
+    public var events: [PresenceClientEvent] { log.withLockedValue { $0.map(\.event) } }
 
     /// When each session became connected.
-    var connectedAt: [ContinuousClock.Instant] {
+    public var connectedAt: [ContinuousClock.Instant] {
         log.withLockedValue { $0.filter { $0.event == .connection(.connected) }.map(\.at) }
     }
 
     /// Statuses heard for `user`, in order.
-    func statuses(of user: String) -> [PresenceStatus] {
+    public func statuses(of user: String) -> [PresenceStatus] {
         events.compactMap { if case .presence(let presence) = $0, presence.userID == user { presence.status } else { nil } }
     }
 
     /// Statuses heard for `user` once it was first seen online (an `initial_state` may say
     /// offline before it connects).
-    func statusesSinceOnline(of user: String) -> [PresenceStatus] {
+    public func statusesSinceOnline(of user: String) -> [PresenceStatus] {
         Array(statuses(of: user).drop { $0 != .online })
     }
 
     /// Connection states, and what was heard of `peer`, since `start`: for explaining a failure.
-    func timeline(since start: ContinuousClock.Instant, peer: String? = nil) -> [String] {
+    public func timeline(since start: ContinuousClock.Instant, peer: String? = nil) -> [String] {
         log.withLockedValue { entries in
             entries.filter { $0.at >= start }.compactMap { entry in
                 let offset = String(format: "+%.3fs", Double((entry.at - start).components.attoseconds) / 1e18 + Double((entry.at - start).components.seconds))
@@ -106,14 +107,14 @@ final class LiveClient: Sendable {
     }
 
     /// Every presence update, when it arrived.
-    var arrivalsOfAll: [(at: ContinuousClock.Instant, presence: PresenceSnapshot)] {
+    public var arrivalsOfAll: [(at: ContinuousClock.Instant, presence: PresenceSnapshot)] {
         log.withLockedValue { entries in
             entries.compactMap { entry in if case .presence(let presence) = entry.event { (entry.at, presence) } else { nil } }
         }
     }
 
     /// When each update about `user` arrived, with its status.
-    func arrivals(of user: String) -> [(at: ContinuousClock.Instant, status: PresenceStatus)] {
+    public func arrivals(of user: String) -> [(at: ContinuousClock.Instant, status: PresenceStatus)] {
         log.withLockedValue { entries in
             entries.compactMap { entry in
                 if case .presence(let presence) = entry.event, presence.userID == user { (entry.at, presence.status) } else { nil }
@@ -122,22 +123,22 @@ final class LiveClient: Sendable {
     }
 
     /// How many times the session became connected.
-    var connections: Int { events.filter { $0 == .connection(.connected) }.count }
+    public var connections: Int { events.filter { $0 == .connection(.connected) }.count }
 
-    func waitUntil(_ timeout: Duration = .seconds(10), _ condition: @escaping @Sendable (PresenceClient) async -> Bool) async -> Bool {
+    public func waitUntil(_ timeout: Duration = .seconds(10), _ condition: @escaping @Sendable (PresenceClient) async -> Bool) async -> Bool {
         let client = self.client
         return await eventually(timeout: timeout, poll: .milliseconds(10)) { await condition(client) }
     }
 
-    func connected(_ timeout: Duration = .seconds(10)) async -> Bool {
+    public func connected(_ timeout: Duration = .seconds(10)) async -> Bool {
         await waitUntil(timeout) { await $0.connectionState == .connected }
     }
 
-    func sees(_ user: String, _ status: PresenceStatus, within timeout: Duration = .seconds(5)) async -> Bool {
+    public func sees(_ user: String, _ status: PresenceStatus, within timeout: Duration = .seconds(5)) async -> Bool {
         await waitUntil(timeout) { await $0.presence(of: user)?.status == status }
     }
 
-    func finished(within timeout: Duration) async -> Bool {
+    public func finished(within timeout: Duration) async -> Bool {
         await eventually(timeout: timeout, poll: .milliseconds(10)) { [running] in
             await withTaskGroup(of: Bool.self) { group in
                 group.addTask { await running.value; return true }

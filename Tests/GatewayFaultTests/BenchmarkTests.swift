@@ -1,3 +1,4 @@
+import ClientTestSupport
 import Foundation
 import RedisTestSupport
 import Testing

@@ -1,8 +1,8 @@
+import ClientTestSupport
 import Foundation
+import PresenceClient
 import RedisTestSupport
 import Testing
-
-@testable import PresenceClient
 
 /// Random faults over three gateway processes (one 2 s behind, one true, one 2 s ahead) and a
 /// Redis of their own, with SDK clients that all watch each other: status changes, handoffs,

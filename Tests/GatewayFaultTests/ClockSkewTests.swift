@@ -1,8 +1,8 @@
+import ClientTestSupport
 import Foundation
+import PresenceClient
 import RedisTestSupport
 import Testing
-
-@testable import PresenceClient
 
 /// Three gateway processes whose wall clocks disagree: one behind the machine's, one true, one
 /// ahead (libfaketime, `SkewedClock`). Presence must not care: every moment one node writes and

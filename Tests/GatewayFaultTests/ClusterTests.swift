@@ -1,9 +1,9 @@
+import ClientTestSupport
 import Foundation
 import NIOConcurrencyHelpers
+import PresenceClient
 import RedisTestSupport
 import Testing
-
-@testable import PresenceClient
 
 /// `scripts/cluster`: Redis, three gateway nodes and HAProxy as loopback processes.
 final class LocalCluster: Sendable {

@@ -1,9 +1,9 @@
+import ClientTestSupport
 import Foundation
 import NIOConcurrencyHelpers
+import PresenceClient
 import RedisTestSupport
 import Testing
-
-@testable import PresenceClient
 
 /// Floods of connections and frames meet the README's limits, and the node keeps serving
 /// everyone else. Heavy (`make test` runs it alone).
@@ -138,7 +138,7 @@ struct FloodTests {
         for thread in threads { thread.start() }
         #expect(await eventually(timeout: .seconds(120)) { outcomes.withLockedValue { $0.values.reduce(0, +) } == flood })
         let elapsed = ContinuousClock.now - started
-        let sessions = SlowReaderTests.sessions(node)
+        let sessions = node.openSessions
         let memoryAfter = node.residentBytes ?? 0
         print("session limit: \(flood) connections in \(elapsed) against a limit of \(limit) with 2 held already: \(outcomes.withLockedValue { $0 }); node sessions \(String(describing: sessions)), RSS \(memoryBefore / 1_048_576) → \(memoryAfter / 1_048_576) MiB")
         #expect(outcomes.withLockedValue { $0 } == ["open": limit - 2, "1013": flood - limit + 2], "the limit, then 1013 for each one more")
@@ -150,8 +150,8 @@ struct FloodTests {
         // Once the flood lets go, the node takes sessions again.
         held.withLockedValue { $0.removeAll() }
         let released = ContinuousClock.now
-        let drained = await eventually(timeout: .seconds(10)) { SlowReaderTests.sessions(node) == 2 }
-        #expect(drained, "the node is back to its 2 sessions 10 s after the flood let go; it holds \(String(describing: SlowReaderTests.sessions(node))); its last lines: \(node.output.split(separator: "\n").suffix(20).joined(separator: "\n"))")
+        let drained = await eventually(timeout: .seconds(10)) { node.openSessions == 2 }
+        #expect(drained, "the node is back to its 2 sessions 10 s after the flood let go; it holds \(String(describing: node.openSessions)); its last lines: \(node.output.split(separator: "\n").suffix(20).joined(separator: "\n"))")
         print("session limit: the node was back to its 2 sessions \(ContinuousClock.now - released) after the flood let go")
         let carol = try await LiveClient("carol", device: "phone", nodes: [node])
         #expect(await carol.connected())

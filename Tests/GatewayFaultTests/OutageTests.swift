@@ -1,8 +1,8 @@
+import ClientTestSupport
 import Foundation
+import PresenceClient
 import RedisTestSupport
 import Testing
-
-@testable import PresenceClient
 
 /// Redis stopped for a long while (30 s; `PRESENCE_OUTAGE_SECONDS` changes it) under two nodes
 /// holding 40 sessions that keep changing their status throughout, with REST reads going on.

@@ -1,8 +1,8 @@
+import ClientTestSupport
 import Foundation
+import PresenceClient
 import RedisTestSupport
 import Testing
-
-@testable import PresenceClient
 
 /// Redis loses data under live nodes without dropping a connection: what a failover to an empty
 /// or lagging replica looks like to them. The nodes must find out and heal, and every watcher
@@ -11,14 +11,22 @@ import Testing
 /// Run with the heavy tests: two nodes and a Redis of their own.
 @Suite("Presence that heals itself", .serialized)
 struct SelfHealingTests {
+    /// The nodes' lease in seconds (`nodeEnvironment`'s).
+    static let lease = 3
+
+    /// Nodes a and b on `redis` with open visibility; node a may reach it by another URL.
+    static func twoNodes(_ redis: RedisServerProcess, prefix: String, redisURLOfA: String? = nil) async throws -> (a: GatewayProcess, b: GatewayProcess) {
+        let environment = nodeEnvironment(prefix: prefix, redisURL: redis.url(), extra: ["PRESENCE_VISIBILITY": "open", "PRESENCE_LEASE_TTL": "\(lease)"])
+        let a = try await GatewayProcess(nodeID: "a", environment: environment.merging(["PRESENCE_REDIS_URL": redisURLOfA ?? redis.url()]) { _, new in new })
+        let b = try await GatewayProcess(nodeID: "b", environment: environment)
+        return (a, b)
+    }
+
     @Test("FLUSHALL, then a lost devices hash: live users stay online, a REST user no device holds any more goes offline for every watcher within a lease + 2 s, and a lost device is written again")
     func dataLoss() async throws {
         let redis = try RedisServerProcess()
         let prefix = TestRedis.uniquePrefix("heal")
-        let lease = 3
-        let environment = nodeEnvironment(prefix: prefix, redisURL: redis.url(), extra: ["PRESENCE_VISIBILITY": "open", "PRESENCE_LEASE_TTL": "\(lease)"])
-        let a = try await GatewayProcess(nodeID: "a", environment: environment)
-        let b = try await GatewayProcess(nodeID: "b", environment: environment)
+        let (a, b) = try await Self.twoNodes(redis, prefix: prefix)
         let alice = try await LiveClient("alice", device: "phone", nodes: [a])
         let bob = try await LiveClient("bob", device: "laptop", nodes: [b])
         let dora = try await LiveClient("dora", device: "tablet", nodes: [a])
@@ -48,11 +56,11 @@ struct SelfHealingTests {
         #expect(try redis.cli("FLUSHALL").contains("OK"))
         // carol's REST device is gone for good: every watcher on either node hears it.
         for watcher in [bob, dora] {
-            #expect(await watcher.sees("carol", .offline, within: .seconds(lease + 2)), "\(watcher.user) sees carol offline within a lease + 2 s: \(watcher.timeline(since: flushed, peer: "carol"))")
+            #expect(await watcher.sees("carol", .offline, within: .seconds(Self.lease + 2)), "\(watcher.user) sees carol offline within a lease + 2 s: \(watcher.timeline(since: flushed, peer: "carol"))")
         }
         print("FLUSHALL: bob heard carol offline after \(bob.arrivals(of: "carol").first { $0.at >= flushed && $0.status == .offline }.map { $0.at - flushed } ?? .zero)")
         // alice and dora are connected: their nodes write them again, and nobody is told otherwise.
-        #expect(await eventually(timeout: .seconds(lease + 2), poll: .milliseconds(100)) { rest("alice") == "online" && rest("dora") == "online" },
+        #expect(await eventually(timeout: .seconds(Self.lease + 2), poll: .milliseconds(100)) { rest("alice") == "online" && rest("dora") == "online" },
                 "REST has alice and dora online again")
         try await Task.sleep(for: .seconds(2))
         for (watcher, peer) in [(bob, "alice"), (bob, "dora"), (dora, "alice")] {
@@ -64,7 +72,7 @@ struct SelfHealingTests {
         let lost = ContinuousClock.now
         #expect(try redis.cli("DEL", "\(prefix):{u:alice}:devices").contains("1"))
         #expect(rest("alice") == "offline", "the loss is real")
-        #expect(await eventually(timeout: .seconds(3 * lease + 3), poll: .milliseconds(100)) { rest("alice") == "online" }, "alice is written again")
+        #expect(await eventually(timeout: .seconds(3 * Self.lease + 3), poll: .milliseconds(100)) { rest("alice") == "online" }, "alice is written again")
         print("partial loss: alice online again in REST after \(ContinuousClock.now - lost)")
         #expect(!bob.statuses(of: "alice").contains(.offline), "bob never heard alice go offline")
         #expect(await alice.client.connectionState == .connected, "alice's session was never closed")
@@ -78,11 +86,7 @@ struct SelfHealingTests {
     @Test("Redis comes back empty and one node reaches it 4.5 s after the other: the other node's watchers never hear that node's users go offline")
     func lateNode() async throws {
         let redis = try RedisServerProcess()
-        let prefix = TestRedis.uniquePrefix("late")
-        let lease = 3
-        let environment = nodeEnvironment(prefix: prefix, redisURL: redis.url(), extra: ["PRESENCE_VISIBILITY": "open", "PRESENCE_LEASE_TTL": "\(lease)"])
-        let a = try await GatewayProcess(nodeID: "a", environment: environment)
-        let b = try await GatewayProcess(nodeID: "b", environment: environment)
+        let (a, b) = try await Self.twoNodes(redis, prefix: TestRedis.uniquePrefix("late"))
         defer { a.resume() }
         let alice = try await LiveClient("alice", device: "phone", nodes: [a])
         let bob = try await LiveClient("bob", device: "laptop", nodes: [b])
@@ -101,12 +105,12 @@ struct SelfHealingTests {
         try await Task.sleep(for: .milliseconds(4500))
         a.resume()
         let reader = try await mint("reader")
-        let restOnline = await eventually(timeout: .seconds(lease + 2), poll: .milliseconds(100)) {
+        let restOnline = await eventually(timeout: .seconds(Self.lease + 2), poll: .milliseconds(100)) {
             GatewayProcess.httpGet(port: b.port, path: "/api/presence/users/alice", headers: ["Authorization": "Bearer \(reader)"])?.body.contains(#""status":"online""#) == true
         }
         #expect(restOnline, "a wrote alice again once it ran")
         // Past the recovery grace, when a catch-up could tell bob offline at the latest.
-        try await Task.sleep(for: .seconds(lease + 5) - (ContinuousClock.now - started) + .seconds(1))
+        try await Task.sleep(for: .seconds(Self.lease + 5) - (ContinuousClock.now - started) + .seconds(1))
         #expect(!bob.statuses(of: "alice").contains(.offline), "bob never heard alice go offline: \(bob.timeline(since: started, peer: "alice"))")
         #expect(await bob.sees("alice", .online), "bob sees alice online")
         #expect(await alice.client.connectionState == .connected, "alice's session was never closed")
@@ -120,11 +124,8 @@ struct SelfHealingTests {
         let redis = try RedisServerProcess()
         let proxy = try RedisProxy(upstreamPort: redis.port)
         defer { proxy.stop() }
-        let prefix = TestRedis.uniquePrefix("deaf")
-        let environment = nodeEnvironment(prefix: prefix, redisURL: redis.url(), extra: ["PRESENCE_VISIBILITY": "open"])
         // Node a reaches Redis through the proxy; b directly.
-        let a = try await GatewayProcess(nodeID: "a", environment: environment.merging(["PRESENCE_REDIS_URL": proxy.url]) { _, new in new })
-        let b = try await GatewayProcess(nodeID: "b", environment: environment)
+        let (a, b) = try await Self.twoNodes(redis, prefix: TestRedis.uniquePrefix("deaf"), redisURLOfA: proxy.url)
         let alice = try await LiveClient("alice", device: "phone", nodes: [b])
         let bob = try await LiveClient("bob", device: "laptop", nodes: [a])
         for client in [alice, bob] { #expect(await client.connected(), "\(client.user) is connected") }

@@ -1,3 +1,4 @@
+import ClientTestSupport
 import Foundation
 import JWTKit
 import Logging
@@ -196,7 +197,7 @@ struct ClientLiveTests {
         // A client that never answers the close keeps the drain going until the node's close
         // watchdog shuts its connection (2 s): long enough to watch /readyz.
         let held = try RawWebSocketClient(port: node.port, token: try await mint("alice"), device: "phone", watching: [], receiveBuffer: nil)
-        #expect(await eventually(timeout: .seconds(5)) { SlowReaderTests.sessions(node) == 1 })
+        #expect(await eventually(timeout: .seconds(5)) { node.openSessions == 1 })
         node.terminate()
         let terminatedAt = ContinuousClock.now
         let draining = await eventually(timeout: .seconds(2), poll: .milliseconds(5)) {
