@@ -58,7 +58,9 @@ soak: deps
 	$(SWIFT) build --product presence-bench $(BUILD_FLAGS)
 	scripts/with-redis .build/debug/presence-bench soak --duration $(SOAK_SECONDS)
 
-# Syntax and required keys of docker-compose.yml, deploy/ (Dockerfile, HAProxy, k8s, Grafana).
+# docker-compose.yml and deploy/: yamllint, hadolint, haproxy -c, promtool, kubernetes-validate and
+# check-jsonschema (Compose schema), then what the files must agree on with each other and with
+# the gateway's Swift sources (its PRESENCE_* variables and metric names).
 check-deploy: deps
 	scripts/check-deploy
 
