@@ -1,0 +1,276 @@
+import NIOCore
+import NIOWebSocket
+import PresenceProtocol
+
+/// A session's WebSocket connection as a channel handler on its event loop, in place of a set of
+/// Swift tasks: it assembles messages, answers pings and closes, pings the client, closes a
+/// client that stops reading, and runs the session's timers (ping, token expiry, close
+/// watchdog) as tasks scheduled on the loop.
+///
+/// It sits behind NIO's WebSocket frame decoder, encoder and protocol error handler (the
+/// upgrader installs them): frame-level errors, such as a frame over the size limit or a
+/// fragmented control frame, are answered there. What it reports goes to ``Events``, on the loop.
+///
+/// Outbound messages come from any thread through ``SessionConnection``. The channel's own
+/// buffer is the queue: bytes written while the channel is not writable (the socket's buffer and
+/// NIO's high-water mark are full) count against ``Limits/unwritableBytes``, and a client that
+/// lets them pass it is closed with 1008, as one that does not read fast enough.
+final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler {
+    typealias InboundIn = WebSocketFrame
+    typealias OutboundIn = WebSocketFrame
+    typealias OutboundOut = WebSocketFrame
+
+    struct Limits: Sendable {
+        /// The largest message, over all of its fragments; larger is closed with 1009.
+        var maxMessageSize: Int
+        /// How often the client is pinged; a ping unanswered by the next one closes with 1001.
+        var pingInterval: TimeAmount
+        /// How long a close may wait for the client's close before the connection is dropped.
+        var closeTimeout: TimeAmount
+        /// Bytes written while the channel is not writable before the client counts as too slow.
+        var unwritableBytes: Int
+    }
+
+    /// How a connection ended: the code the client sent in its close frame, if any, and the
+    /// code the server closed with, if it closed first.
+    struct Ending: Sendable, Equatable {
+        var clientCode: UInt16?
+        var serverCode: UInt16?
+    }
+
+    /// What the handler reports, on the channel's event loop.
+    struct Events {
+        var text: (String) -> Void
+        var binary: () -> Void
+        var ended: (Ending) -> Void
+    }
+
+    private let limits: Limits
+    private let events: Events
+    private var context: ChannelHandlerContext?
+    /// A message arriving in fragments: its first frame's opcode and the data so far.
+    private var fragments: (opcode: WebSocketOpcode, data: ByteBuffer)?
+    private var ending = Ending()
+    private var closeSent = false
+    private var awaitingPong = false
+    private var unwritableBytes = 0
+    private var pinger: Scheduled<Void>?
+    private var expiry: Scheduled<Void>?
+    private var watchdog: Scheduled<Void>?
+
+    init(limits: Limits, events: Events) {
+        self.limits = limits
+        self.events = events
+    }
+
+    // MARK: Life of the channel
+
+    func handlerAdded(context: ChannelHandlerContext) {
+        self.context = context
+        schedulePing()
+    }
+
+    func handlerRemoved(context: ChannelHandlerContext) {
+        cancelTimers()
+        self.context = nil
+    }
+
+    func channelInactive(context: ChannelHandlerContext) {
+        cancelTimers()
+        events.ended(ending)
+        context.fireChannelInactive()
+    }
+
+    func channelWritabilityChanged(context: ChannelHandlerContext) {
+        if context.channel.isWritable { unwritableBytes = 0 }
+        context.fireChannelWritabilityChanged()
+    }
+
+    private func cancelTimers() {
+        pinger?.cancel()
+        expiry?.cancel()
+        watchdog?.cancel()
+        pinger = nil
+        expiry = nil
+        watchdog = nil
+    }
+
+    // MARK: Inbound
+
+    func channelRead(context: ChannelHandlerContext, data: NIOAny) {
+        let frame = unwrapInboundIn(data)
+        switch frame.opcode {
+        case .text, .binary:
+            guard fragments == nil else { return protocolError("a new message began inside a fragmented one") }
+            receive(frame.opcode, frame.unmaskedData, fin: frame.fin)
+        case .continuation:
+            guard let started = fragments else { return protocolError("a continuation frame with no message to continue") }
+            fragments = nil
+            var data = started.data
+            var more = frame.unmaskedData
+            data.writeBuffer(&more)
+            receive(started.opcode, data, fin: frame.fin)
+        case .ping:
+            guard !closeSent else { return }
+            write(WebSocketFrame(fin: true, opcode: .pong, data: frame.unmaskedData))
+        case .pong:
+            awaitingPong = false
+        case .connectionClose:
+            receivedClose(frame.unmaskedData)
+        default:
+            protocolError("an unknown opcode")
+        }
+    }
+
+    /// A data frame, or a message so far: delivered when complete, kept while fragments follow.
+    private func receive(_ opcode: WebSocketOpcode, _ data: ByteBuffer, fin: Bool) {
+        guard data.readableBytes <= limits.maxMessageSize else {
+            return close(CloseCode.messageTooBig.rawValue, reason: "a message is limited to \(limits.maxMessageSize) bytes")
+        }
+        guard fin else {
+            fragments = (opcode, data)
+            return
+        }
+        // After the server's close, only the client's close matters.
+        guard !closeSent else { return }
+        if opcode == .text {
+            events.text(String(buffer: data))
+        } else {
+            events.binary()
+        }
+    }
+
+    private func receivedClose(_ data: ByteBuffer) {
+        var data = data
+        let code = data.readInteger(as: UInt16.self)
+        ending.clientCode = code
+        if closeSent {
+            // The answer to the server's close: the handshake is complete.
+            context?.close(promise: nil)
+            return
+        }
+        // The client closes first: answer with its code (1000 when it gave none) and end.
+        closeSent = true
+        var answer = ByteBuffer()
+        answer.writeInteger(code ?? CloseCode.normal.rawValue)
+        guard let context else { return }
+        context.writeAndFlush(wrapOutboundOut(WebSocketFrame(fin: true, opcode: .connectionClose, data: answer))).assumeIsolated().whenComplete { [weak self] _ in
+            self?.context?.close(promise: nil)
+        }
+    }
+
+    /// RFC 6455's code for a frame the protocol does not allow; no API close code of its own.
+    static let protocolErrorCode: UInt16 = 1002
+
+    private func protocolError(_ reason: String) {
+        close(Self.protocolErrorCode, reason: reason)
+    }
+
+    // MARK: Outbound
+
+    /// Writes a frame the session made (a ready text frame), and flushes.
+    func write(context: ChannelHandlerContext, data: NIOAny, promise: EventLoopPromise<Void>?) {
+        let frame = unwrapOutboundIn(data)
+        guard !closeSent else {
+            promise?.fail(ChannelError.outputClosed)
+            return
+        }
+        if !context.channel.isWritable {
+            unwritableBytes += frame.length
+            if unwritableBytes > limits.unwritableBytes {
+                promise?.fail(ChannelError.outputClosed)
+                return close(CloseCode.policyViolation.rawValue, reason: "the client does not read fast enough")
+            }
+        }
+        context.write(wrapOutboundOut(frame), promise: promise)
+    }
+
+    private func write(_ frame: WebSocketFrame) {
+        context?.writeAndFlush(wrapOutboundOut(frame), promise: nil)
+    }
+
+    /// Sends a text message, unless the session is closing.
+    func send(_ text: ByteBuffer) {
+        guard !closeSent, let context else { return }
+        write(context: context, data: wrapOutboundOut(WebSocketFrame(fin: true, opcode: .text, data: text)), promise: nil)
+        context.flush()
+    }
+
+    /// Sends a close frame with `code` once, then waits for the client's close for the close
+    /// timeout; a client that sends none, or reads nothing, has its connection dropped then.
+    func close(_ code: UInt16, reason: String) {
+        guard !closeSent, let context else { return }
+        closeSent = true
+        ending.serverCode = code
+        fragments = nil
+        var data = ByteBuffer()
+        data.writeInteger(code)
+        // A close frame's payload is at most 125 bytes, the code's 2 included.
+        var reason = Substring(reason)
+        while reason.utf8.count > 123 { reason = reason.dropLast() }
+        data.writeString(String(reason))
+        context.writeAndFlush(wrapOutboundOut(WebSocketFrame(fin: true, opcode: .connectionClose, data: data)), promise: nil)
+        watchdog = context.eventLoop.assumeIsolated().scheduleTask(in: limits.closeTimeout) { [weak self] in
+            self?.context?.close(promise: nil)
+        }
+    }
+
+    /// Closes the session with 4001 at `deadline` (when its token expires).
+    func expire(at deadline: NIODeadline) {
+        guard let context else { return }
+        expiry?.cancel()
+        expiry = context.eventLoop.assumeIsolated().scheduleTask(deadline: deadline) { [weak self] in
+            self?.close(CloseCode.unauthorized.rawValue, reason: "the token has expired")
+        }
+    }
+
+    private func schedulePing() {
+        pinger = context?.eventLoop.assumeIsolated().scheduleTask(in: limits.pingInterval) { [weak self] in self?.ping() }
+    }
+
+    private func ping() {
+        guard !closeSent else { return }
+        if awaitingPong {
+            return close(CloseCode.goingAway.rawValue, reason: "Ping timeout")
+        }
+        awaitingPong = true
+        write(WebSocketFrame(fin: true, opcode: .ping, data: ByteBuffer(string: "presence")))
+        schedulePing()
+    }
+}
+
+/// A session's handle on its connection, usable from any thread: each call runs on the
+/// connection's event loop (at once when already there).
+struct SessionConnection: Sendable {
+    private let handler: NIOLoopBound<SessionChannelHandler>
+
+    init(_ handler: SessionChannelHandler, eventLoop: any EventLoop) {
+        self.handler = NIOLoopBound(handler, eventLoop: eventLoop)
+    }
+
+    var eventLoop: any EventLoop { handler.eventLoop }
+
+    /// Sends one text message (a ready frame's payload; one buffer may go to many sessions).
+    func send(_ text: ByteBuffer) {
+        run { $0.send(text) }
+    }
+
+    /// Closes with `code` (see ``SessionChannelHandler/close(_:reason:)``).
+    func close(_ code: UInt16, reason: String) {
+        run { $0.close(code, reason: reason) }
+    }
+
+    /// Closes with 4001 at `deadline`.
+    func expire(at deadline: NIODeadline) {
+        run { $0.expire(at: deadline) }
+    }
+
+    private func run(_ body: @escaping @Sendable (SessionChannelHandler) -> Void) {
+        if handler.eventLoop.inEventLoop {
+            body(handler.value)
+        } else {
+            let handler = self.handler
+            handler.eventLoop.execute { body(handler.value) }
+        }
+    }
+}

@@ -1,0 +1,191 @@
+import NIOCore
+import NIOEmbedded
+import NIOWebSocket
+import PresenceProtocol
+import Testing
+
+@testable import PresenceGateway
+
+/// The session's connection handler on an embedded channel: frames in, frames out, and its
+/// timers on the embedded loop's clock. No sockets and no Redis.
+@Suite("Session connection handler")
+struct SessionChannelHandlerTests {
+    static let limits = SessionChannelHandler.Limits(
+        maxMessageSize: 64, pingInterval: .seconds(10), closeTimeout: .seconds(3), unwritableBytes: 100
+    )
+
+    /// An embedded channel with the handler, connected, and what the handler reported.
+    final class Harness {
+        /// What the handler reported.
+        final class Reports {
+            var texts: [String] = []
+            var binaries = 0
+            var endings: [SessionChannelHandler.Ending] = []
+        }
+
+        let channel = EmbeddedChannel()
+        let handler: SessionChannelHandler
+        let reports = Reports()
+        var texts: [String] { reports.texts }
+        var binaries: Int { reports.binaries }
+        var endings: [SessionChannelHandler.Ending] { reports.endings }
+
+        init(limits: SessionChannelHandler.Limits = SessionChannelHandlerTests.limits) throws {
+            let reports = self.reports
+            handler = SessionChannelHandler(limits: limits, events: .init(
+                text: { reports.texts.append($0) },
+                binary: { reports.binaries += 1 },
+                ended: { reports.endings.append($0) }
+            ))
+            try channel.pipeline.syncOperations.addHandler(handler)
+            try channel.connect(to: SocketAddress(ipAddress: "127.0.0.1", port: 9)).wait()
+        }
+
+        func receive(_ opcode: WebSocketOpcode, _ text: String, fin: Bool = true) throws {
+            try channel.writeInbound(WebSocketFrame(fin: fin, opcode: opcode, data: ByteBuffer(string: text)))
+        }
+
+        func receiveClose(_ code: UInt16?) throws {
+            var data = ByteBuffer()
+            if let code { data.writeInteger(code) }
+            try channel.writeInbound(WebSocketFrame(fin: true, opcode: .connectionClose, data: data))
+        }
+
+        /// Every frame written so far.
+        func written() throws -> [WebSocketFrame] {
+            var frames: [WebSocketFrame] = []
+            while let frame = try channel.readOutbound(as: WebSocketFrame.self) { frames.append(frame) }
+            return frames
+        }
+
+        func advance(_ amount: TimeAmount) {
+            channel.embeddedEventLoop.advanceTime(by: amount)
+        }
+    }
+
+    static func closeCode(_ frame: WebSocketFrame?) -> UInt16? {
+        guard let frame, frame.opcode == .connectionClose else { return nil }
+        var data = frame.data
+        return data.readInteger(as: UInt16.self)
+    }
+
+    @Test("messages are delivered whole: single frames, fragments joined, binary reported")
+    func messages() throws {
+        let harness = try Harness()
+        try harness.receive(.text, "hello")
+        try harness.receive(.text, "frag", fin: false)
+        try harness.receive(.continuation, "men", fin: false)
+        try harness.receive(.continuation, "ted")
+        try harness.receive(.binary, "bytes")
+        #expect(harness.texts == ["hello", "fragmented"])
+        #expect(harness.binaries == 1)
+        #expect(try harness.written().isEmpty)
+    }
+
+    @Test("a message over the limit across its fragments is closed with 1009; a continuation with nothing to continue with 1002")
+    func limitsAndProtocolErrors() throws {
+        let large = try Harness()
+        try large.receive(.text, String(repeating: "a", count: 40), fin: false)
+        try large.receive(.continuation, String(repeating: "b", count: 40))
+        #expect(large.texts.isEmpty)
+        #expect(Self.closeCode(try large.written().first) == 1009)
+
+        let stray = try Harness()
+        try stray.receive(.continuation, "x")
+        #expect(Self.closeCode(try stray.written().first) == 1002)
+        let interleaved = try Harness()
+        try interleaved.receive(.text, "a", fin: false)
+        try interleaved.receive(.text, "b")
+        #expect(Self.closeCode(try interleaved.written().first) == 1002)
+    }
+
+    @Test("a ping is answered with a pong of the same payload")
+    func pong() throws {
+        let harness = try Harness()
+        try harness.receive(.ping, "are you there")
+        let frames = try harness.written()
+        #expect(frames.count == 1)
+        #expect(frames.first?.opcode == .pong)
+        #expect(frames.first.map { String(buffer: $0.data) } == "are you there")
+    }
+
+    @Test("the client closes first: its code is echoed, the connection ends, and the ending says the client's code")
+    func clientCloses() throws {
+        let harness = try Harness()
+        try harness.receiveClose(1000)
+        #expect(Self.closeCode(try harness.written().first) == 1000)
+        #expect(!harness.channel.isActive)
+        #expect(harness.endings == [.init(clientCode: 1000, serverCode: nil)])
+    }
+
+    @Test("the server closes: nothing more is sent, the client's answer ends the connection; without one, the close timeout does")
+    func serverCloses() throws {
+        let answered = try Harness()
+        answered.handler.close(4001, reason: "the token has expired")
+        answered.handler.send(ByteBuffer(string: "too late"))
+        let frames = try answered.written()
+        #expect(frames.count == 1)
+        #expect(Self.closeCode(frames.first) == 4001)
+        #expect(frames.first.map { String(buffer: $0.data.getSlice(at: 2, length: $0.data.readableBytes - 2) ?? ByteBuffer()) } == "the token has expired")
+        #expect(answered.channel.isActive)
+        try answered.receiveClose(4001)
+        #expect(!answered.channel.isActive)
+        #expect(answered.endings == [.init(clientCode: 4001, serverCode: 4001)])
+
+        let silent = try Harness()
+        silent.handler.close(1008, reason: "")
+        silent.advance(.milliseconds(2900))
+        #expect(silent.channel.isActive)
+        silent.advance(.milliseconds(200))
+        #expect(!silent.channel.isActive)
+        #expect(silent.endings == [.init(clientCode: nil, serverCode: 1008)])
+    }
+
+    @Test("the client is pinged every interval; a ping left unanswered until the next closes with 1001")
+    func pingTimeout() throws {
+        let harness = try Harness()
+        harness.advance(.seconds(10))
+        #expect(try harness.written().map(\.opcode) == [.ping])
+        try harness.receive(.pong, "presence")
+        harness.advance(.seconds(10))
+        #expect(try harness.written().map(\.opcode) == [.ping])
+        harness.advance(.seconds(10))
+        #expect(Self.closeCode(try harness.written().first) == 1001)
+        harness.advance(.seconds(3))
+        #expect(!harness.channel.isActive)
+    }
+
+    @Test("a token's expiry closes with 4001 at its deadline, not before")
+    func expiry() throws {
+        let harness = try Harness()
+        harness.handler.expire(at: harness.channel.embeddedEventLoop.now + .seconds(5))
+        harness.advance(.milliseconds(4999))
+        #expect(try harness.written().isEmpty)
+        harness.advance(.milliseconds(1))
+        #expect(Self.closeCode(try harness.written().first) == 4001)
+    }
+
+    @Test("a client that stops reading: writes pass while the channel is writable; past the budget while it is not, 1008")
+    func slowReader() throws {
+        let harness = try Harness()
+        for _ in 0..<50 { harness.handler.send(ByteBuffer(string: String(repeating: "x", count: 30))) }
+        #expect(try harness.written().count == 50)
+        harness.channel.isWritable = false
+        harness.channel.pipeline.fireChannelWritabilityChanged()
+        for _ in 0..<3 { harness.handler.send(ByteBuffer(string: String(repeating: "x", count: 30))) }
+        #expect(try harness.written().count == 3, "90 bytes are within the budget of 100")
+        harness.handler.send(ByteBuffer(string: String(repeating: "x", count: 30)))
+        #expect(Self.closeCode(try harness.written().last) == 1008)
+
+        let recovered = try Harness()
+        recovered.channel.isWritable = false
+        recovered.channel.pipeline.fireChannelWritabilityChanged()
+        for _ in 0..<3 { recovered.handler.send(ByteBuffer(string: String(repeating: "x", count: 30))) }
+        recovered.channel.isWritable = true
+        recovered.channel.pipeline.fireChannelWritabilityChanged()
+        recovered.channel.isWritable = false
+        recovered.channel.pipeline.fireChannelWritabilityChanged()
+        for _ in 0..<3 { recovered.handler.send(ByteBuffer(string: String(repeating: "x", count: 30))) }
+        #expect(try recovered.written().allSatisfy { $0.opcode == .text }, "the budget starts again once the channel was writable")
+    }
+}
