@@ -1,6 +1,6 @@
 import Foundation
 import Hummingbird
-import HummingbirdWebSocket
+import HummingbirdCore
 import Logging
 import NIOCore
 import PresenceEngine
@@ -107,10 +107,9 @@ public func buildGateway(
     router.add(middleware: MethodNotAllowedMiddleware(routes: router.routes, hiding: gateway.authenticator.adminEnabled ? [] : ["/api/admin"]))
     var app = Application(
         router: router,
-        server: .http1WebSocketUpgrade(
-            webSocketRouter: router,
-            configuration: .init(ws: .init(maxFrameSize: configuration.maxFrameSize, autoPing: .enabled(timePeriod: configuration.pingInterval), closeTimeout: .seconds(3)))
-        ),
+        server: HTTPServerBuilder { responder in
+            GatewayServerChannel(responder: responder, sessions: SessionStarter(gateway: gateway))
+        },
         configuration: .init(address: .hostname(configuration.host, port: configuration.port), serverName: "presence-gateway"),
         onServerRunning: { channel in await onListening(channel.localAddress?.port ?? 0) },
         logger: logger

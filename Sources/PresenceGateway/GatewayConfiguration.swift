@@ -53,8 +53,9 @@ public struct GatewayConfiguration: Sendable {
     public var subscribeRate = 5.0
     /// Typing frames or posts per second per session or REST user (burst twice).
     public var typingRate = 10.0
-    /// Frames queued for a session before it is closed as too slow.
-    public var outboundQueueLimit = 1_024
+    /// Bytes written to a session while its connection is not writable (the socket's buffer
+    /// and NIO's high-water mark are full) before it is closed as too slow (1008).
+    public var outboundBufferLimit = 256 * 1024
     /// Bad frames in a row answered with `error` before the session is closed with 1008.
     public var maxBadFrames = 10
     /// Frames of any kind per second per session (burst twice): past it, `error` `rate_limited`.

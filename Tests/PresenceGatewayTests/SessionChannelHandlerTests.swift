@@ -118,6 +118,14 @@ struct SessionChannelHandlerTests {
         #expect(harness.endings == [.init(clientCode: 1000, serverCode: nil)])
     }
 
+    @Test("the client shuts its side without a close frame: the connection ends at once, with no code on either side")
+    func clientShutsInput() throws {
+        let harness = try Harness()
+        harness.channel.pipeline.fireUserInboundEventTriggered(ChannelEvent.inputClosed)
+        #expect(!harness.channel.isActive)
+        #expect(harness.endings == [.init(clientCode: nil, serverCode: nil)])
+    }
+
     @Test("the server closes: nothing more is sent, the client's answer ends the connection; without one, the close timeout does")
     func serverCloses() throws {
         let answered = try Harness()

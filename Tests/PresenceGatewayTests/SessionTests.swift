@@ -1,3 +1,5 @@
+import NIOCore
+import NIOEmbedded
 import PresenceEngine
 import PresenceProtocol
 import Testing
@@ -7,21 +9,25 @@ import Testing
 @Suite("A session's view of what it watches")
 struct SessionTests {
     @Test("overlapping reads of one user: events wait for the last one, and each read an event crossed is done again")
-    func overlappingReads() {
-        let session = Session(userID: "bob", deviceID: "phone", frames: FrameCoder(ids: .string), queueLimit: 64)
+    func overlappingReads() throws {
+        let channel = EmbeddedChannel()
+        let handler = SessionChannelHandler(limits: SessionChannelHandlerTests.limits, events: .init(text: { _ in }, binary: {}, ended: { _ in }))
+        try channel.pipeline.syncOperations.addHandler(handler)
+        let connection = SessionConnection(handler, eventLoop: channel.embeddedEventLoop)
+        let session = Session(userID: "bob", deviceID: "phone", frames: FrameCoder(ids: .string), connection: connection)
         _ = session.addWatched(["ann"])
         func presence(_ status: PresenceStatus) -> Presence { Presence(userID: "ann", status: status, lastSeen: nil) }
         let first = session.beginRead(["ann"])
         let second = session.beginRead(["ann"])
         // An event while both are under way, then the first read ends with what it read.
-        #expect(!session.rememberEvent(presence(.online)) { "online" }.tell, "held back while reads are under way")
+        #expect(!session.rememberEvent(presence(.online)) { ByteBuffer(string: "online") }.tell, "held back while reads are under way")
         #expect(session.endRead(["ann"], first, snapshot: [presence(.online)]) == ["ann"], "the event crossed the first read")
         // The second read is still under way: a newer event must not be applied under it...
-        #expect(!session.rememberEvent(presence(.away)) { "away" }.tell, "still held back: the second read has not ended")
+        #expect(!session.rememberEvent(presence(.away)) { ByteBuffer(string: "away") }.tell, "still held back: the second read has not ended")
         // ...and the second read, older than that event, is marked to be done again.
         #expect(session.endRead(["ann"], second, snapshot: [presence(.online)]) == ["ann"])
         // With no read under way, events go straight through.
-        #expect(session.rememberEvent(presence(.away)) { "away" }.tell)
+        #expect(session.rememberEvent(presence(.away)) { ByteBuffer(string: "away") }.tell)
         #expect(session.lastTold("ann") == .away)
         let third = session.beginRead(["ann"])
         #expect(session.endRead(["ann"], third, snapshot: [presence(.away)]).isEmpty, "no event crossed it")

@@ -1,6 +1,7 @@
 import Foundation
 import Logging
 import NIOConcurrencyHelpers
+import NIOCore
 import PresenceEngine
 import PresenceProtocol
 import RedisClient
@@ -321,13 +322,14 @@ final class SessionHub: Service, Sendable {
         guard let user = userOf(channel: channel) else { return }
         if let event = engine.decodeEvent(payload) {
             let watchers = state.withLockedValue { state in (state.watchers[user] ?? []).compactMap { state.sessions[$0] } }
-            // Most watchers get the same view: encode it once, not once per watcher.
-            var encoded: (update: Presence, frame: String)?
+            // Most watchers get the same view: encode it once into a frame's buffer, which every
+            // such watcher's connection then writes, not once per watcher.
+            var encoded: (update: Presence, frame: ByteBuffer)?
             for session in watchers {
                 guard let update = event.update(for: session.userID) else { continue }
                 let remembered = session.rememberEvent(update) {
                     if let encoded, encoded.update == update { return encoded.frame }
-                    let frame = frames.text(.presenceUpdate(PresencePayload(update)))
+                    let frame = ByteBuffer(string: frames.text(.presenceUpdate(PresencePayload(update))))
                     encoded = (update, frame)
                     return frame
                 }
@@ -347,7 +349,7 @@ final class SessionHub: Service, Sendable {
     private func deliverConversation(_ conversation: String, payload: [UInt8]) async {
         let followers = state.withLockedValue { state in (state.followers[conversation] ?? []).compactMap { state.sessions[$0] } }
         if let typing = engine.decodeTyping(payload) {
-            let frame = frames.text(.typingUpdate(TypingUpdate(userID: typing.userID, conversationID: conversation, isTyping: typing.isTyping)))
+            let frame = ByteBuffer(string: frames.text(.typingUpdate(TypingUpdate(userID: typing.userID, conversationID: conversation, isTyping: typing.isTyping))))
             for session in followers where session.userID != typing.userID && !session.deviceStatus.saidOffline {
                 session.send(frame)
                 GatewayMetrics.delivered(latencyMilliseconds: engine.estimatedStoreNow() - typing.at)

@@ -1,34 +1,25 @@
-import NIOCore
 import Foundation
+import HTTPTypes
 import Hummingbird
-import HummingbirdWebSocket
 import Logging
-import NIOWebSocket
+import NIOConcurrencyHelpers
+import NIOCore
+import NIOHTTP1
+import NIOHTTPTypesHTTP1
 import PresenceEngine
 import PresenceProtocol
-import ServiceLifecycle
 
 extension Gateway {
+    /// The path of the session upgrade.
+    static let sessionPath = "/api/presence/subscribe"
+
+    /// A request to the session path that is not an upgrade (``GatewayServerChannel`` takes
+    /// those) is refused with the reason; a node shutting down says so.
     func addWebSocketRoute(to router: Router<GatewayRequestContext>) {
-        // The token and the query are checked once upgraded, where a refusal can say why (4001,
-        // or an `error` frame and 1008): an upgrade refused here reaches the client as a bare
-        // HTTP 400. A node shutting down refuses here all the same: a session opened and closed
-        // at once while the node stops may end before the client has finished its upgrade, and
-        // HummingbirdWSClient then waits for good instead of going to another node.
-        router.ws("/api/presence/subscribe", shouldUpgrade: { _, _ in
+        router.get(RouterPath(Self.sessionPath)) { _, _ -> Response in
             guard !self.hub.isDraining else { throw APIError.unavailable("this node is shutting down; connect to another") }
-            return .upgrade([:])
-        }, onUpgrade: { inbound, outbound, context in
-            context.requestContext.releaseWebSocketHandler()
-            // Counted before the token is checked: a flood of bad tokens holds connections too.
-            guard self.hub.admit(limit: self.configuration.maxSessions) else {
-                GatewayMetrics.refused("full")
-                await self.refuse(outbound, .tryAgainLater, reason: "this node holds its most sessions; try another")
-                return
-            }
-            defer { self.hub.leave() }
-            try await self.serve(inbound: inbound, outbound: outbound, request: context.request, channel: context.requestContext.channel)
-        })
+            throw APIError.invalid("this path takes a WebSocket upgrade, as the first request of its connection")
+        }
     }
 
     /// The upgrade's `device_id`; without one, a device of the connection's own (see
@@ -57,132 +48,272 @@ extension Gateway {
         }
         return status
     }
+}
 
-    private func serve(inbound: WebSocketInboundStream, outbound: WebSocketOutboundWriter, request: Request, channel: any Channel) async throws {
-        guard let user = try? await authenticate(request, allowQuery: true) else {
-            await refuse(outbound, .unauthorized, reason: "unauthorized")
+/// Decides an upgrade and starts the session on the upgraded connection.
+struct SessionStarter: Sendable {
+    let gateway: Gateway
+
+    var maxFrameSize: Int { gateway.configuration.maxFrameSize }
+
+    /// Whether to upgrade: a GET of the session path while the node is not shutting down. The
+    /// token and the query are checked once upgraded, where a refusal can say why (4001, or an
+    /// `error` frame and 1008); a refused upgrade goes to the router, which answers with the
+    /// reason. A node shutting down refuses here: a session opened and closed at once while the
+    /// node stops may end before the client has finished its upgrade.
+    func accepts(_ head: HTTPRequestHead) -> Bool {
+        head.method == .GET && head.uri.prefix { $0 != "?" } == Gateway.sessionPath && !gateway.hub.isDraining
+    }
+
+    /// Puts the session's handler in the upgraded pipeline (on its event loop) and starts opening it.
+    func start(on channel: any Channel, head: HTTPRequestHead) throws {
+        let request = Request(head: try HTTPRequest(head, secure: false, splitCookie: false), body: .init(buffer: ByteBuffer()))
+        let configuration = gateway.configuration
+        let run = SessionRun(gateway: gateway, request: request)
+        let handler = SessionChannelHandler(
+            limits: .init(
+                maxMessageSize: configuration.maxFrameSize,
+                pingInterval: TimeAmount(configuration.pingInterval),
+                closeTimeout: TimeAmount(configuration.closeTimeout),
+                unwritableBytes: configuration.outboundBufferLimit
+            ),
+            events: .init(
+                text: { run.received(.text($0)) },
+                binary: { run.received(.binary) },
+                ended: { run.ended($0) }
+            )
+        )
+        try channel.pipeline.syncOperations.addHandler(handler)
+        run.open(SessionConnection(handler, eventLoop: channel.eventLoop))
+    }
+}
+
+/// One session from its upgrade to its end: its opening (token, device, the engine's record),
+/// its messages, handled in order by one short-lived task at a time, and its end.
+final class SessionRun: Sendable {
+    enum Message: Sendable {
+        case text(String)
+        case binary
+    }
+
+    private let gateway: Gateway
+    private let request: Request
+    private let state = NIOLockedValueBox(State())
+
+    private struct State {
+        /// Counted against the node's session limit.
+        var admitted = false
+        /// Set once opening has succeeded.
+        var open: Open?
+        /// Opening has ended, opened or not.
+        var openingOver = false
+        /// Messages not handled yet: those before the session is open wait for it.
+        var queue: [Message] = []
+        /// Whether a task is handling messages.
+        var handling = false
+        /// A message ended the session: what follows is dropped.
+        var stopped = false
+        /// How the connection ended.
+        var ending: SessionChannelHandler.Ending?
+        var finished = false
+    }
+
+    private struct Open: Sendable {
+        let session: Session
+        let user: AuthenticatedUser
+        let frames: FrameHandlerBox
+        let logger: Logger
+    }
+
+    init(gateway: Gateway, request: Request) {
+        self.gateway = gateway
+        self.request = request
+    }
+
+    /// Starts opening the session on `connection` (counted from here against the node's limit).
+    func open(_ connection: SessionConnection) {
+        // Counted before the token is checked: a flood of bad tokens holds connections too.
+        let admitted = gateway.hub.admit(limit: gateway.configuration.maxSessions)
+        state.withLockedValue { $0.admitted = admitted }
+        guard admitted else {
+            GatewayMetrics.refused("full")
+            refuse(connection, .tryAgainLater, reason: "this node holds its most sessions; try another")
+            openingEnded()
             return
+        }
+        Task { await self.opening(connection) }
+    }
+
+    /// A message from the client (on the connection's loop).
+    func received(_ message: Message) {
+        let startHandling = state.withLockedValue { state -> Bool in
+            guard !state.stopped, state.ending == nil else { return false }
+            state.queue.append(message)
+            guard state.open != nil, !state.handling else { return false }
+            state.handling = true
+            return true
+        }
+        if startHandling { Task { await self.handleMessages() } }
+    }
+
+    /// The connection ended (on its loop).
+    func ended(_ ending: SessionChannelHandler.Ending) {
+        let finish = state.withLockedValue { state -> Bool in
+            state.ending = ending
+            state.queue.removeAll()
+            return Self.mayFinish(&state)
+        }
+        if finish { Task { await self.finish() } }
+    }
+
+    /// Whether the session's end can be settled now: the connection ended, opening is over and
+    /// no message is being handled. True once.
+    private static func mayFinish(_ state: inout State) -> Bool {
+        guard state.ending != nil, state.openingOver, !state.handling, !state.finished else { return false }
+        state.finished = true
+        return true
+    }
+
+    private func openingEnded(_ open: Open? = nil) {
+        let (handle, finish) = state.withLockedValue { state -> (Bool, Bool) in
+            state.open = open
+            state.openingOver = true
+            let handle = open != nil && !state.queue.isEmpty && state.ending == nil
+            if handle { state.handling = true }
+            return (handle, Self.mayFinish(&state))
+        }
+        if handle { Task { await self.handleMessages() } }
+        if finish { Task { await self.finish() } }
+    }
+
+    /// Closes a session that never started. The close follows the 101 after a short pause:
+    /// arriving with the 101 and the end of the connection, it is lost by some clients
+    /// (HummingbirdWSClient among them), which then wait for good.
+    private func refuse(_ connection: SessionConnection, _ code: CloseCode, reason: String) {
+        connection.eventLoop.scheduleTask(in: .milliseconds(100)) {
+            connection.close(code.rawValue, reason: reason)
+        }
+    }
+
+    private func opening(_ connection: SessionConnection) async {
+        let frames = gateway.frames
+        guard let user = try? await gateway.authenticate(request, allowQuery: true) else {
+            refuse(connection, .unauthorized, reason: "unauthorized")
+            return openingEnded()
         }
         let device: String
         let status: PresenceStatus
         do {
-            device = try Self.deviceID(request)
-            status = try Self.openingStatus(request)
+            device = try Gateway.deviceID(request)
+            status = try Gateway.openingStatus(request)
         } catch {
-            try? await outbound.writeTextMessage(frames.text(.error(error.payload)))
-            await refuse(outbound, .policyViolation, reason: error.message)
-            return
+            connection.send(ByteBuffer(string: frames.text(.error(error.payload))))
+            refuse(connection, .policyViolation, reason: error.message)
+            return openingEnded()
         }
         // A node that has not taken its lease yet writes no device: until it has, what an earlier
         // process under its node id left is still being taken offline.
-        guard await engine.waitUntilRegistered(timeout: .seconds(5)) else {
-            await refuse(outbound, .tryAgainLater, reason: "this node is starting; try again")
-            return
+        guard await gateway.engine.waitUntilRegistered(timeout: .seconds(5)) else {
+            refuse(connection, .tryAgainLater, reason: "this node is starting; try again")
+            return openingEnded()
         }
-        let recorder = await CloseCodeRecorder.install(on: channel)
-        let session = Session(userID: user.userID, deviceID: device, frames: frames, queueLimit: configuration.outboundQueueLimit)
-        var logger = self.logger
+        let session = Session(userID: user.userID, deviceID: device, frames: frames, connection: connection)
+        var logger = gateway.logger
         logger[metadataKey: "presence.user_id"] = "\(user.userID)"
         logger[metadataKey: "presence.device_id"] = "\(device)"
         session.setDeviceStatus(status)
-        await hub.register(session)
+        await gateway.hub.register(session)
         do {
-            let opened = try await engine.connect(user: user.userID, device: device, session: session.id, status: status)
+            let opened = try await gateway.engine.connect(user: user.userID, device: device, session: session.id, status: status)
             if opened.change.changed { GatewayMetrics.transition() }
-            if let replaced = opened.replaced { await hub.closeRemote(node: replaced.node, session: replaced.session) }
+            if let replaced = opened.replaced { await gateway.hub.closeRemote(node: replaced.node, session: replaced.session) }
             try await sendInitialState(to: session, user: user.userID)
         } catch {
             let apiError = APIError.from(error)
-            try? await outbound.writeTextMessage(frames.text(.error(apiError.payload)))
-            await refuse(outbound, apiError.code == .rateLimited ? .rateLimited : .internalError, reason: apiError.message)
-            await hub.unregister(session)
-            _ = try? await engine.disconnect(user: user.userID, device: device, session: session.id, clean: true)
-            return
+            connection.send(ByteBuffer(string: frames.text(.error(apiError.payload))))
+            refuse(connection, apiError.code == .rateLimited ? .rateLimited : .internalError, reason: apiError.message)
+            await gateway.hub.unregister(session)
+            _ = try? await gateway.engine.disconnect(user: user.userID, device: device, session: session.id, clean: true)
+            return openingEnded()
         }
-        logger.info("session opened")
-        // A protocol error while reading (a message over the size limit, a bad frame) is thrown
-        // again at the end, so that the WebSocket layer closes with its code (1009, 1002...).
-        let readError: (any Error)? = await withGracefulShutdownHandler {
-            await run(session, user: user, inbound: inbound, outbound: outbound, channel: channel, logger: logger)
-        } onGracefulShutdown: {
-            // Clients reconnect to another node within the linger: no offline flicker.
-            session.close(.goingAway, reason: "the node is shutting down")
-        }
-        await hub.unregister(session)
-        let serverClose = session.closeRequest?.code
-        let clean = recorder?.receivedCode == CloseCode.normal.rawValue && serverClose == .normal || session.deviceStatus.saidOffline
-            || serverClose == .disconnectedByAdmin
-        _ = try? await engine.disconnect(user: user.userID, device: device, session: session.id, clean: clean)
-        logger.info("session closed", metadata: ["presence.clean": "\(clean)", "presence.close_code": "\(recorder?.receivedCode ?? serverClose?.rawValue ?? 0)"])
-        if let readError { throw readError }
-    }
-
-    /// Closes a session that never started. The WebSocket layer ends the connection right
-    /// behind a server's close frame; arriving with the 101 and the end of the connection, that
-    /// close is lost by some clients (HummingbirdWSClient among them), which then wait for
-    /// good. A short pause lets the client finish its upgrade first.
-    private func refuse(_ outbound: WebSocketOutboundWriter, _ code: CloseCode, reason: String) async {
-        try? await Task.sleep(for: .milliseconds(100))
-        try? await outbound.close(.init(codeNumber: Int(code.rawValue)), reason: reason)
-    }
-
-    /// Runs a session until it closes: a writer draining its queue, a timer for the token's
-    /// expiry, a watchdog on the close, and the reader handling frames. Returns the error that
-    /// ended reading, if any.
-    private func run(_ session: Session, user: AuthenticatedUser, inbound: WebSocketInboundStream, outbound: WebSocketOutboundWriter, channel: any Channel, logger: Logger) async -> (any Error)? {
-        // Clamped: a far-future `exp` must not overflow the conversion to milliseconds.
+        // Clamped: a far-future `exp` must not overflow the conversion to nanoseconds.
         let expiry = min(max(0, user.expiresAt.timeIntervalSinceNow), 366 * 86_400)
-        return await withTaskGroup(of: Void.self) { group in
-            group.addTask {
-                for await frame in session.outbound {
-                    guard case .text(let text) = frame else { continue }
-                    do { try await outbound.writeTextMessage(text) } catch { break }
-                }
-                let close = session.closeRequest ?? (.normal, "")
-                if let code = close.code { try? await outbound.close(.init(codeNumber: Int(code.rawValue)), reason: close.reason) }
-            }
-            group.addTask {
-                try? await Task.sleep(for: .milliseconds(Int64(expiry * 1000)))
-                if !Task.isCancelled { session.close(.unauthorized, reason: "the token has expired") }
-            }
-            group.addTask {
-                // A client that reads nothing (its queue overflowed, or it ignores the close)
-                // holds the writer in a write and the reader in a read: shut its connection.
-                await session.closeRequested()
-                guard (try? await Task.sleep(for: self.configuration.closeTimeout)) != nil else { return }
-                logger.info("the client took nothing for the close timeout; shutting its connection", metadata: ["presence.close_code": "\(session.closeRequest?.code?.rawValue ?? 0)"])
-                channel.close(promise: nil)
-            }
-            var handler = FrameHandler(gateway: self, session: session, user: user, logger: logger)
-            var readError: (any Error)?
-            do {
-                for try await message in inbound.messages(maxSize: configuration.maxFrameSize) {
-                    guard case .text(let text) = message else {
-                        if !handler.handleBinary() { break }
-                        continue
-                    }
-                    if await !handler.handle(text) { break }
-                }
-            } catch {
-                logger.debug("session read failed", metadata: ["error": "\(error)"])
-                readError = error
-            }
-            // No code: the WebSocket layer closes, with the code of the error rethrown below.
-            session.close(readError == nil ? .normal : nil, reason: "")
-            await group.next()
-            group.cancelAll()
-            return readError
-        }
+        connection.expire(at: .now() + .milliseconds(Int64(expiry * 1000)))
+        logger.info("session opened")
+        let handler = FrameHandlerBox(FrameHandler(gateway: gateway, session: session, user: user, logger: logger))
+        openingEnded(Open(session: session, user: user, frames: handler, logger: logger))
     }
 
     private func sendInitialState(to session: Session, user: String) async throws {
-        guard configuration.visibility == .conversations else {
+        let frames = gateway.frames
+        guard gateway.configuration.visibility == .conversations else {
             session.send(frames.text(.initialState([])))
             return
         }
-        let contacts = try await engine.contacts(of: user)
-        try await hub.watchAndRead(session, contacts) { presences in
-            [self.frames.text(.initialState(presences.map { PresencePayload($0) }))]
+        let contacts = try await gateway.engine.contacts(of: user)
+        try await gateway.hub.watchAndRead(session, contacts) { presences in
+            [frames.text(.initialState(presences.map { PresencePayload($0) }))]
         }
     }
+
+    /// Handles queued messages in order until none is left; the only task doing so.
+    private func handleMessages() async {
+        while true {
+            let next = state.withLockedValue { state -> (Message, Open)? in
+                guard !state.stopped, state.ending == nil, !state.queue.isEmpty, let open = state.open else {
+                    state.handling = false
+                    return nil
+                }
+                return (state.queue.removeFirst(), open)
+            }
+            guard let (message, open) = next else { break }
+            let goesOn: Bool
+            switch message {
+            case .text(let text): goesOn = await open.frames.handle(text)
+            case .binary: goesOn = open.frames.handleBinary()
+            }
+            if !goesOn {
+                state.withLockedValue { state in
+                    state.stopped = true
+                    state.queue.removeAll()
+                }
+                open.session.close(.normal, reason: "")
+            }
+        }
+        if state.withLockedValue({ Self.mayFinish(&$0) }) { await finish() }
+    }
+
+    /// After the connection ended: the session leaves the hub and its device is closed, at once
+    /// for a clean close (the client's 1000, a sign-out, an admin disconnect), else after the
+    /// linger.
+    private func finish() async {
+        let (open, ending, admitted) = state.withLockedValue { ($0.open, $0.ending, $0.admitted) }
+        if let open, let ending {
+            let session = open.session
+            session.close(nil, reason: "")
+            await gateway.hub.unregister(session)
+            let serverClose = session.closeRequest?.code
+            let clean = ending.clientCode == CloseCode.normal.rawValue && ending.serverCode == nil
+                || session.deviceStatus.saidOffline || serverClose == .disconnectedByAdmin
+            _ = try? await gateway.engine.disconnect(user: open.user.userID, device: session.deviceID, session: session.id, clean: clean)
+            open.logger.info("session closed", metadata: [
+                "presence.clean": "\(clean)", "presence.close_code": "\(ending.clientCode ?? ending.serverCode ?? 0)",
+            ])
+        }
+        if admitted { gateway.hub.leave() }
+        // The handler's events hold this run, and the run (through its session) the handler:
+        // let go, or both stay for good.
+        state.withLockedValue { $0.open = nil }
+    }
+}
+
+/// A session's frame handler, used by one task at a time (``SessionRun`` starts a task only
+/// when none is handling messages).
+final class FrameHandlerBox: @unchecked Sendable {
+    private var handler: FrameHandler
+
+    init(_ handler: FrameHandler) { self.handler = handler }
+
+    func handle(_ text: String) async -> Bool { await handler.handle(text) }
+    func handleBinary() -> Bool { handler.handleBinary() }
 }

@@ -1,29 +1,23 @@
 import Foundation
 import NIOConcurrencyHelpers
+import NIOCore
 import PresenceEngine
 import PresenceProtocol
 
-/// One WebSocket session: who it is, what it watches, and its bounded outbound queue.
+/// One WebSocket session: who it is, what it watches, and its connection.
 ///
-/// Frames for the client go through ``send(_:)`` from any task; a client that does not read fast
-/// enough fills the queue and is closed, without holding up anyone else.
+/// Frames for the client go through ``send(_:)`` from any task, onto the connection's event
+/// loop in the order they were sent; a client that does not read fast enough is closed by its
+/// connection handler, without holding up anyone else.
 final class Session: Sendable {
-    /// A frame on its way to the client.
-    enum Outbound: Sendable {
-        case text(String)
-    }
-
     /// Unique per connection; the device record in Redis names it.
     let id: String
     let userID: String
     let deviceID: String
     /// Writes this session's frames.
     let frames: FrameCoder
-    let outbound: AsyncStream<Outbound>
-    private let continuation: AsyncStream<Outbound>.Continuation
-    /// Finishes when the server decides to close the session.
-    private let closing: AsyncStream<Never>
-    private let closingContinuation: AsyncStream<Never>.Continuation
+    /// The connection, on its event loop.
+    let connection: SessionConnection
     private let state = NIOLockedValueBox(State())
 
     struct State {
@@ -77,41 +71,35 @@ final class Session: Sendable {
         var sent: GroupCounts?
     }
 
-    init(userID: String, deviceID: String, frames: FrameCoder, queueLimit: Int) {
+    init(userID: String, deviceID: String, frames: FrameCoder, connection: SessionConnection) {
         self.id = UUID().uuidString.lowercased()
         self.userID = userID
         self.deviceID = deviceID
         self.frames = frames
-        (outbound, continuation) = AsyncStream.makeStream(of: Outbound.self, bufferingPolicy: .bufferingOldest(queueLimit))
-        (closing, closingContinuation) = AsyncStream.makeStream(of: Never.self)
+        self.connection = connection
     }
 
-    /// Queues a frame; a full queue closes the session as too slow.
+    /// Sends a frame, unless the session is closing.
     func send(_ text: String) {
-        if case .dropped = continuation.yield(.text(text)) {
-            close(.policyViolation, reason: "the client does not read fast enough")
-        } else {
-            GatewayMetrics.frameSent()
-        }
+        send(ByteBuffer(string: text))
     }
 
-    /// Asks for the session to be closed with `code` once queued frames are written; `nil`
-    /// leaves the code to the WebSocket layer (a protocol error it closes for).
+    /// Sends a frame's text, ready in a buffer: one buffer can go to every session with the
+    /// same view (buffers are copy-on-write, and none of them writes to it).
+    func send(_ frame: ByteBuffer) {
+        connection.send(frame)
+        GatewayMetrics.frameSent()
+    }
+
+    /// Closes the session with `code` once the frames sent before are written; `nil` records
+    /// that it is over without a close of the server's (the connection already ended).
     func close(_ code: CloseCode?, reason: String) {
         let first = state.withLockedValue { state -> Bool in
             guard state.close == nil else { return false }
             state.close = (code, reason)
             return true
         }
-        if first {
-            continuation.finish()
-            closingContinuation.finish()
-        }
-    }
-
-    /// Returns once the server decided to close the session (or the task is cancelled).
-    func closeRequested() async {
-        for await _ in closing {}
+        if first, let code { connection.close(code.rawValue, reason: reason) }
     }
 
     /// The close the server asked for, if any.
@@ -174,19 +162,16 @@ final class Session: Sendable {
     /// told, in one step so that no snapshot can be queued in between. Held back (neither
     /// remembered nor told) while a read of that user is under way, since the read's answer may
     /// be older than the event.
-    func rememberEvent(_ presence: Presence, frame: () -> String) -> Remembered {
-        var overflow = false
-        let result = state.withLockedValue { state -> Remembered in
+    func rememberEvent(_ presence: Presence, frame: () -> ByteBuffer) -> Remembered {
+        state.withLockedValue { state -> Remembered in
             guard state.reading[presence.userID] == nil else {
                 state.reading[presence.userID]?.events += 1
                 return Remembered(tell: false, statusChanged: false)
             }
             let result = Self.remember(presence, in: &state)
-            if result.tell { overflow = !enqueue(frame()) }
+            if result.tell { send(frame()) }
             return result
         }
-        if overflow { close(.policyViolation, reason: "the client does not read fast enough") }
-        return result
     }
 
     /// Ends the read of `users`: remembers `snapshot` (what was read) and queues the frames
@@ -200,8 +185,7 @@ final class Session: Sendable {
         _ users: [String], _ mark: ReadMark, snapshot: [Presence], answering: (conversation: String, id: String?)? = nil,
         frames: ([Remembered]) -> [String] = { _ in [] }
     ) -> [String] {
-        var overflow = false
-        let dirty = state.withLockedValue { state in
+        state.withLockedValue { state in
             let dirty = users.filter { user in
                 guard var reading = state.reading[user], let before = mark.heldBefore[user] else { return false }
                 reading.count -= 1
@@ -210,18 +194,9 @@ final class Session: Sendable {
             }
             let remembered = snapshot.map { Self.remember($0, in: &state) }
             let answer = answering.map { Self.groupFrames([$0.conversation], id: $0.id, frames: self.frames, in: &state) } ?? []
-            for frame in answer + frames(remembered) where !enqueue(frame) { overflow = true }
+            for frame in answer + frames(remembered) { send(frame) }
             return dirty
         }
-        if overflow { close(.policyViolation, reason: "the client does not read fast enough") }
-        return dirty
-    }
-
-    /// Queues a frame (the caller may hold the lock); false when the queue is full.
-    private func enqueue(_ text: String) -> Bool {
-        if case .dropped = continuation.yield(.text(text)) { return false }
-        GatewayMetrics.frameSent()
-        return true
     }
 
     private static func remember(_ presence: Presence, in state: inout State) -> Remembered {

@@ -81,6 +81,16 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
         context.fireChannelInactive()
     }
 
+    /// The client shut its side (the server's port allows half-closure for HTTP): no frame
+    /// can come any more, not even the answer to a close, so the connection ends now.
+    func userInboundEventTriggered(context: ChannelHandlerContext, event: Any) {
+        if case .some(.inputClosed) = event as? ChannelEvent {
+            context.close(promise: nil)
+            return
+        }
+        context.fireUserInboundEventTriggered(event)
+    }
+
     func channelWritabilityChanged(context: ChannelHandlerContext) {
         if context.channel.isWritable { unwritableBytes = 0 }
         context.fireChannelWritabilityChanged()
@@ -240,7 +250,7 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
 }
 
 /// A session's handle on its connection, usable from any thread: each call runs on the
-/// connection's event loop (at once when already there).
+/// connection's event loop.
 struct SessionConnection: Sendable {
     private let handler: NIOLoopBound<SessionChannelHandler>
 
@@ -265,12 +275,10 @@ struct SessionConnection: Sendable {
         run { $0.expire(at: deadline) }
     }
 
+    /// Always through the loop's queue, even from the loop itself: calls made in order (a
+    /// session sends under its lock) then run in that order.
     private func run(_ body: @escaping @Sendable (SessionChannelHandler) -> Void) {
-        if handler.eventLoop.inEventLoop {
-            body(handler.value)
-        } else {
-            let handler = self.handler
-            handler.eventLoop.execute { body(handler.value) }
-        }
+        let handler = self.handler
+        handler.eventLoop.execute { body(handler.value) }
     }
 }
