@@ -16,7 +16,8 @@ public final class Gateway: Sendable {
     /// The presence engine.
     public let engine: PresenceEngine
     let hub: SessionHub
-    /// Writes frames and bodies with the configured id format.
+    /// What sessions are asked to do, carried to their event loops (one mailbox per loop).
+    let mailboxes = LoopMailboxes()
     /// Frames, with ids in the node's format.
     let frames: FrameCoder
     /// REST bodies: ids in the node's format, keys in snake case.

@@ -123,10 +123,13 @@ struct SlowReaderTests {
             #expect(drained.allSatisfy { $0.closed }, "each stalled client finds its connection ended: \(drained)")
             #expect(arrivals.count == posted.count, "the fast client got every one of pinger's \(posted.count) changes, got \(arrivals.count)")
             #expect(peak - memoryBefore < 64 * 1_048_576, "memory bounded: grew \((peak - memoryBefore) / 1_048_576) MiB")
-            // On 2 cores the flood itself (5,000 changes a second from this process, fanned out
-            // to 3 sessions) slows everyone; stalled clients must not add to it. Only a coarse
-            // bound here: the numbers printed above are the measurement.
-            #expect(percentile(during, 0.5) < percentile(floodOnly, 0.5) * 2 + .milliseconds(100), "stalled clients do not slow the others")
+            // On 2 cores the flood itself (thousands of changes a second from this process, as
+            // fast as Redis takes them, fanned out to 3 sessions) slows everyone, and the node's
+            // backlog under it varies from run to run (with readers, p50 0.1-0.7 s in four
+            // runs); stalled clients must not add to it. A stalled client holding up the others
+            // would hold them for seconds, until it is closed (10-12 s). Only a coarse bound
+            // here: the numbers printed above are the measurement.
+            #expect(percentile(during, 0.5) < percentile(floodOnly, 0.9) * 2 + .milliseconds(250), "stalled clients do not slow the others")
             #expect(GatewayProcess.httpStatus(port: node.port, path: "/healthz") == 200)
         }
     }

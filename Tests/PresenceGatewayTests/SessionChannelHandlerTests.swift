@@ -23,14 +23,20 @@ struct SessionChannelHandlerTests {
             var endings: [SessionChannelHandler.Ending] = []
         }
 
-        let channel = EmbeddedChannel()
+        let channel: EmbeddedChannel
         let handler: SessionChannelHandler
         let reports = Reports()
         var texts: [String] { reports.texts }
         var binaries: Int { reports.binaries }
         var endings: [SessionChannelHandler.Ending] { reports.endings }
 
-        init(limits: SessionChannelHandler.Limits = SessionChannelHandlerTests.limits) throws {
+        /// `before` goes in the pipeline ahead of the handler (nearer the socket).
+        init(
+            limits: SessionChannelHandler.Limits = SessionChannelHandlerTests.limits,
+            loop: EmbeddedEventLoop = EmbeddedEventLoop(), before: (any ChannelHandler)? = nil
+        ) throws {
+            channel = EmbeddedChannel(loop: loop)
+            if let before { try channel.pipeline.syncOperations.addHandler(before) }
             let reports = self.reports
             handler = SessionChannelHandler(limits: limits, events: .init(
                 text: { reports.texts.append($0) },

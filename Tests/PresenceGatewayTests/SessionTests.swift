@@ -13,7 +13,7 @@ struct SessionTests {
         let channel = EmbeddedChannel()
         let handler = SessionChannelHandler(limits: SessionChannelHandlerTests.limits, events: .init(text: { _ in }, binary: {}, ended: { _ in }))
         try channel.pipeline.syncOperations.addHandler(handler)
-        let connection = SessionConnection(handler, eventLoop: channel.embeddedEventLoop)
+        let connection = SessionConnection(handler, mailbox: LoopMailbox(eventLoop: channel.embeddedEventLoop))
         let session = Session(userID: "bob", deviceID: "phone", frames: FrameCoder(ids: .string), connection: connection)
         _ = session.addWatched(["ann"])
         func presence(_ status: PresenceStatus) -> Presence { Presence(userID: "ann", status: status, lastSeen: nil) }

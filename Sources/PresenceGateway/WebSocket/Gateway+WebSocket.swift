@@ -84,7 +84,7 @@ struct SessionStarter: Sendable {
             )
         )
         try channel.pipeline.syncOperations.addHandler(handler)
-        run.open(SessionConnection(handler, eventLoop: channel.eventLoop))
+        run.open(SessionConnection(handler, mailbox: gateway.mailboxes.mailbox(for: channel.eventLoop)))
     }
 }
 

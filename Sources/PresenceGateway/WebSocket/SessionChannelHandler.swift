@@ -54,6 +54,8 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
     private var closeSent = false
     private var awaitingPong = false
     private var unwritableBytes = 0
+    /// Written since the last flush.
+    private var unflushed = false
     private var pinger: Scheduled<Void>?
     private var expiry: Scheduled<Void>?
     private var watchdog: Scheduled<Void>?
@@ -201,9 +203,22 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
 
     /// Sends a text message, unless the session is closing.
     func send(_ text: ByteBuffer) {
-        guard !closeSent, let context else { return }
+        if enqueue(text) { flush() }
+    }
+
+    /// Writes a text message without flushing it, unless the session is closing. Returns true
+    /// when this write is the first since the last ``flush()``: the caller owes one.
+    func enqueue(_ text: ByteBuffer) -> Bool {
+        guard !closeSent, let context else { return false }
         write(context: context, data: wrapOutboundOut(WebSocketFrame(fin: true, opcode: .text, data: text)), promise: nil)
-        context.flush()
+        defer { unflushed = true }
+        return !unflushed
+    }
+
+    /// Flushes what ``enqueue(_:)`` wrote.
+    func flush() {
+        unflushed = false
+        context?.flush()
     }
 
     /// Sends a close frame with `code` once, then waits for the client's close for the close
@@ -249,36 +264,34 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
     }
 }
 
-/// A session's handle on its connection, usable from any thread: each call runs on the
-/// connection's event loop.
+/// A session's handle on its connection, usable from any thread: each call is posted to the
+/// mailbox of the connection's event loop, and runs there in the order the calls were made (a
+/// session sends under its lock), even when made on the loop itself.
 struct SessionConnection: Sendable {
-    private let handler: NIOLoopBound<SessionChannelHandler>
+    /// Carried to the loop by `mailbox`, and touched only there.
+    private nonisolated(unsafe) let handler: SessionChannelHandler
+    private let mailbox: LoopMailbox
 
-    init(_ handler: SessionChannelHandler, eventLoop: any EventLoop) {
-        self.handler = NIOLoopBound(handler, eventLoop: eventLoop)
+    /// `mailbox` is the one of the event loop `handler`'s channel is on.
+    init(_ handler: SessionChannelHandler, mailbox: LoopMailbox) {
+        self.handler = handler
+        self.mailbox = mailbox
     }
 
-    var eventLoop: any EventLoop { handler.eventLoop }
+    var eventLoop: any EventLoop { mailbox.eventLoop }
 
     /// Sends one text message (a ready frame's payload; one buffer may go to many sessions).
     func send(_ text: ByteBuffer) {
-        run { $0.send(text) }
+        mailbox.post(.send(text), to: handler)
     }
 
     /// Closes with `code` (see ``SessionChannelHandler/close(_:reason:)``).
     func close(_ code: UInt16, reason: String) {
-        run { $0.close(code, reason: reason) }
+        mailbox.post(.close(code: code, reason: reason), to: handler)
     }
 
     /// Closes with 4001 at `deadline`.
     func expire(at deadline: NIODeadline) {
-        run { $0.expire(at: deadline) }
-    }
-
-    /// Always through the loop's queue, even from the loop itself: calls made in order (a
-    /// session sends under its lock) then run in that order.
-    private func run(_ body: @escaping @Sendable (SessionChannelHandler) -> Void) {
-        let handler = self.handler
-        handler.eventLoop.execute { body(handler.value) }
+        mailbox.post(.expire(at: deadline), to: handler)
     }
 }
