@@ -297,7 +297,9 @@ struct FanoutScenario: AsyncParsableCommand {
         let snapshots = FrameCounter()
         let sockets = try await fleet.connect((0..<watchers).map { ("fan-\($0)", "w", $0 % 2) }, label: "fanout") { index, text in
             switch serverFrame(text) {
-            case .initialState: snapshots.add(index)
+            case .initialState:
+                snapshots.add(index)
+                return
             case .presenceUpdate(let presence) where presence.userID == "star": break
             default: return
             }
