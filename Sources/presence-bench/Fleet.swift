@@ -12,9 +12,9 @@ final class Fleet: Sendable {
     /// Source addresses used in turn; each carries at most `perSource` sessions.
     private let perSource = 20_000
 
-    init(nodes: NodeProcesses) {
+    init(nodes: NodeProcesses, threads: Int = 1) {
         self.nodes = nodes
-        group = MultiThreadedEventLoopGroup(numberOfThreads: 1)
+        group = MultiThreadedEventLoopGroup(numberOfThreads: max(1, threads))
     }
 
     /// Opens one session per `(user, device, node)`, `concurrency` at a time, with a progress

@@ -79,6 +79,11 @@ final class NodeProcesses: Sendable {
         nodes[index].residentBytes ?? 0
     }
 
+    /// The CPU time all nodes have used, in seconds.
+    var cpuSeconds: Double {
+        nodes.reduce(0) { $0 + ($1.cpuSeconds ?? 0) }
+    }
+
     /// Stops every node (SIGKILL: nothing of theirs needs to survive a benchmark).
     func stop() {
         for node in nodes { node.kill() }

@@ -4,12 +4,14 @@ import Logging
 import NIOConcurrencyHelpers
 import PresenceProtocol
 import RedisClient
+import RedisTestSupport
 
 /// Options of the scenarios that run node processes.
 struct ScenarioOptions: ParsableArguments {
     @OptionGroup var common: CommonOptions
     @Option(help: "The presence-gateway binary (default: beside presence-bench).") var gatewayBinary: String?
     @Option(help: "Also write the results as JSON to this file.") var json: String?
+    @Option(help: "Event-loop threads of the load generator's WebSocket clients.") var threads = 1
 }
 
 /// Runs `body` with a Redis client on `url`.
@@ -58,7 +60,7 @@ struct IdleScenario: AsyncParsableCommand {
         }
         let nodes = try await NodeProcesses(count: 1, redisURL: options.common.redisURL, binary: options.gatewayBinary)
         defer { nodes.stop() }
-        let fleet = Fleet(nodes: nodes)
+        let fleet = Fleet(nodes: nodes, threads: options.threads)
         let (memoryBefore, keysBefore) = try await withRedis(options.common.redisURL) { redis in
             (try await redisInfo(redis, "memory", "used_memory"), try await redis.send("DBSIZE").int ?? 0)
         }
@@ -113,7 +115,7 @@ struct ChurnScenario: AsyncParsableCommand {
         let nodes = try await NodeProcesses(count: 2, redisURL: options.common.redisURL, binary: options.gatewayBinary,
                                             environment: ["PRESENCE_LOG_LEVEL": "error"])
         defer { nodes.stop() }
-        let fleet = Fleet(nodes: nodes)
+        let fleet = Fleet(nodes: nodes, threads: options.threads)
         let names = (0..<users).map { "churn-\($0)" }
         let pending = NIOLockedValueBox<[String: ContinuousClock.Instant]>([:])
         let latency = LatencyRecorder()
@@ -249,7 +251,7 @@ struct StormScenario: AsyncParsableCommand {
         _ = raiseFileLimit()
         let nodes = try await NodeProcesses(count: 2, redisURL: options.common.redisURL, binary: options.gatewayBinary)
         defer { nodes.stop() }
-        let fleet = Fleet(nodes: nodes)
+        let fleet = Fleet(nodes: nodes, threads: options.threads)
         let users = (0..<devices).map { "storm-\($0)" }
         let online = FrameCounter()
         try await watchers(of: users, on: 1, fleet: fleet, label: "storm") { _, status in
@@ -289,7 +291,7 @@ struct FanoutScenario: AsyncParsableCommand {
         }
         let nodes = try await NodeProcesses(count: 2, redisURL: options.common.redisURL, binary: options.gatewayBinary)
         defer { nodes.stop() }
-        let fleet = Fleet(nodes: nodes)
+        let fleet = Fleet(nodes: nodes, threads: options.threads)
         let received = FrameCounter()
         let latency = LatencyRecorder()
         // When the change being measured was sent; nil while none is (the star's own connect).
@@ -314,23 +316,37 @@ struct FanoutScenario: AsyncParsableCommand {
         let star = try await fleet.connect([("star", "d", 0)], label: "fanout") { _, _ in }[0]
         _ = await received.wait(for: watchers, timeout: .seconds(60))
         var completions: [Double] = []
+        // CPU time of the nodes and of this generator, over the changes only (each measured
+        // change: from the status sent to the last watcher's frame).
+        var nodeCPU = 0.0
+        var generatorCPU = 0.0
         for change in 1...changes {
             try await Task.sleep(for: .seconds(1))
             let target = watchers * (change + 1)
+            let (nodesBefore, generatorBefore) = (nodes.cpuSeconds, processorSeconds(pid: getpid()) ?? 0)
             changedAt.withLockedValue { $0 = ContinuousClock.now }
             let start = ContinuousClock.now
             star.send(clientText(.status(change % 2 == 1 ? .away : .online)))
             guard await received.wait(for: target, timeout: .seconds(60)) else { throw BenchError("fanout: only \(received.count) of \(target) updates arrived") }
-            completions.append(seconds(ContinuousClock.now - start) * 1000)
+            let elapsed = seconds(ContinuousClock.now - start)
+            completions.append(elapsed * 1000)
+            nodeCPU += nodes.cpuSeconds - nodesBefore
+            generatorCPU += (processorSeconds(pid: getpid()) ?? 0) - generatorBefore
         }
         let sorted = completions.sorted()
         let deliveries = Double(watchers) / (percentile(sorted, 0.5) / 1000)
+        let measured = completions.reduce(0, +) / 1000
+        let perDelivery = nodeCPU / Double(watchers * changes) * 1_000_000
         try report("fanout: one user watched by \(watchers) sessions over two nodes, \(changes) changes", [
             ("time until every watcher had it", String(format: "median %.1f ms, worst %.1f ms", percentile(sorted, 0.5), sorted.last ?? 0)),
             ("per-watcher latency (all changes)", latency.line),
             ("deliveries/s (median change)", String(format: "%.0f", deliveries)),
+            ("node CPU per delivery", String(format: "%.1f µs (both nodes, %.2f s in %.2f s of changes)", perDelivery, nodeCPU, measured)),
+            ("generator CPU", String(format: "%.2f s in %.2f s of changes (%.0f%% of one core; %d event-loop threads)",
+                                     generatorCPU, measured, generatorCPU / max(measured, 0.001) * 100, options.threads)),
         ], json: ["scenario": "fanout", "watchers": watchers, "changes": changes, "completion_ms": completions,
-                  "latency": latency.summary, "deliveries_per_second": deliveries], to: options.json)
+                  "latency": latency.summary, "deliveries_per_second": deliveries, "node_cpu_us_per_delivery": perDelivery,
+                  "generator_cpu_seconds": generatorCPU, "generator_threads": options.threads], to: options.json)
         await fleet.shutdown()
     }
 }
@@ -351,7 +367,7 @@ struct DeathScenario: AsyncParsableCommand {
         let nodes = try await NodeProcesses(count: 2, redisURL: options.common.redisURL, binary: options.gatewayBinary,
                                             environment: ["PRESENCE_LEASE_TTL": "\(lease)"])
         defer { nodes.stop() }
-        let fleet = Fleet(nodes: nodes)
+        let fleet = Fleet(nodes: nodes, threads: options.threads)
         let users = (0..<sessions).map { "doomed-\($0)" }
         let online = FrameCounter()
         let offline = FrameCounter()
@@ -391,7 +407,7 @@ struct CostScenario: AsyncParsableCommand {
         _ = raiseFileLimit()
         let nodes = try await NodeProcesses(count: 1, redisURL: options.common.redisURL, binary: options.gatewayBinary)
         defer { nodes.stop() }
-        let fleet = Fleet(nodes: nodes)
+        let fleet = Fleet(nodes: nodes, threads: options.threads)
         let acks = FrameCounter()
         let sockets = try await fleet.connect((0..<devices).map { ("cost-\($0)", "d", 0) }, label: "cost") { index, text in
             if case .ack = serverFrame(text) { acks.add(index) }

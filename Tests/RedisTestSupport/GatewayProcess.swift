@@ -57,6 +57,11 @@ public final class GatewayProcess: @unchecked Sendable {
         return kilobytes * 1024
     }
 
+    /// The CPU time the node has used (user and system, from /proc), or nil once it is gone.
+    public var cpuSeconds: Double? {
+        processorSeconds(pid: process.processIdentifier)
+    }
+
     /// What the node printed.
     public var output: String { (try? String(contentsOf: log, encoding: .utf8)) ?? "" }
 
@@ -152,4 +157,14 @@ public final class GatewayProcess: @unchecked Sendable {
 public struct GatewayProcessError: Error, CustomStringConvertible {
     public let description: String
     public init(_ description: String) { self.description = description }
+}
+
+/// The user and system CPU time of process `pid` in seconds (/proc/PID/stat), or nil if it is gone.
+public func processorSeconds(pid: Int32) -> Double? {
+    guard let stat = try? String(contentsOfFile: "/proc/\(pid)/stat", encoding: .utf8),
+          let end = stat.lastIndex(of: ")") else { return nil }
+    // After the command's ")": state is field 3 of the line, utime and stime fields 14 and 15.
+    let fields = stat[stat.index(after: end)...].split(separator: " ")
+    guard fields.count > 12, let user = Double(fields[11]), let system = Double(fields[12]) else { return nil }
+    return (user + system) / Double(sysconf(Int32(_SC_CLK_TCK)))
 }
