@@ -3,6 +3,7 @@ import Foundation
 import FoundationNetworking
 #endif
 import JWTKit
+import NIOConcurrencyHelpers
 import RedisTestSupport
 
 /// Gateway nodes as real `presence-gateway` processes on loopback, for the scenarios that
@@ -43,6 +44,7 @@ final class NodeProcesses: Sendable {
         }
         self.nodes = nodes
         ports = nodes.map(\.port)
+        Interruption.track(ObjectIdentifier(self)) { [nodes] in for node in nodes { node.kill() } }
         for node in nodes {
             let ready = await eventually(timeout: .seconds(30), poll: .milliseconds(50)) { GatewayProcess.httpStatus(port: node.port, path: "/readyz") == 200 }
             guard ready else {
@@ -52,7 +54,10 @@ final class NodeProcesses: Sendable {
         }
     }
 
-    deinit { stop() }
+    deinit {
+        stop()
+        Interruption.untrack(ObjectIdentifier(self))
+    }
 
     /// `presence-gateway` beside this executable.
     static var defaultBinary: String {
@@ -130,4 +135,40 @@ func raiseFileLimit() -> Int {
     setrlimit(Int32(RLIMIT_NOFILE.rawValue), &limit)
     getrlimit(Int32(RLIMIT_NOFILE.rawValue), &limit)
     return Int(limit.rlim_cur)
+}
+
+/// The nodes of this run that are up, stopped when the benchmark is interrupted (Ctrl-C, or
+/// SIGTERM) rather than left running: a run ended that way skips its own clean-up.
+private enum Interruption {
+    private static let running = NIOLockedValueBox<[ObjectIdentifier: @Sendable () -> Void]>([:])
+    /// Installed with the first nodes; kept for the life of the process.
+    private nonisolated(unsafe) static var sources: [any DispatchSourceSignal] = []
+    private static let installed = NIOLockedValueBox(false)
+
+    static func track(_ id: ObjectIdentifier, stop: @escaping @Sendable () -> Void) {
+        running.withLockedValue { $0[id] = stop }
+        let first = installed.withLockedValue { installed in
+            defer { installed = true }
+            return !installed
+        }
+        if first { installSignalHandlers() }
+    }
+
+    static func untrack(_ id: ObjectIdentifier) {
+        _ = running.withLockedValue { $0.removeValue(forKey: id) }
+    }
+
+    private static func installSignalHandlers() {
+        sources = [SIGINT, SIGTERM].map { number in
+            signal(number, SIG_IGN)
+            let source = DispatchSource.makeSignalSource(signal: number, queue: .global())
+            source.setEventHandler {
+                for stop in running.withLockedValue({ Array($0.values) }) { stop() }
+                FileHandle.standardError.write(Data("\ninterrupted: the gateway nodes of this run are stopped\n".utf8))
+                exit(128 + number)
+            }
+            source.resume()
+            return source
+        }
+    }
 }
