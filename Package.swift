@@ -86,6 +86,7 @@ let package = Package(
         .target(
             name: "PresenceGateway",
             dependencies: [
+                "CMallocTrim",
                 "PresenceEngine",
                 "RedisClient",
                 .product(name: "Hummingbird", package: "hummingbird"),
@@ -173,6 +174,8 @@ let package = Package(
             swiftSettings: swiftSettings
         ),
         .target(name: "CFuzzerDriver"),
+        // glibc's malloc statistics and trim, for the gateway's MemoryTrimService.
+        .target(name: "CMallocTrim"),
         .executableTarget(
             name: "presence-fuzz",
             dependencies: ["PresenceFuzz", "CFuzzerDriver"],

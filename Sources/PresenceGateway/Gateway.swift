@@ -18,6 +18,9 @@ public final class Gateway: Sendable {
     let hub: SessionHub
     /// What sessions are asked to do, carried to their event loops (one mailbox per loop).
     let mailboxes = LoopMailboxes()
+    /// Sessions' openings, frames and ends: at most 256 at once, so that a burst does not put
+    /// every session's Redis calls in flight together.
+    let sessionWork = WorkGate(limit: 256)
     /// Frames, with ids in the node's format.
     let frames: FrameCoder
     /// REST bodies: ids in the node's format, keys in snake case.
@@ -47,7 +50,10 @@ public final class Gateway: Sendable {
         authenticator = try await Authenticator(configuration: configuration)
         restLimiter = RateLimiter(rate: configuration.statusRate)
         typingLimiter = RateLimiter(rate: configuration.typingRate)
-        services = [redis, subscriber, hub, PresenceLeaseService(engine: engine), PresenceReaperService(engine: engine)]
+        services = [
+            redis, subscriber, hub, PresenceLeaseService(engine: engine), PresenceReaperService(engine: engine),
+            MemoryTrimService(logger: logger),
+        ]
         GatewayMetrics.bootstrap()
     }
 

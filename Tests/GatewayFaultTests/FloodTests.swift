@@ -82,9 +82,16 @@ struct FloodTests {
         // One user opening devices: 32 live, the 33rd is told why and closed with 4029.
         let token = try await mint("carol")
         var devices: [RawWebSocketClient] = []
+        // Each one live (its `initial_state` read) before the next opens: openings run
+        // concurrently on the node, so a 33rd sent at once could be counted before the 32nd.
+        var live = 0
         for index in 0..<32 {
-            devices.append(try RawWebSocketClient(port: node.port, token: token, device: "device-\(index)", watching: [], receiveBuffer: nil))
+            let device = try RawWebSocketClient(port: node.port, token: token, device: "device-\(index)", watching: [], receiveBuffer: nil)
+            let first = device.readFrames(within: .seconds(5), limit: 1).first { $0.opcode == 1 }
+            if let first, String(decoding: first.payload, as: UTF8.self).contains("initial_state") { live += 1 }
+            devices.append(device)
         }
+        #expect(live == 32, "every one of the 32 devices opened")
         let extra = try RawWebSocketClient(port: node.port, token: token, device: "device-32", watching: [], receiveBuffer: nil)
         let frames = extra.readFrames(within: .seconds(5))
         let error = frames.first { $0.opcode == 1 }.map { String(decoding: $0.payload, as: UTF8.self) } ?? ""

@@ -141,7 +141,7 @@ final class SessionRun: Sendable {
             openingEnded()
             return
         }
-        Task { await self.opening(connection) }
+        gateway.sessionWork.start { await self.opening(connection) }
     }
 
     /// A message from the client (on the connection's loop).
@@ -153,7 +153,7 @@ final class SessionRun: Sendable {
             state.handling = true
             return true
         }
-        if startHandling { Task { await self.handleMessages() } }
+        if startHandling { gateway.sessionWork.start { await self.handleMessages() } }
     }
 
     /// The connection ended (on its loop).
@@ -163,7 +163,7 @@ final class SessionRun: Sendable {
             state.queue.removeAll()
             return Self.mayFinish(&state)
         }
-        if finish { Task { await self.finish() } }
+        if finish { gateway.sessionWork.start { await self.finish() } }
     }
 
     /// Whether the session's end can be settled now: the connection ended, opening is over and
@@ -182,8 +182,8 @@ final class SessionRun: Sendable {
             if handle { state.handling = true }
             return (handle, Self.mayFinish(&state))
         }
-        if handle { Task { await self.handleMessages() } }
-        if finish { Task { await self.finish() } }
+        if handle { gateway.sessionWork.start { await self.handleMessages() } }
+        if finish { gateway.sessionWork.start { await self.finish() } }
     }
 
     /// Closes a session that never started. The close follows the 101 after a short pause:

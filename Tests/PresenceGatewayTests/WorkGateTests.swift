@@ -1,0 +1,98 @@
+import Foundation
+import NIOConcurrencyHelpers
+import Testing
+
+@testable import PresenceGateway
+
+/// The gate that bounds sessions' Redis-bound work, and the heap trimmer beside it.
+@Suite("Session work gate and heap trim")
+struct WorkGateTests {
+    /// Pieces that record how many run at once and the order they started in; each waits until
+    /// the test lets it go.
+    final class Recorder: Sendable {
+        private let state = NIOLockedValueBox((running: 0, most: 0, started: [Int](), finished: 0))
+        var most: Int { state.withLockedValue { $0.most } }
+        var started: [Int] { state.withLockedValue { $0.started } }
+        var finished: Int { state.withLockedValue { $0.finished } }
+
+        func piece(_ index: Int, until release: @escaping @Sendable () async -> Void) -> WorkGate.Work {
+            {
+                self.state.withLockedValue {
+                    $0.running += 1
+                    $0.most = max($0.most, $0.running)
+                    $0.started.append(index)
+                }
+                await release()
+                self.state.withLockedValue {
+                    $0.running -= 1
+                    $0.finished += 1
+                }
+            }
+        }
+    }
+
+    static func waitUntil(_ condition: () -> Bool) async throws {
+        let deadline = ContinuousClock.now + .seconds(10)
+        while !condition() {
+            guard ContinuousClock.now < deadline else { Issue.record("timed out"); return }
+            try await Task.sleep(for: .milliseconds(5))
+        }
+    }
+
+    @Test("at most `limit` pieces run at once, the rest start in order as slots free, and all run")
+    func bound() async throws {
+        let gate = WorkGate(limit: 3)
+        let recorder = Recorder()
+        // Places the test has opened: each piece takes one before it ends.
+        let open = NIOLockedValueBox(0)
+        for index in 0..<10 {
+            gate.start(recorder.piece(index) {
+                while true {
+                    let may = open.withLockedValue { opened -> Bool in
+                        guard opened > 0 else { return false }
+                        opened -= 1
+                        return true
+                    }
+                    if may { return }
+                    try? await Task.sleep(for: .milliseconds(2))
+                }
+            })
+        }
+        try await Self.waitUntil { recorder.started.count == 3 }
+        #expect(gate.load.running == 3)
+        #expect(gate.load.waiting == 7)
+        try await Task.sleep(for: .milliseconds(50))
+        #expect(recorder.started.count == 3, "a fourth piece started while three held the gate")
+        for step in 1...10 {
+            open.withLockedValue { $0 += 1 }
+            try await Self.waitUntil { recorder.finished == step }
+        }
+        try await Self.waitUntil { gate.load.running == 0 }
+        #expect(recorder.most == 3)
+        #expect(recorder.finished == 10)
+        #expect(Array(recorder.started[3...]) == Array(3..<10), "waiting pieces start in the order they came")
+        #expect(gate.load.waiting == 0)
+    }
+
+    @Test("the trimmer gives back heap pages freed after a burst, once the burst is over, and does not trim again for slack it cannot give back")
+    func trim() throws {
+        var trimmer = MemoryTrimmer(threshold: 16 << 20)
+        // A burst: 96 MiB in 16 KiB blocks, of which three in four are freed (the rest stay live,
+        // so the freed memory sits in the middle of the heap, where free() alone keeps it).
+        let blocks = (0..<6144).map { _ -> UnsafeMutableRawPointer in
+            let block = UnsafeMutableRawPointer.allocate(byteCount: 16 << 10, alignment: 16)
+            block.initializeMemory(as: UInt8.self, repeating: 1, count: 16 << 10)
+            return block
+        }
+        for (index, block) in blocks.enumerated() where index % 4 != 0 { block.deallocate() }
+        defer { for (index, block) in blocks.enumerated() where index % 4 == 0 { block.deallocate() } }
+        // The heap in use grew by 24 MiB since the trimmer last looked: still in the burst.
+        let during = trimmer.check()
+        #expect(during == nil, "trimmed while the heap in use was growing")
+        let first = trimmer.check()
+        let trim = try #require(first, "72 MiB freed in the heap's middle did not call for a trim")
+        #expect(trim.slackBefore - trim.slackAfter > 48 << 20, "the trim gave back \(trim.slackBefore - trim.slackAfter) bytes")
+        let again = trimmer.check()
+        #expect(again == nil, "trimmed again with nothing new to give back")
+    }
+}
