@@ -16,6 +16,16 @@ public struct ClientLifecycle: Sendable {
         case signedOut
     }
 
+    /// What the device shows while the app is in the background.
+    public enum BackgroundPolicy: Sendable, Hashable {
+        /// Away at once; the session stays while the system lets it (the default).
+        case away
+        /// Away at once, and after `after` seconds in the background the session closes
+        /// cleanly (offline at once) until the app is active again. `after: 0` goes offline
+        /// without showing away first.
+        case offline(after: TimeInterval)
+    }
+
     /// What to do once a session has ended.
     public enum AfterClose: Sendable, Hashable {
         /// Open a new session at once (another node is up; a new token may be needed).
@@ -28,6 +38,12 @@ public struct ClientLifecycle: Sendable {
 
     /// Where the app is.
     public private(set) var phase = Phase.active
+    /// What the background means for presence.
+    public var backgroundPolicy = BackgroundPolicy.away
+    /// When the background's offline policy takes the session down, while it is still to come.
+    public private(set) var backgroundDeadline: Date?
+    /// Whether the background's offline policy has taken the session down.
+    public private(set) var offlineInBackground = false
     /// Whether the device has a network path.
     public private(set) var networkAvailable = true
     /// The status the person chose for when the app is active.
@@ -44,12 +60,15 @@ public struct ClientLifecycle: Sendable {
     private var quickRetryUsed = false
 
     /// A client in the foreground, online, with a network.
-    public init() {}
+    public init(backgroundPolicy: BackgroundPolicy = .away) {
+        self.backgroundPolicy = backgroundPolicy
+    }
 
     /// The status the device should have now.
     public var desiredStatus: PresenceStatus {
         switch phase {
         case .active: chosenStatus
+        case .background where offlineInBackground: .offline
         case .background: chosenStatus == .online ? .away : chosenStatus
         case .terminated, .signedOut: .offline
         }
@@ -57,7 +76,7 @@ public struct ClientLifecycle: Sendable {
 
     /// Whether a session should be open.
     public var shouldConnect: Bool {
-        stopReason == nil && networkAvailable && (phase == .active || phase == .background)
+        stopReason == nil && networkAvailable && (phase == .active || phase == .background && !offlineInBackground)
     }
 
     /// Whether the device may send typing and be shown others' typing.
@@ -67,12 +86,32 @@ public struct ClientLifecycle: Sendable {
 
     /// The app came to the foreground. Ignored after a sign-out or termination.
     public mutating func didBecomeActive() {
-        if phase == .background { phase = .active }
+        guard phase == .background else { return }
+        phase = .active
+        backgroundDeadline = nil
+        offlineInBackground = false
     }
 
-    /// The app went to the background.
-    public mutating func didEnterBackground() {
-        if phase == .active { phase = .background }
+    /// The app went to the background at `now`.
+    public mutating func didEnterBackground(at now: Date = Date()) {
+        guard phase == .active else { return }
+        phase = .background
+        if case .offline(let after) = backgroundPolicy {
+            if after <= 0 {
+                offlineInBackground = true
+            } else {
+                backgroundDeadline = now.addingTimeInterval(after)
+            }
+        }
+    }
+
+    /// Whether the background's offline policy is due at `now`: true once, when the session is
+    /// to be closed cleanly.
+    public mutating func backgroundTimeUp(at now: Date) -> Bool {
+        guard phase == .background, let deadline = backgroundDeadline, deadline <= now else { return false }
+        backgroundDeadline = nil
+        offlineInBackground = true
+        return true
     }
 
     /// The app is terminating.

@@ -136,7 +136,10 @@ extension PresenceClient {
         while !Task.isCancelled {
             let seen = timers.generation
             let openDeadline = awaitingInitialState ? attempt?.deadline : nil
-            let deadlines = [debouncer.nextDeadline, cache.nextTypingExpiry, retries.map(\.due).min(), lifecycle.statusRetryAt, openDeadline].compactMap { $0 }
+            let deadlines = [
+                debouncer.nextDeadline, cache.nextTypingExpiry, retries.map(\.due).min(), lifecycle.statusRetryAt, openDeadline,
+                lifecycle.backgroundDeadline,
+            ].compactMap { $0 }
             await timers.wait(after: seen, until: deadlines.min(), clock: clock)
             fireTimers()
         }
@@ -144,6 +147,7 @@ extension PresenceClient {
 
     private func fireTimers() {
         let now = clock.now
+        if lifecycle.backgroundTimeUp(at: now) { endSessionForBackground() }
         if awaitingInitialState, let attempt, attempt.deadline <= now {
             logger.info("the session did not open in time; trying again", metadata: ["presence.open_timeout": "\(configuration.openTimeout)"])
             attempt.task.cancel()

@@ -81,6 +81,7 @@ public actor PresenceClient {
         self.logger = logger
         self.backoff = configuration.backoff
         self.debouncer = TypingDebouncer(refreshInterval: configuration.typingRefreshInterval, idleTimeout: configuration.typingIdleTimeout)
+        self.lifecycle.backgroundPolicy = configuration.backgroundPolicy
     }
 
     // MARK: - Observing
@@ -140,10 +141,25 @@ public actor PresenceClient {
         statusChanged()
     }
 
-    /// The app went to the background: away (the session stays while the system lets it).
+    /// The app went to the background: away (the session stays while the system lets it); with
+    /// `backgroundPolicy` `.offline(after:)`, after that long the session closes cleanly
+    /// (offline at once) and opens again when the app is active.
     public func didEnterBackground() {
-        lifecycle.didEnterBackground()
-        statusChanged()
+        lifecycle.didEnterBackground(at: clock.now)
+        if lifecycle.offlineInBackground {
+            endSessionForBackground()
+        } else {
+            statusChanged()
+        }
+    }
+
+    /// Closes the session cleanly for the background's offline policy; `run()` waits for the app
+    /// to be active again.
+    func endSessionForBackground() {
+        for send in debouncer.stopAll() { sendTyping(send) }
+        emit(cache.clearTyping())
+        outbox?.yield(.close(.normal))
+        wake.signal()
     }
 
     /// The network path went away or came back. Going away ends the session (the device

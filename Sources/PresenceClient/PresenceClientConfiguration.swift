@@ -25,6 +25,9 @@ public struct PresenceClientConfiguration: Sendable {
     /// longer (a gateway that never answers the upgrade, a connection that went quiet on the
     /// way, a refusal whose close was lost) is given up and retried after the backoff.
     public var openTimeout: TimeInterval = 10
+    /// What the device shows while the app is in the background: away (the default), or
+    /// offline after some seconds there (`.offline(after:)`), which also closes the session.
+    public var backgroundPolicy = ClientLifecycle.BackgroundPolicy.away
 
     /// A configuration for one gateway URL (or load balancer).
     public init(gatewayURL: URL, deviceID: String) throws(PresenceClientError) {

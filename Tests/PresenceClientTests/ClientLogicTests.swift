@@ -130,6 +130,31 @@ struct ClientLifecycleTests {
         #expect(lifecycle.phase == .terminated, "nothing revives a terminated client")
     }
 
+    @Test("the background's offline policy: away at once, offline with no session after N seconds, online again when active")
+    func backgroundOffline() {
+        var lifecycle = ClientLifecycle(backgroundPolicy: .offline(after: 30))
+        lifecycle.didEnterBackground(at: now)
+        #expect(lifecycle.desiredStatus == .away && lifecycle.shouldConnect)
+        #expect(lifecycle.backgroundDeadline == now + 30)
+        let early = lifecycle.backgroundTimeUp(at: now + 29.9)
+        let due = lifecycle.backgroundTimeUp(at: now + 30)
+        let again = lifecycle.backgroundTimeUp(at: now + 31)
+        #expect(!early && due)
+        #expect(!again, "due once")
+        #expect(lifecycle.desiredStatus == .offline && !lifecycle.shouldConnect)
+        lifecycle.didBecomeActive()
+        #expect(lifecycle.desiredStatus == .online && lifecycle.shouldConnect && lifecycle.backgroundDeadline == nil)
+
+        lifecycle.didEnterBackground(at: now)
+        lifecycle.didBecomeActive()
+        let afterReturn = lifecycle.backgroundTimeUp(at: now + 60)
+        #expect(!afterReturn, "back before the deadline: nothing is due")
+
+        var atOnce = ClientLifecycle(backgroundPolicy: .offline(after: 0))
+        atOnce.didEnterBackground(at: now)
+        #expect(atOnce.desiredStatus == .offline && !atOnce.shouldConnect, "after: 0 is offline without away first")
+    }
+
     @Test("network lost means no session; regained means one again")
     func network() {
         var lifecycle = ClientLifecycle()

@@ -139,6 +139,35 @@ struct ClientLoopTests {
         #expect(transport.urls.count == 2)
     }
 
+    @Test("backgroundPolicy .offline(after: 30): away at once, a clean close (1000) at 30 s on the clock, no reconnect until active")
+    func backgroundOffline() async throws {
+        let clock = ManualClock()
+        let transport = ScriptedTransport([.open, .open])
+        var configuration = try PresenceClientConfiguration(gatewayURL: URL(string: "ws://gateway.test")!, deviceID: "phone")
+        configuration.backgroundPolicy = .offline(after: 30)
+        let client = PresenceClient(configuration: configuration, tokenProvider: { _ in "token" }, clock: clock, transport: transport, logger: Logger(label: "test"))
+        let run = Task { await client.run() }
+        defer { run.cancel() }
+        #expect(await state(client, { $0 == .connected }) == .connected)
+        await client.didEnterBackground()
+        for _ in 0..<1_000 where !transport.written.contains(where: { $0.contains(#""away""#) }) { try await Task.sleep(for: .milliseconds(1)) }
+        #expect(transport.written.contains { $0.contains(#""status""#) && $0.contains(#""away""#) }, "away at once: \(transport.written)")
+        clock.advance(by: 29)
+        try await Task.sleep(for: .milliseconds(50))
+        #expect(transport.isOpen, "still connected before 30 s")
+        clock.advance(by: 1.001)
+        #expect(await state(client, { $0 == .idle }) == .idle, "the session closed and the client waits")
+        #expect(!transport.isOpen)
+        #expect(await client.lastCloseCode == 1000, "closed cleanly: offline at once on the gateway")
+        clock.advance(by: 60)
+        try await Task.sleep(for: .milliseconds(50))
+        #expect(transport.urls.count == 1, "no reconnect while in the background")
+        await client.didBecomeActive()
+        #expect(await state(client, { $0 == .connected }) == .connected)
+        #expect(transport.urls.count == 2)
+        #expect(transport.urls.last?.query?.contains("status=online") == true, "opens online again")
+    }
+
     @Test("lastCloseCode is the last session's: a refused attempt after it does not erase it")
     func lastCloseCode() async throws {
         let clock = ManualClock()
