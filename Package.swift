@@ -104,6 +104,15 @@ let package = Package(
                 .product(name: "NIOWebSocket", package: "swift-nio"),
                 .product(name: "UnixSignals", package: "swift-service-lifecycle"),
             ],
+            // The browser client and the dashboard, compiled into the binary: a node serves them
+            // with no files beside it.
+            resources: [
+                .embedInCode("Web/presence.js"),
+                .embedInCode("Web/presence.d.ts"),
+                .embedInCode("Web/dashboard.html"),
+                .embedInCode("Web/dashboard.js"),
+                .embedInCode("Web/dashboard.css"),
+            ],
             swiftSettings: swiftSettings
         ),
         .target(

@@ -63,3 +63,66 @@ extension PresenceEngine {
         return (count.int ?? 0) > 0
     }
 }
+
+/// What an operator's dashboard shows at one moment: who is present, the live nodes and the
+/// conversations' counts (real statuses: an operator sees through `show_online_status`).
+public struct PresenceOverview: Sendable, Equatable {
+    /// A conversation's counts.
+    public struct Conversation: Sendable, Equatable {
+        public var conversationID: String
+        public var total: Int
+        public var online: Int
+        public var away: Int
+    }
+
+    /// Users whose aggregate is online, and away: all of them, not only those listed.
+    public var usersOnline = 0
+    public var usersAway = 0
+    /// The first present (online or away) users by id.
+    public var present: [Presence] = []
+    /// Whether more users are present than `present` lists.
+    public var presentTruncated = false
+    /// Nodes with a live lease.
+    public var nodes: [NodeRecord] = []
+    /// The first conversations by id, with their counts.
+    public var conversations: [Conversation] = []
+    /// Whether more conversations exist than listed.
+    public var conversationsTruncated = false
+    /// When it was read (ms since 1970, Redis's clock).
+    public var at: Int64 = 0
+}
+
+extension PresenceEngine {
+    /// Reads an overview: every user with a device (SCAN) for the counts, `userLimit` of them
+    /// listed, and `conversationLimit` conversations with their counts. Walks every user: for
+    /// operators, not for a hot path (the gateway reads it at most once a second).
+    public func overview(userLimit: Int = 500, conversationLimit: Int = 200) async throws(PresenceError) -> PresenceOverview {
+        var overview = PresenceOverview()
+        overview.at = try await storeNow()
+        var present: [Presence] = []
+        var cursor = "0"
+        repeat {
+            let page = try await usersWithDevices(cursor: cursor)
+            cursor = page.cursor
+            for view in try await views(of: page.users) where view.real.status != .offline {
+                if view.real.status == .online { overview.usersOnline += 1 } else { overview.usersAway += 1 }
+                present.append(view.real)
+            }
+        } while cursor != "0"
+        present.sort { $0.userID < $1.userID }
+        overview.present = Array(present.prefix(userLimit))
+        overview.presentTruncated = present.count > userLimit
+        overview.nodes = try await nodes().filter { !$0.lapsed }
+        let conversations = try await allConversations()
+        overview.conversationsTruncated = conversations.count > conversationLimit
+        for conversation in conversations.prefix(conversationLimit) {
+            guard let members = try await members(of: conversation) else { continue }
+            let statuses = try await views(of: members).map(\.real.status)
+            overview.conversations.append(.init(
+                conversationID: conversation, total: statuses.count,
+                online: statuses.count { $0 == .online }, away: statuses.count { $0 == .away }
+            ))
+        }
+        return overview
+    }
+}

@@ -21,6 +21,8 @@ public final class Gateway: Sendable {
     /// Sessions' openings, frames and ends: at most 256 at once, so that a burst does not put
     /// every session's Redis calls in flight together.
     let sessionWork = WorkGate(limit: 256)
+    /// The dashboard's overview, read at most once a second for every feed on this node.
+    let overviews = OverviewCache()
     /// Frames, with ids in the node's format.
     let frames: FrameCoder
     /// REST bodies: ids in the node's format, keys in snake case.
@@ -109,6 +111,7 @@ public func buildGateway(
     router.add(middleware: RESTCodingMiddleware(coder: gateway.bodies))
     gateway.addRESTRoutes(to: router)
     gateway.addAdminRoutes(to: router)
+    gateway.addDashboardRoutes(to: router)
     gateway.addWebSocketRoute(to: router)
     // Admin paths stay 404 under any method while the admin routes are off (API.md).
     router.add(middleware: MethodNotAllowedMiddleware(routes: router.routes, hiding: gateway.authenticator.adminEnabled ? [] : ["/api/admin"]))

@@ -150,7 +150,7 @@ extension KeyedDecodingContainer {
 
 extension KeyedEncodingContainer {
     /// An API timestamp, or an explicit `null` (the API writes `"last_seen": null`, never leaves it out).
-    mutating func encodeTimestamp(_ milliseconds: Int64?, forKey key: Key) throws {
+    public mutating func encodeTimestamp(_ milliseconds: Int64?, forKey key: Key) throws {
         if let milliseconds {
             try encode(PresenceTimestamp.iso8601(milliseconds), forKey: key)
         } else {

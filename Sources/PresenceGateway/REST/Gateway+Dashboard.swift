@@ -1,0 +1,297 @@
+import Foundation
+import HTTPTypes
+import Hummingbird
+import Logging
+import NIOConcurrencyHelpers
+import NIOCore
+import PresenceEngine
+import PresenceProtocol
+import RedisClient
+import ServiceLifecycle
+
+/// The browser client (`/client/presence.js`), the operator's dashboard (`/dashboard`) and the
+/// admin reads behind it: a user's devices, an overview, and a live feed of both as Server-Sent
+/// Events.
+extension Gateway {
+    /// What the dashboard's page may load and do: only this node's own script, styles and API.
+    static let dashboardPolicy = "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+        + "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+
+    func addDashboardRoutes(to router: Router<GatewayRequestContext>) {
+        // The client is public code: any origin may import it as a module.
+        let client: HTTPFields = [.accessControlAllowOrigin: "*"]
+        router.get("/client/presence.js") { _, _ in
+            Self.asset(PackageResources.presence_js, type: "text/javascript; charset=utf-8", extra: client)
+        }
+        router.get("/client/presence.d.ts") { _, _ in
+            Self.asset(PackageResources.presence_d_ts, type: "text/plain; charset=utf-8", extra: client)
+        }
+        let page: HTTPFields = [
+            .contentSecurityPolicy: Self.dashboardPolicy, HTTPField.Name("Referrer-Policy")!: "no-referrer",
+            HTTPField.Name("X-Frame-Options")!: "DENY",
+        ]
+        router.get("/dashboard") { _, _ in
+            Self.asset(PackageResources.dashboard_html, type: "text/html; charset=utf-8", extra: page)
+        }
+        router.get("/dashboard/dashboard.js") { _, _ in
+            Self.asset(PackageResources.dashboard_js, type: "text/javascript; charset=utf-8", extra: page)
+        }
+        router.get("/dashboard/dashboard.css") { _, _ in
+            Self.asset(PackageResources.dashboard_css, type: "text/css; charset=utf-8", extra: page)
+        }
+
+        router.get("/api/admin/users/{user_id}") { request, context in
+            try self.requireAdmin(request)
+            let user = try self.pathID(context, "user_id", "user id")
+            guard try await self.engine.userExists(user) else { throw APIError.notFound("no such user") }
+            let views = try await self.engine.views(of: user)
+            let devices = try await self.engine.devices(of: user)
+            return RESTBody.UserDetail(views: views, devices: devices)
+        }
+        router.get("/api/admin/overview") { request, _ in
+            try self.requireAdmin(request)
+            return RESTBody.Overview(try await self.overviews.current(engine: self.engine))
+        }
+        router.get("/api/admin/events") { request, _ -> Response in
+            try self.requireAdmin(request)
+            var headers: HTTPFields = [.contentType: "text/event-stream; charset=utf-8", .cacheControl: "no-store"]
+            // Proxies that buffer responses (nginx) would hold the events back.
+            headers[HTTPField.Name("X-Accel-Buffering")!] = "no"
+            return Response(status: .ok, headers: headers, body: ResponseBody { writer in
+                try await self.streamAdminEvents(to: &writer)
+            })
+        }
+    }
+
+    /// A file compiled into the binary, never cached without asking again (a new node version
+    /// serves a new one).
+    static func asset(_ bytes: [UInt8], type: String, extra: HTTPFields) -> Response {
+        var headers = extra
+        headers[.contentType] = type
+        headers[.cacheControl] = "no-cache"
+        headers[HTTPField.Name("X-Content-Type-Options")!] = "nosniff"
+        return Response(status: .ok, headers: headers, body: .init(byteBuffer: ByteBuffer(bytes: bytes)))
+    }
+
+    /// The admin feed: an `overview` event at once and every `AdminFeed.overviewInterval`, and a
+    /// `presence` event for each change of any user's aggregate (read from every user's
+    /// channel on a Redis connection of the feed's own). Ends when the client goes away, or
+    /// when the node shuts down.
+    func streamAdminEvents(to writer: inout any ResponseBodyWriter) async throws {
+        let (items, sink) = AsyncStream.makeStream(of: AdminFeed.Item.self, bufferingPolicy: .bufferingNewest(AdminFeed.backlog))
+        var feedConfiguration = engine.redis.configuration
+        feedConfiguration.clientName = "presence-gateway:\(configuration.nodeID):dashboard"
+        let redisConfiguration = feedConfiguration
+        let engine = engine
+        let logger = logger
+        try await withThrowingTaskGroup(of: Void.self) { tasks in
+            tasks.addTask {
+                try await RedisSubscriber.withSubscriber(configuration: redisConfiguration, logger: logger) { subscriber in
+                    try await subscriber.subscribe(pattern: engine.keys.allUserChannelsPattern)
+                    for await event in subscriber.events {
+                        guard case .message(let channel, let payload) = event, let change = engine.decodeEvent(payload),
+                              change.changed || change.shownChanged
+                        else { continue }
+                        let user = engine.keys.user(fromKey: channel, suffix: "events") ?? change.views.real.userID
+                        sink.yield(.presence(user: user, change))
+                    }
+                }
+            }
+            tasks.addTask {
+                while !Task.isCancelled {
+                    sink.yield(.overview)
+                    try await Task.sleep(for: AdminFeed.overviewInterval)
+                }
+            }
+            try await withGracefulShutdownHandler {
+                for await item in items {
+                    let event: String
+                    switch item {
+                    case .overview:
+                        event = "overview"
+                        let overview = try await self.overviews.current(engine: engine)
+                        try await writer.write(Self.serverSentEvent(event, self.bodies.text(RESTBody.Overview(overview))))
+                    case .presence(let user, let change):
+                        event = "presence"
+                        try await writer.write(Self.serverSentEvent(event, self.bodies.text(RESTBody.FeedPresence(user: user, change))))
+                    }
+                }
+            } onGracefulShutdown: {
+                sink.finish()
+            }
+            tasks.cancelAll()
+        }
+        try await writer.finish(nil)
+    }
+
+    /// One Server-Sent Event: its name and one line of JSON.
+    static func serverSentEvent(_ name: String, _ json: String) -> ByteBuffer {
+        ByteBuffer(string: "event: \(name)\ndata: \(json)\n\n")
+    }
+}
+
+/// The admin feed's constants and items.
+enum AdminFeed {
+    static let overviewInterval: Duration = .seconds(2)
+    /// Presence events kept for a slow reader; past that the oldest are dropped (the next
+    /// overview has the truth).
+    static let backlog = 10_000
+
+    enum Item: Sendable {
+        case overview
+        case presence(user: String, PresenceEvent)
+    }
+}
+
+/// The last overview, shared by every dashboard on this node: read from Redis at most once a
+/// second however many feeds are open.
+actor OverviewCache {
+    private var last: (read: ContinuousClock.Instant, overview: PresenceOverview)?
+    let maxAge: Duration
+
+    init(maxAge: Duration = .seconds(1)) { self.maxAge = maxAge }
+
+    func current(engine: PresenceEngine) async throws -> PresenceOverview {
+        if let last, ContinuousClock.now - last.read < maxAge { return last.overview }
+        let overview = try await engine.overview()
+        // Another caller may have read a newer one while this one awaited.
+        if let last, last.overview.at > overview.at { return last.overview }
+        last = (ContinuousClock.now, overview)
+        return overview
+    }
+}
+
+extension RESTBody {
+    /// `GET /api/admin/users/{user_id}`: what `presencectl user --json` prints.
+    struct UserDetail: ResponseEncodable {
+        struct Shown: Encodable {
+            var status: PresenceStatus
+            var lastSeen: Int64?
+
+            enum CodingKeys: CodingKey { case status, lastSeen }
+
+            func encode(to encoder: any Encoder) throws {
+                var container = encoder.container(keyedBy: CodingKeys.self)
+                try container.encode(status, forKey: .status)
+                try container.encodeTimestamp(lastSeen, forKey: .lastSeen)
+            }
+        }
+        struct Device: Encodable {
+            var deviceId: String
+            var status: PresenceStatus
+            var node: String?
+            var since: Int64
+            var deadline: Int64?
+            var lastAlive: Int64
+
+            enum CodingKeys: CodingKey { case deviceId, status, node, since, deadline, lastAlive }
+
+            func encode(to encoder: any Encoder) throws {
+                var container = encoder.container(keyedBy: CodingKeys.self)
+                try container.encode(deviceId, forKey: .deviceId)
+                try container.encode(status, forKey: .status)
+                if let node { try container.encode(node, forKey: .node) } else { try container.encodeNil(forKey: .node) }
+                try container.encodeTimestamp(since, forKey: .since)
+                try container.encodeTimestamp(deadline, forKey: .deadline)
+                try container.encodeTimestamp(lastAlive, forKey: .lastAlive)
+            }
+        }
+        enum CodingKeys: CodingKey { case userId, status, lastSeen, showOnlineStatus, shownToOthers, devices }
+
+        var userId: JSONID
+        var status: PresenceStatus
+        var lastSeen: Int64?
+        var showOnlineStatus: Bool
+        var shownToOthers: Shown
+        var devices: [Device]
+
+        func encode(to encoder: any Encoder) throws {
+            var container = encoder.container(keyedBy: CodingKeys.self)
+            try container.encode(userId, forKey: .userId)
+            try container.encode(status, forKey: .status)
+            try container.encodeTimestamp(lastSeen, forKey: .lastSeen)
+            try container.encode(showOnlineStatus, forKey: .showOnlineStatus)
+            try container.encode(shownToOthers, forKey: .shownToOthers)
+            try container.encode(devices, forKey: .devices)
+        }
+
+        init(views: PresenceViews, devices: [DeviceRecord]) {
+            userId = JSONID(views.real.userID)
+            status = views.real.status
+            lastSeen = views.real.lastSeen
+            showOnlineStatus = !views.hidden
+            shownToOthers = Shown(status: views.shown.status, lastSeen: views.shown.lastSeen)
+            self.devices = devices.map { device in
+                Device(
+                    deviceId: device.deviceID, status: device.status, node: device.node.isEmpty ? nil : device.node,
+                    since: device.since, deadline: device.deadline, lastAlive: device.lastAlive
+                )
+            }
+        }
+    }
+
+    /// The dashboard's overview (`GET /api/admin/overview`, and the feed's `overview` event).
+    struct Overview: ResponseEncodable {
+        struct Node: Encodable {
+            var nodeId: String
+            var sessions: Int
+            var leaseExpiresAt: String
+        }
+        struct Conversation: Encodable {
+            var conversationId: JSONID
+            var total: Int
+            var online: Int
+            var away: Int
+        }
+        var at: String
+        var usersOnline: Int
+        var usersAway: Int
+        var users: [PresencePayload]
+        var usersTruncated: Bool
+        var nodes: [Node]
+        var conversations: [Conversation]
+        var conversationsTruncated: Bool
+
+        init(_ overview: PresenceOverview) {
+            at = PresenceTimestamp.iso8601(overview.at)
+            usersOnline = overview.usersOnline
+            usersAway = overview.usersAway
+            users = overview.present.map { PresencePayload($0) }
+            usersTruncated = overview.presentTruncated
+            nodes = overview.nodes.map { Node(nodeId: $0.nodeID, sessions: $0.sessions, leaseExpiresAt: PresenceTimestamp.iso8601($0.leaseExpiresAt)) }
+            conversations = overview.conversations.map {
+                Conversation(conversationId: JSONID($0.conversationID), total: $0.total, online: $0.online, away: $0.away)
+            }
+            conversationsTruncated = overview.conversationsTruncated
+        }
+    }
+
+    /// The feed's `presence` event: a user's aggregate changed (`shown_status` is what others
+    /// see, which differs while the user hides their status).
+    struct FeedPresence: Encodable {
+        var userId: JSONID
+        var status: PresenceStatus
+        var lastSeen: Int64?
+        var shownStatus: PresenceStatus
+        var at: Int64
+
+        enum CodingKeys: CodingKey { case userId, status, lastSeen, shownStatus, at }
+
+        func encode(to encoder: any Encoder) throws {
+            var container = encoder.container(keyedBy: CodingKeys.self)
+            try container.encode(userId, forKey: .userId)
+            try container.encode(status, forKey: .status)
+            try container.encodeTimestamp(lastSeen, forKey: .lastSeen)
+            try container.encode(shownStatus, forKey: .shownStatus)
+            try container.encodeTimestamp(at, forKey: .at)
+        }
+
+        init(user: String, _ change: PresenceEvent) {
+            userId = JSONID(user)
+            status = change.views.real.status
+            lastSeen = change.views.real.lastSeen
+            shownStatus = change.views.shown.status
+            at = change.at
+        }
+    }
+}

@@ -1,0 +1,2007 @@
+// @ts-check
+/**
+ * The browser client of the presence gateway: an ES module with no build step and no
+ * dependency, served by the gateway at `/client/presence.js`.
+ *
+ * It behaves like the Swift SDK's `PresenceClient` (Sources/PresenceClient): it keeps a session
+ * open (reconnecting with backoff, rotating through gateway URLs, catching up after each
+ * reconnect), tells the gateway the status the page's life calls for (visible: the chosen
+ * status; hidden: the background policy; `pagehide`: offline at once), debounces typing, and
+ * keeps a cache of what it hears, announcing every change as an event.
+ *
+ * Durations in options are seconds, as in the Swift SDK; the clock works in milliseconds
+ * (`Date.now()`-style), and every moment it hands out is a `Date`.
+ *
+ * @module presence
+ */
+
+/** @typedef {"online" | "away" | "offline"} PresenceStatus */
+/** @typedef {"signedOut" | "disconnectedByAdmin" | "replaced"} StopReason */
+
+/**
+ * What is known of one user.
+ * @typedef {Readonly<{ userId: string, status: PresenceStatus, lastSeen: Date | null }>} PresenceSnapshot
+ */
+
+/**
+ * The counts of a followed conversation, "3 of 5 online".
+ * @typedef {Readonly<{ conversationId: string, total: number, online: number, away: number }>} GroupPresence
+ */
+
+/**
+ * The client's link to the gateway.
+ * @typedef {Readonly<{ state: "idle" }> | Readonly<{ state: "connecting" }> | Readonly<{ state: "connected" }>
+ *   | Readonly<{ state: "waiting", retryAt: Date }> | Readonly<{ state: "stopped", reason: StopReason }>} ConnectionState
+ */
+
+/** @typedef {Readonly<{ conversationId: string, userId: string, isTyping: boolean }>} TypingChange */
+/** @typedef {Readonly<{ userId: string }>} RemovedUser */
+/** @typedef {Readonly<{ code: string, message: string }>} PresenceErrorDetail */
+
+/**
+ * Where the client reads the time and sets its timers; tests pass a fake one.
+ * @typedef {{ now(): number, setTimeout(callback: () => void, milliseconds: number): unknown, clearTimeout(handle: unknown): void }} PresenceClock
+ */
+
+/**
+ * What a hidden page does: `away` at once (the default), or also `offline` (the session closes
+ * with 1000) once it has been hidden for `afterSeconds`.
+ * @typedef {{ kind: "away" } | { kind: "offline", afterSeconds: number }} BackgroundPolicy
+ */
+
+/** @typedef {{ getItem(key: string): string | null, setItem(key: string, value: string): void }} DeviceIdStorage */
+/** @typedef {{ debug?(...values: unknown[]): void, info?(...values: unknown[]): void, warn?(...values: unknown[]): void }} PresenceLogger */
+
+/**
+ * Returns a token for the gateway; `refresh` is true when the last one was refused or has
+ * expired, so a cached token must not be returned again.
+ * @typedef {(refresh: boolean) => string | Promise<string>} TokenProvider
+ */
+
+/**
+ * @typedef {object} PresenceClientOptions
+ * @property {TokenProvider} token Called before each connection attempt.
+ * @property {string | URL | Array<string | URL>} [gatewayURLs] Gateway base URLs (http(s) or
+ *   ws(s)), tried in turn; relative ones are read against the page. Default: the gateway that
+ *   served this module.
+ * @property {string} [deviceId] This browser's stable device id. Default: the one kept in
+ *   storage under {@link DEVICE_ID_STORAGE_KEY}, made with `crypto.randomUUID()` when missing.
+ * @property {DeviceIdStorage | null} [storage] Where the device id is kept. Default: `localStorage`.
+ * @property {BackgroundPolicy} [backgroundPolicy] What a hidden page does. Default: `{ kind: "away" }`.
+ * @property {{ initial?: number, maximum?: number, jitter?: number }} [backoff] Delays between
+ *   reconnect attempts. Default: 1 s doubling up to 16 s, each ±20 %.
+ * @property {number} [typingRefreshInterval] Least seconds between two typing starts sent for one conversation (2).
+ * @property {number} [typingIdleTimeout] Seconds without a keystroke after which typing stops (3).
+ * @property {number} [typingDisplayTimeout] Seconds another user's typing shows without an update (8).
+ * @property {number} [retryDelay] Seconds before a rate-limited request is sent again (1).
+ * @property {number} [closeTimeout] Seconds `signOut()` and `stop()` wait for the clean close (3).
+ * @property {number} [openTimeout] Seconds from a connection attempt to its `initial_state` (10).
+ * @property {PresenceClock} [clock] Default: `Date.now` and the global timers.
+ * @property {() => number} [random] Numbers in [0, 1) for the jitter. Default: `Math.random`.
+ * @property {new (url: string) => WebSocket} [WebSocket] Default: `globalThis.WebSocket`.
+ * @property {EventTarget & { navigator?: { onLine?: boolean } } | null} [window] Where
+ *   `pagehide`, `pageshow`, `online` and `offline` come from. Default: `globalThis.window`; `null`: none.
+ * @property {EventTarget & { visibilityState?: string } | null} [document] Where
+ *   `visibilitychange` comes from. Default: `globalThis.document`; `null`: none.
+ * @property {PresenceLogger | null} [logger] Gets connection detail. Default: none.
+ */
+
+/** The `localStorage` key of the device id the client makes when none is given. */
+export const DEVICE_ID_STORAGE_KEY = "presence.device_id";
+
+/** The path of the session upgrade, appended to each gateway URL. */
+const SESSION_PATH = "/api/presence/subscribe";
+const STATUSES = ["online", "away", "offline"];
+const ERROR_CODES = [
+  "unauthorized", "forbidden", "not_found", "method_not_allowed", "invalid_request", "rate_limited", "unavailable", "internal",
+];
+const ID_PATTERN = /^[A-Za-z0-9._:@-]{1,128}$/;
+const ID_RULE = "1-128 characters of A-Z a-z 0-9 . _ : @ -";
+/** Ids per `subscribe` frame, as the Swift client sends them. */
+const SUBSCRIBE_CHUNK = 500;
+
+/** The close codes of the API, and the two this service adds (4009 and 1013). */
+export const CloseCode = Object.freeze({
+  normal: 1000,
+  goingAway: 1001,
+  policyViolation: 1008,
+  messageTooBig: 1009,
+  internalError: 1011,
+  tryAgainLater: 1013,
+  unauthorized: 4001,
+  disconnectedByAdmin: 4003,
+  replaced: 4009,
+  rateLimited: 4029,
+});
+
+/** An error of the client library: a bad argument or option (`code` is `invalid_request`). */
+export class PresenceClientError extends Error {
+  /**
+   * @param {string} code A machine-readable code.
+   * @param {string} message Words for a person.
+   */
+  constructor(code, message) {
+    super(message);
+    this.name = "PresenceClientError";
+    /** A machine-readable code. */
+    this.code = code;
+  }
+}
+
+/** @param {string} message */
+const invalid = (message) => new PresenceClientError("invalid_request", message);
+
+// MARK: - Timestamps
+
+/**
+ * Milliseconds since 1970 for an API timestamp (`2026-11-21T12:00:00.123Z`); the fraction may
+ * be left out or have 1 to 9 digits (past milliseconds they are cut). `null` for any other text.
+ * @param {unknown} text
+ * @returns {number | null}
+ */
+export function parseTimestamp(text) {
+  if (typeof text !== "string") return null;
+  const match = /^(\d{4})-(\d{2})-(\d{2})T(\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?Z$/.exec(text);
+  if (!match) return null;
+  const [year, month, day, hour, minute, second] = match.slice(1, 7).map(Number);
+  if (month < 1 || month > 12 || day < 1 || day > 31 || hour > 23 || minute > 59 || second > 60) return null;
+  const milliseconds = match[7] ? Number(match[7].slice(0, 3).padEnd(3, "0")) : 0;
+  // setUTCFullYear, not Date.UTC: the latter reads years 0-99 as 1900-1999.
+  const date = new Date(0);
+  date.setUTCFullYear(year, month - 1, day);
+  date.setUTCHours(hour, minute, second, milliseconds);
+  return date.getTime();
+}
+
+/**
+ * The API's text for a moment: ISO 8601 UTC with milliseconds.
+ * @param {Date | number} moment
+ * @returns {string}
+ */
+export function formatTimestamp(moment) {
+  return new Date(typeof moment === "number" ? moment : moment.getTime()).toISOString();
+}
+
+/**
+ * @param {Date | number | null | undefined} moment
+ * @returns {number | null}
+ */
+function millis(moment) {
+  if (moment === null || moment === undefined) return null;
+  return typeof moment === "number" ? moment : moment.getTime();
+}
+
+// MARK: - Display text
+
+/**
+ * The words apps show for presence, exactly as the Swift SDK's `PresenceText`: "Online",
+ * "Last seen 5m ago", "3 of 5 online", "Alice is typing…". English; pages in other languages
+ * build theirs from the same values.
+ */
+export const PresenceText = Object.freeze({
+  /**
+   * "Online", "Away", "Last seen just now / 5m ago / 3h ago / 2d ago / on 2026-11-01", or
+   * "Offline" for a user never seen (or not known).
+   * @param {PresenceSnapshot | null | undefined} presence
+   * @param {Date | number} now
+   * @returns {string}
+   */
+  status(presence, now) {
+    if (!presence) return "Offline";
+    switch (presence.status) {
+      case "online": return "Online";
+      case "away": return "Away";
+      default: return PresenceText.lastSeen(presence.lastSeen, now);
+    }
+  },
+
+  /**
+   * "Last seen 5m ago" and its kin; "Offline" for `null`.
+   * @param {Date | number | null | undefined} lastSeen
+   * @param {Date | number} now
+   * @returns {string}
+   */
+  lastSeen(lastSeen, now) {
+    const seen = millis(lastSeen);
+    if (seen === null) return "Offline";
+    const seconds = Math.max(0, (/** @type {number} */ (millis(now)) - seen) / 1000);
+    if (seconds < 60) return "Last seen just now";
+    if (seconds < 3600) return `Last seen ${Math.floor(seconds / 60)}m ago`;
+    if (seconds < 86_400) return `Last seen ${Math.floor(seconds / 3600)}h ago`;
+    if (seconds < 7 * 86_400) return `Last seen ${Math.floor(seconds / 86_400)}d ago`;
+    return `Last seen on ${formatTimestamp(seen).slice(0, 10)}`;
+  },
+
+  /**
+   * When `lastSeen(lastSeen, now)` next reads differently, so a label can be refreshed then
+   * and not every second; `null` when it never will.
+   * @param {Date | number | null | undefined} lastSeen
+   * @param {Date | number} now
+   * @returns {Date | null}
+   */
+  nextChange(lastSeen, now) {
+    const seen = millis(lastSeen);
+    if (seen === null) return null;
+    const seconds = Math.max(0, (/** @type {number} */ (millis(now)) - seen) / 1000);
+    let step;
+    if (seconds < 3600) step = 60;
+    else if (seconds < 86_400) step = 3600;
+    else if (seconds < 7 * 86_400) step = 86_400;
+    else return null;
+    return new Date(seen + (Math.floor(seconds / step) * step + step) * 1000);
+  },
+
+  /**
+   * Calls `onLabel` with the status label now, then each time it changes, until the returned
+   * function is called.
+   * @param {PresenceSnapshot | null | undefined} presence
+   * @param {(label: string) => void} onLabel
+   * @param {{ clock?: PresenceClock }} [options]
+   * @returns {() => void} Stops the updates.
+   */
+  updatingStatus(presence, onLabel, options = {}) {
+    const clock = options.clock ?? systemClock();
+    /** @type {unknown} */
+    let timer = null;
+    let stopped = false;
+    const tick = () => {
+      timer = null;
+      if (stopped) return;
+      const now = clock.now();
+      onLabel(PresenceText.status(presence, now));
+      const next = presence?.status === "offline" ? PresenceText.nextChange(presence.lastSeen, now) : null;
+      if (next) timer = clock.setTimeout(tick, Math.max(0, next.getTime() - now));
+    };
+    tick();
+    return () => {
+      stopped = true;
+      if (timer !== null) clock.clearTimeout(timer);
+    };
+  },
+
+  /**
+   * "3 of 5 online" (members away are not counted as online).
+   * @param {{ total: number, online: number }} group
+   * @returns {string}
+   */
+  group(group) {
+    return `${group.online} of ${group.total} online`;
+  },
+
+  /**
+   * "Alice is typing…", "Alice and Bob are typing…", "Alice, Bob and 2 others are typing…";
+   * empty when nobody is.
+   * @param {readonly string[]} names
+   * @returns {string}
+   */
+  typing(names) {
+    switch (names.length) {
+      case 0: return "";
+      case 1: return `${names[0]} is typing…`;
+      case 2: return `${names[0]} and ${names[1]} are typing…`;
+      case 3: return `${names[0]}, ${names[1]} and ${names[2]} are typing…`;
+      default: return `${names[0]}, ${names[1]} and ${names.length - 2} others are typing…`;
+    }
+  },
+});
+
+// MARK: - Backoff and typing
+
+/**
+ * Delays between reconnect attempts: `initial`, doubling up to `maximum`, each moved by up to
+ * ±`jitter` of itself so that a node's clients do not all come back in the same instant.
+ */
+export class ReconnectBackoff {
+  #attempts = 0;
+
+  /** @param {{ initial?: number, maximum?: number, jitter?: number }} [options] seconds, and a fraction */
+  constructor(options = {}) {
+    const { initial = 1, maximum = 16, jitter = 0.2 } = options;
+    if (!(initial > 0 && maximum >= initial && jitter >= 0 && jitter < 1)) {
+      throw invalid("backoff: 0 < initial <= maximum, 0 <= jitter < 1");
+    }
+    /** The first delay, seconds. */
+    this.initial = initial;
+    /** The largest delay, seconds. */
+    this.maximum = maximum;
+    /** The fraction each delay may move by (0.2: ±20 %). */
+    this.jitter = jitter;
+  }
+
+  /** Failed attempts since the last success. */
+  get attempts() { return this.#attempts; }
+
+  /**
+   * The delay before the next attempt in seconds, counting this failure.
+   * @param {() => number} [random] numbers in [0, 1)
+   * @returns {number}
+   */
+  nextDelay(random = Math.random) {
+    const base = Math.min(this.maximum, this.initial * 2 ** Math.min(this.#attempts, 30));
+    this.#attempts += 1;
+    if (this.jitter <= 0) return base;
+    return base * (1 - this.jitter + 2 * this.jitter * random());
+  }
+
+  /** A connection succeeded: the next failure starts again from `initial`. */
+  reset() { this.#attempts = 0; }
+}
+
+/** @typedef {{ conversationId: string, isTyping: boolean }} TypingSend */
+
+/**
+ * Turns keystrokes into the few typing frames the gateway needs: `true` on the first keystroke
+ * and at most once per `refreshInterval` while typing goes on; `false` after `idleTimeout`
+ * without a keystroke, when the message is sent, or when the conversation is left. Nothing is
+ * sent while the device cannot type (disconnected or appearing offline). Moments are
+ * milliseconds, intervals seconds.
+ */
+export class TypingDebouncer {
+  /** @type {Map<string, { lastKeystroke: number, lastSent: number }>} */
+  #typing = new Map();
+
+  /** @param {{ refreshInterval?: number, idleTimeout?: number }} [options] seconds */
+  constructor(options = {}) {
+    const { refreshInterval = 2, idleTimeout = 3 } = options;
+    /** Least seconds between two `true` frames of one conversation. */
+    this.refreshInterval = refreshInterval;
+    /** Seconds without a keystroke after which typing stops. */
+    this.idleTimeout = idleTimeout;
+  }
+
+  /** Conversations this device is typing in now, sorted. */
+  get conversations() { return [...this.#typing.keys()].sort(); }
+
+  /**
+   * A keystroke in `conversation` at `now`. With `canSend` false nothing is sent and nothing
+   * is remembered.
+   * @param {string} conversation
+   * @param {number} now
+   * @param {boolean} canSend
+   * @returns {TypingSend | null}
+   */
+  keystroke(conversation, now, canSend) {
+    if (!canSend) return null;
+    const state = this.#typing.get(conversation);
+    if (state) {
+      state.lastKeystroke = now;
+      const refresh = now - state.lastSent >= this.refreshInterval * 1000;
+      if (refresh) state.lastSent = now;
+      return refresh ? { conversationId: conversation, isTyping: true } : null;
+    }
+    this.#typing.set(conversation, { lastKeystroke: now, lastSent: now });
+    return { conversationId: conversation, isTyping: true };
+  }
+
+  /**
+   * The message was sent, or the conversation left: typing there stops now.
+   * @param {string} conversation
+   * @returns {TypingSend | null}
+   */
+  stop(conversation) {
+    return this.#typing.delete(conversation) ? { conversationId: conversation, isTyping: false } : null;
+  }
+
+  /**
+   * Stops typing everywhere (the device goes offline): one `false` per conversation.
+   * @returns {TypingSend[]}
+   */
+  stopAll() {
+    const sends = this.conversations.map((conversationId) => ({ conversationId, isTyping: false }));
+    this.#typing.clear();
+    return sends;
+  }
+
+  /** The connection dropped: the gateway ends this device's typing by itself, so forget it. */
+  forget() { this.#typing.clear(); }
+
+  /**
+   * Typing that went idle by `now`: one `false` each.
+   * @param {number} now
+   * @returns {TypingSend[]}
+   */
+  expire(now) {
+    const idle = [...this.#typing]
+      .filter(([, state]) => now - state.lastKeystroke >= this.idleTimeout * 1000)
+      .map(([conversation]) => conversation)
+      .sort();
+    for (const conversation of idle) this.#typing.delete(conversation);
+    return idle.map((conversationId) => ({ conversationId, isTyping: false }));
+  }
+
+  /** When the next `expire(now)` has something to do (milliseconds), or `null`. */
+  get nextDeadline() {
+    let next = null;
+    for (const state of this.#typing.values()) {
+      const deadline = state.lastKeystroke + this.idleTimeout * 1000;
+      if (next === null || deadline < next) next = deadline;
+    }
+    return next;
+  }
+}
+
+// MARK: - The cache
+
+/**
+ * A change to announce: the name of the event and its `detail`.
+ * @typedef {{ type: "connection", detail: ConnectionState } | { type: "presence", detail: PresenceSnapshot }
+ *   | { type: "removed", detail: RemovedUser } | { type: "typing", detail: TypingChange }
+ *   | { type: "group", detail: GroupPresence } | { type: "error", detail: PresenceErrorDetail }} ClientEvent
+ */
+
+/**
+ * @param {PresenceSnapshot} a
+ * @param {PresenceSnapshot} b
+ */
+function sameSnapshot(a, b) {
+  return a.userId === b.userId && a.status === b.status && millis(a.lastSeen) === millis(b.lastSeen);
+}
+
+/**
+ * @param {GroupPresence} a
+ * @param {GroupPresence} b
+ */
+function sameGroup(a, b) {
+  return a.conversationId === b.conversationId && a.total === b.total && a.online === b.online && a.away === b.away;
+}
+
+/**
+ * @param {string} conversationId
+ * @param {string} userId
+ * @param {boolean} isTyping
+ * @returns {ClientEvent}
+ */
+const typingEvent = (conversationId, userId, isTyping) => ({ type: "typing", detail: Object.freeze({ conversationId, userId, isTyping }) });
+
+/**
+ * What the client knows of others: presences, conversation counts and who is typing. Every
+ * change returns the events it causes, and only real changes cause one (as the Swift
+ * `PresenceCache`).
+ */
+class PresenceCache {
+  /** @type {Map<string, PresenceSnapshot>} */
+  presences = new Map();
+  /** @type {Map<string, GroupPresence>} */
+  groups = new Map();
+  /**
+   * Conversation → user → when their indicator goes away if no update comes (ms).
+   * @type {Map<string, Map<string, number>>}
+   */
+  #typing = new Map();
+  /**
+   * Users not yet confirmed by the session catching up after a (re)connect.
+   * @type {Set<string> | null}
+   */
+  #unconfirmed = null;
+
+  /** @param {string} conversation */
+  typingUsers(conversation) {
+    return [...(this.#typing.get(conversation)?.keys() ?? [])].sort();
+  }
+
+  /**
+   * Takes in a presence: `initial_state` entries and `presence_update`s alike.
+   * @param {PresenceSnapshot} snapshot
+   * @returns {ClientEvent[]}
+   */
+  apply(snapshot) {
+    this.#unconfirmed?.delete(snapshot.userId);
+    const known = this.presences.get(snapshot.userId);
+    if (known && sameSnapshot(known, snapshot)) return [];
+    this.presences.set(snapshot.userId, snapshot);
+    /** @type {ClientEvent[]} */
+    const events = [{ type: "presence", detail: snapshot }];
+    // Someone who went offline stops typing everywhere.
+    if (snapshot.status === "offline") events.push(...this.#stopTypingEverywhere(snapshot.userId));
+    return events;
+  }
+
+  /**
+   * The answer to a `subscribe` of `requested` users: those left out are not visible.
+   * @param {PresenceSnapshot[]} snapshots
+   * @param {string[]} requested
+   */
+  applySnapshot(snapshots, requested) {
+    const events = snapshots.flatMap((snapshot) => this.apply(snapshot));
+    const answered = new Set(snapshots.map((snapshot) => snapshot.userId));
+    events.push(...this.remove(requested.filter((user) => !answered.has(user))));
+    return events;
+  }
+
+  /**
+   * Forgets users (unwatched, or not visible any more).
+   * @param {string[]} users
+   * @returns {ClientEvent[]}
+   */
+  remove(users) {
+    /** @type {ClientEvent[]} */
+    const events = [];
+    for (const user of users) {
+      if (!this.presences.delete(user)) continue;
+      events.push(...this.#stopTypingEverywhere(user), { type: "removed", detail: Object.freeze({ userId: user }) });
+    }
+    return events;
+  }
+
+  /** @param {string} user */
+  #stopTypingEverywhere(user) {
+    return [...this.#typing.keys()].sort()
+      .filter((conversation) => this.#typing.get(conversation)?.has(user))
+      .flatMap((conversation) => this.setTyping(user, conversation, false, null));
+  }
+
+  /**
+   * Takes in a conversation's counts.
+   * @param {GroupPresence} group
+   * @returns {ClientEvent[]}
+   */
+  applyGroup(group) {
+    const known = this.groups.get(group.conversationId);
+    if (known && sameGroup(known, group)) return [];
+    this.groups.set(group.conversationId, group);
+    return [{ type: "group", detail: group }];
+  }
+
+  /**
+   * Forgets a conversation that was left: its counts and its typing.
+   * @param {string} conversation
+   */
+  removeConversation(conversation) {
+    this.groups.delete(conversation);
+    const users = this.typingUsers(conversation);
+    this.#typing.delete(conversation);
+    return users.map((user) => typingEvent(conversation, user, false));
+  }
+
+  /**
+   * Takes in a `typing_update`. A start shows until a stop or until `expiresAt`, in case the
+   * stop is never heard.
+   * @param {string} user
+   * @param {string} conversation
+   * @param {boolean} isTyping
+   * @param {number | null} expiresAt
+   * @returns {ClientEvent[]}
+   */
+  setTyping(user, conversation, isTyping, expiresAt) {
+    const users = this.#typing.get(conversation);
+    const wasTyping = users?.has(user) ?? false;
+    if (isTyping && expiresAt !== null) {
+      if (users) users.set(user, expiresAt);
+      else this.#typing.set(conversation, new Map([[user, expiresAt]]));
+    } else if (users) {
+      users.delete(user);
+      if (users.size === 0) this.#typing.delete(conversation);
+    }
+    return wasTyping === isTyping ? [] : [typingEvent(conversation, user, isTyping)];
+  }
+
+  /**
+   * Ends typing indicators whose time ran out by `now`.
+   * @param {number} now
+   */
+  expireTyping(now) {
+    /** @type {ClientEvent[]} */
+    const events = [];
+    for (const conversation of [...this.#typing.keys()].sort()) {
+      for (const user of this.typingUsers(conversation)) {
+        const expiry = this.#typing.get(conversation)?.get(user);
+        if (expiry !== undefined && expiry <= now) events.push(...this.setTyping(user, conversation, false, null));
+      }
+    }
+    return events;
+  }
+
+  /** Ends every typing indicator (the connection dropped, or this device appears offline). */
+  clearTyping() {
+    const events = [...this.#typing.keys()].sort()
+      .flatMap((conversation) => this.typingUsers(conversation).map((user) => typingEvent(conversation, user, false)));
+    this.#typing.clear();
+    return events;
+  }
+
+  /** When the next typing indicator runs out (ms), or `null`. */
+  get nextTypingExpiry() {
+    let next = null;
+    for (const users of this.#typing.values()) {
+      for (const expiry of users.values()) if (next === null || expiry < next) next = expiry;
+    }
+    return next;
+  }
+
+  /** A new session starts catching up: every presence known now must be confirmed by it. */
+  beginCatchUp() {
+    this.#unconfirmed = new Set(this.presences.keys());
+  }
+
+  /** The new session has answered everything it was asked: who it did not confirm is gone. */
+  endCatchUp() {
+    const stale = this.#unconfirmed;
+    this.#unconfirmed = null;
+    return stale ? this.remove([...stale].sort()) : [];
+  }
+}
+
+// MARK: - Lifecycle
+
+/** @typedef {"active" | "background" | "suspended" | "unloaded" | "signedOut"} Phase */
+/**
+ * @typedef {{ kind: "reconnectNow", newToken: boolean } | { kind: "reconnectAfterBackoff", newToken: boolean }
+ *   | { kind: "stop", reason: StopReason }} AfterClose
+ */
+
+/**
+ * The decisions of the client apart from any I/O, as the Swift `ClientLifecycle`: which status
+ * the device should have, whether to be connected, what to do after a close, and which status
+ * change is still owed to the gateway (latest wins, sent once). The page's phases: `active`
+ * (visible), `background` (hidden: away), `suspended` (hidden past the background policy's
+ * time: offline, no session), `unloaded` (`pagehide` or `stop()`), `signedOut` (for good).
+ */
+class ClientLifecycle {
+  /** @type {Phase} */
+  phase = "active";
+  networkAvailable = true;
+  /** @type {PresenceStatus} */
+  chosenStatus = "online";
+  /** @type {StopReason | null} */
+  stopReason = null;
+  /**
+   * The status the open session has on the gateway; `null` without a session or after a refusal.
+   * @type {PresenceStatus | null}
+   */
+  sessionStatus = null;
+  inSession = false;
+  /**
+   * Not before this moment (ms) may a refused status change be sent again.
+   * @type {number | null}
+   */
+  statusRetryAt = null;
+  #quickRetryUsed = false;
+
+  /** @returns {PresenceStatus} */
+  get desiredStatus() {
+    switch (this.phase) {
+      case "active": return this.chosenStatus;
+      case "background": return this.chosenStatus === "online" ? "away" : this.chosenStatus;
+      default: return "offline";
+    }
+  }
+
+  get shouldConnect() {
+    return this.stopReason === null && this.networkAvailable && (this.phase === "active" || this.phase === "background");
+  }
+
+  /** Whether the device may send typing and be shown others' typing. */
+  get canType() { return this.inSession && this.desiredStatus !== "offline"; }
+
+  didBecomeActive() {
+    if (this.phase === "background" || this.phase === "suspended") this.phase = "active";
+  }
+
+  didEnterBackground() {
+    if (this.phase === "active") this.phase = "background";
+  }
+
+  /** Hidden past the background policy's time. */
+  suspend() {
+    if (this.phase === "background") this.phase = "suspended";
+  }
+
+  /** `pagehide` or `stop()`: offline, no session, until `resume`. */
+  unload() {
+    if (this.phase !== "signedOut") this.phase = "unloaded";
+  }
+
+  /** @param {boolean} hidden */
+  resume(hidden) {
+    if (this.phase === "unloaded") this.phase = hidden ? "background" : "active";
+  }
+
+  signOut() {
+    this.phase = "signedOut";
+    this.stopReason = this.stopReason ?? "signedOut";
+  }
+
+  /** @param {boolean} available */
+  networkChanged(available) {
+    this.networkAvailable = available;
+    if (available) this.#quickRetryUsed = false;
+  }
+
+  /** @param {PresenceStatus} status */
+  choose(status) { this.chosenStatus = status; }
+
+  /** The status to open the next session with: the latest wanted. */
+  get openingStatus() { return this.desiredStatus; }
+
+  /** @param {PresenceStatus} status the session opened with it and caught up */
+  opened(status) {
+    this.inSession = true;
+    this.sessionStatus = status;
+    this.statusRetryAt = null;
+    this.#quickRetryUsed = false;
+  }
+
+  /**
+   * The status frame owed to the gateway at `now`, if any; it counts as sent.
+   * @param {number} now
+   * @returns {PresenceStatus | null}
+   */
+  statusToSend(now) {
+    if (!this.inSession || this.sessionStatus === this.desiredStatus) return null;
+    if (this.statusRetryAt !== null && now < this.statusRetryAt) return null;
+    this.statusRetryAt = null;
+    this.sessionStatus = this.desiredStatus;
+    return this.desiredStatus;
+  }
+
+  /** @param {number} retryAt the gateway refused the last status frame: send it again then */
+  statusRefused(retryAt) {
+    this.sessionStatus = null;
+    this.statusRetryAt = retryAt;
+  }
+
+  /**
+   * The session ended with the server's close `code` (`null`: none, the connection dropped),
+   * or never opened (`upgradeRefused`). Says what to do next.
+   * @param {number | null} code
+   * @param {boolean} upgradeRefused
+   * @returns {AfterClose}
+   */
+  closed(code, upgradeRefused) {
+    this.inSession = false;
+    this.sessionStatus = null;
+    this.statusRetryAt = null;
+    if (this.stopReason) return { kind: "stop", reason: this.stopReason };
+    switch (code) {
+      case CloseCode.disconnectedByAdmin:
+        this.stopReason = "disconnectedByAdmin";
+        return { kind: "stop", reason: this.stopReason };
+      case CloseCode.replaced:
+        this.stopReason = "replaced";
+        return { kind: "stop", reason: this.stopReason };
+      case CloseCode.goingAway:
+      case CloseCode.unauthorized: {
+        // One quick retry: the node is draining (another takes over) or the token just
+        // expired. A second in a row without a session that opened backs off.
+        const newToken = code === CloseCode.unauthorized;
+        if (this.#quickRetryUsed) return { kind: "reconnectAfterBackoff", newToken };
+        this.#quickRetryUsed = true;
+        return { kind: "reconnectNow", newToken };
+      }
+      default:
+        // A refused upgrade is most often a token the gateway no longer accepts.
+        return { kind: "reconnectAfterBackoff", newToken: upgradeRefused };
+    }
+  }
+}
+
+// MARK: - Frames
+
+/**
+ * @typedef {{ type: "initial_state", id: string | null, presences: PresenceSnapshot[] }
+ *   | { type: "presence_update", id: string | null, presence: PresenceSnapshot }
+ *   | { type: "typing_update", id: string | null, userId: string, conversationId: string, isTyping: boolean }
+ *   | { type: "group_presence", id: string | null, group: GroupPresence }
+ *   | { type: "ack" | "pong", id: string | null }
+ *   | { type: "error", id: string | null, code: string, message: string }
+ *   | { type: "unknown", id: string | null, name: string }} ServerMessage
+ */
+
+/** A frame that does not read as the protocol says. */
+class Unreadable extends Error {}
+
+/** @param {unknown} value */
+const isObject = (value) => typeof value === "object" && value !== null && !Array.isArray(value);
+
+/**
+ * A user or conversation id: a string, or a whole number from a gateway that writes ids as
+ * numbers (`PRESENCE_ID_FORMAT=numeric`), kept as its decimal text.
+ * @param {unknown} value
+ */
+function readId(value) {
+  if (typeof value === "number" && Number.isSafeInteger(value)) return String(value);
+  if (typeof value === "string") return value;
+  throw new Unreadable("an id is not a string or a whole number");
+}
+
+/** @param {unknown} value */
+function readCount(value) {
+  if (typeof value === "number" && Number.isInteger(value)) return value;
+  throw new Unreadable("a count is not a whole number");
+}
+
+/**
+ * @param {unknown} data
+ * @returns {PresenceSnapshot}
+ */
+function readPresence(data) {
+  if (!isObject(data)) throw new Unreadable("a presence is not an object");
+  const record = /** @type {Record<string, unknown>} */ (data);
+  const status = record.status;
+  if (typeof status !== "string" || !STATUSES.includes(status)) throw new Unreadable("a status is not online, away or offline");
+  let lastSeen = null;
+  if (record.last_seen !== undefined && record.last_seen !== null) {
+    const parsed = parseTimestamp(record.last_seen);
+    if (parsed === null) throw new Unreadable("last_seen is not an ISO 8601 UTC timestamp");
+    lastSeen = new Date(parsed);
+  }
+  return Object.freeze({ userId: readId(record.user_id), status: /** @type {PresenceStatus} */ (status), lastSeen });
+}
+
+/**
+ * Reads a server frame as the Swift SDK's decoder does: a frame whose fields do not read is
+ * `null` (dropped), a `type` this version does not know is `unknown` (newer gateways may send more).
+ * @param {string} text
+ * @returns {ServerMessage | null}
+ */
+function readServerMessage(text) {
+  let message;
+  try {
+    message = JSON.parse(text);
+  } catch {
+    return null;
+  }
+  if (!isObject(message)) return null;
+  try {
+    if (message.id !== undefined && message.id !== null && typeof message.id !== "string") throw new Unreadable("id is not a string");
+    const id = message.id ?? null;
+    const type = message.type;
+    if (typeof type !== "string") throw new Unreadable("the frame has no type");
+    const data = message.data;
+    const record = /** @type {Record<string, unknown>} */ (isObject(data) ? data : {});
+    if (["initial_state", "presence_update", "typing_update", "group_presence", "error"].includes(type) && !isObject(data)) {
+      throw new Unreadable("data is not an object");
+    }
+    switch (type) {
+      case "initial_state":
+        if (!Array.isArray(record.presences)) throw new Unreadable("presences is not an array");
+        return { type, id, presences: record.presences.map(readPresence) };
+      case "presence_update":
+        return { type, id, presence: readPresence(data) };
+      case "typing_update":
+        if (typeof record.is_typing !== "boolean") throw new Unreadable("is_typing is not a boolean");
+        return { type, id, userId: readId(record.user_id), conversationId: readId(record.conversation_id), isTyping: record.is_typing };
+      case "group_presence":
+        return {
+          type, id, group: Object.freeze({
+            conversationId: readId(record.conversation_id),
+            total: readCount(record.total), online: readCount(record.online), away: readCount(record.away),
+          }),
+        };
+      case "ack":
+      case "pong":
+        return { type, id };
+      case "error": {
+        if (typeof record.code !== "string" || typeof record.message !== "string") throw new Unreadable("an error needs a code and a message");
+        // A code from a newer gateway reads as `internal`, so the page still sees the error.
+        const code = ERROR_CODES.includes(record.code) ? record.code : "internal";
+        return { type, id, code, message: record.message };
+      }
+      default:
+        return { type: "unknown", id, name: type.slice(0, 64) };
+    }
+  } catch (error) {
+    if (error instanceof Unreadable) return null;
+    throw error;
+  }
+}
+
+/**
+ * A client frame's text, keys sorted as the Swift SDK writes them.
+ * @param {string} type
+ * @param {Record<string, unknown>} data keys in sorted order
+ * @param {string} id
+ */
+const frameText = (type, data, id) => JSON.stringify({ data, id, type });
+
+/**
+ * @param {unknown} ids
+ * @param {string} what
+ * @returns {string[]}
+ */
+function checkIds(ids, what) {
+  if (!Array.isArray(ids)) throw invalid(`${what}s must be an array`);
+  for (const id of ids) {
+    if (typeof id !== "string" || !ID_PATTERN.test(id)) throw invalid(`${what} ${JSON.stringify(id)} is not ${ID_RULE}`);
+  }
+  return ids;
+}
+
+/**
+ * @param {unknown} id
+ * @param {string} what
+ * @returns {string}
+ */
+const checkId = (id, what) => checkIds([id], what)[0];
+
+// MARK: - Options
+
+/** @returns {PresenceClock} */
+function systemClock() {
+  return {
+    now: () => Date.now(),
+    setTimeout: (callback, milliseconds) => globalThis.setTimeout(callback, milliseconds),
+    clearTimeout: (handle) => globalThis.clearTimeout(/** @type {any} */ (handle)),
+  };
+}
+
+/**
+ * Gateway URLs as given, or the gateway that served this module.
+ * @param {PresenceClientOptions["gatewayURLs"]} given
+ * @param {string | undefined} pageURL
+ * @returns {URL[]}
+ */
+function gatewayURLs(given, pageURL) {
+  let list = given === undefined ? [] : Array.isArray(given) ? given : [given];
+  if (given === undefined) {
+    const served = new URL("/", import.meta.url);
+    if (served.protocol === "http:" || served.protocol === "https:") list = [served];
+  }
+  if (list.length === 0) throw invalid("at least one gateway URL is needed");
+  return list.map((entry) => {
+    let url;
+    try {
+      url = new URL(String(entry), pageURL);
+    } catch {
+      throw invalid(`gateway URL ${String(entry)} is not a URL`);
+    }
+    if (!["ws:", "wss:", "http:", "https:"].includes(url.protocol) || url.hostname === "") {
+      throw invalid(`gateway URL ${url.href} must be ws(s)://host[:port] or http(s)://host[:port]`);
+    }
+    return url;
+  });
+}
+
+/**
+ * The WebSocket URL of a session: `/api/presence/subscribe` with the token, the device and
+ * the status to open with (so a page reconnecting while away is never shown online).
+ * @param {URL} base
+ * @param {string} token
+ * @param {string} deviceId
+ * @param {PresenceStatus} status
+ */
+function sessionURL(base, token, deviceId, status) {
+  const url = new URL(base.href);
+  if (url.protocol === "http:") url.protocol = "ws:";
+  else if (url.protocol === "https:") url.protocol = "wss:";
+  const path = url.pathname.endsWith("/") ? url.pathname.slice(0, -1) : url.pathname;
+  url.pathname = path + SESSION_PATH;
+  // URLSearchParams writes `+` as %2B, so the server cannot read it as a space.
+  url.search = new URLSearchParams({ token, device_id: deviceId, status }).toString();
+  url.hash = "";
+  return url.href;
+}
+
+/**
+ * A new device id: a UUID, or 32 random hex digits where `crypto.randomUUID` is missing (it
+ * needs a secure context).
+ * @param {() => number} random
+ */
+function makeDeviceId(random) {
+  const crypto = globalThis.crypto;
+  if (typeof crypto?.randomUUID === "function") return crypto.randomUUID();
+  const bytes = new Uint8Array(16);
+  if (typeof crypto?.getRandomValues === "function") crypto.getRandomValues(bytes);
+  else for (let index = 0; index < bytes.length; index += 1) bytes[index] = Math.floor(random() * 256);
+  return Array.from(bytes, (byte) => byte.toString(16).padStart(2, "0")).join("");
+}
+
+/**
+ * The device id kept in `storage`, made and kept when missing or not a valid id. Storage that
+ * throws (disabled, private mode) gives an id for this client only.
+ * @param {DeviceIdStorage | null} storage
+ * @param {() => number} random
+ */
+function storedDeviceId(storage, random) {
+  try {
+    const stored = storage?.getItem(DEVICE_ID_STORAGE_KEY);
+    if (stored && ID_PATTERN.test(stored)) return stored;
+  } catch {
+    // Unreadable storage: a new id below.
+  }
+  const made = makeDeviceId(random);
+  try {
+    storage?.setItem(DEVICE_ID_STORAGE_KEY, made);
+  } catch {
+    // Not kept: the next page load makes another id, which lingers and goes like any device.
+  }
+  return made;
+}
+
+/** @returns {DeviceIdStorage | null} */
+function defaultStorage() {
+  try {
+    return globalThis.localStorage ?? null;
+  } catch {
+    // Reading `localStorage` throws where storage is blocked.
+    return null;
+  }
+}
+
+/**
+ * @param {unknown} value
+ * @param {string} name
+ * @param {number} fallback
+ */
+function seconds(value, name, fallback) {
+  if (value === undefined) return fallback;
+  if (typeof value !== "number" || !(value >= 0) || !Number.isFinite(value)) throw invalid(`${name} must be a number of seconds`);
+  return value;
+}
+
+/**
+ * @param {unknown} policy
+ * @returns {BackgroundPolicy}
+ */
+function backgroundPolicy(policy) {
+  if (policy === undefined) return { kind: "away" };
+  if (isObject(policy)) {
+    const { kind, afterSeconds } = /** @type {Record<string, unknown>} */ (policy);
+    if (kind === "away") return { kind };
+    if (kind === "offline") return { kind, afterSeconds: seconds(afterSeconds ?? 0, "backgroundPolicy.afterSeconds", 0) };
+  }
+  throw invalid('backgroundPolicy must be { kind: "away" } or { kind: "offline", afterSeconds: N }');
+}
+
+// MARK: - The client
+
+/**
+ * @param {ConnectionState} a
+ * @param {ConnectionState} b
+ */
+function sameState(a, b) {
+  if (a.state === "waiting" && b.state === "waiting") return a.retryAt.getTime() === b.retryAt.getTime();
+  if (a.state === "stopped" && b.state === "stopped") return a.reason === b.reason;
+  return a.state === b.state;
+}
+
+/**
+ * What a request sent under a frame id was, until the gateway answers it.
+ * @typedef {{ kind: "status" } | { kind: "users", users: string[] } | { kind: "conversation", conversationId: string }
+ *   | { kind: "typing" } | { kind: "other" }} Request
+ */
+
+/**
+ * One WebSocket attempt, from its creation to its close.
+ * @typedef {object} Session
+ * @property {number} serial
+ * @property {WebSocket} socket
+ * @property {boolean} opened The socket's `open` came (else a close means the upgrade failed).
+ * @property {boolean} awaitingInitialState
+ * @property {PresenceStatus} openedWith
+ * @property {number} openDeadline Given up at this moment (ms) unless its `initial_state` came.
+ * @property {Map<string, Request>} pending
+ * @property {Set<string>} catchUp Ids of the catch-up's requests not yet answered.
+ * @property {Array<{ due: number, type: string, data: Record<string, unknown>, request: Request, catchingUp: boolean }>} retries
+ * @property {string[]} queued Frames written before the socket opened.
+ * @property {boolean} closing
+ * @property {unknown} closeTimer
+ * @property {Array<() => void>} endWaiters
+ * @property {() => void} detach
+ */
+
+/**
+ * A browser's link to the presence gateway. Call `start()`; listen for `connection`,
+ * `presence`, `removed`, `typing`, `group` and `error` (`CustomEvent`s, the change in
+ * `detail`); read the cache with `presence()`, `presences`, `group()` and `typingUsers()`.
+ */
+export class PresenceClient extends EventTarget {
+  #urls;
+  #deviceId;
+  #tokenProvider;
+  #policy;
+  #typingDisplayTimeout;
+  #retryDelay;
+  #closeTimeout;
+  #openTimeout;
+  #clock;
+  #random;
+  #WebSocket;
+  #window;
+  #document;
+  #logger;
+
+  #lifecycle = new ClientLifecycle();
+  #backoff;
+  #debouncer;
+  #cache = new PresenceCache();
+  /** @type {ConnectionState} */
+  #state = Object.freeze({ state: "idle" });
+  /** @type {number | null} */
+  #lastCloseCode = null;
+  /** @type {Set<string>} */
+  #watched = new Set();
+  /** @type {Set<string>} */
+  #joined = new Set();
+  /** @type {Session | null} */
+  #session = null;
+  #serial = 0;
+  #nextFrameId = 0;
+  #needsNewToken = false;
+  #urlIndex = 0;
+  #started = false;
+  #tokenPending = false;
+  /** @type {unknown} */
+  #waitTimer = null;
+  /** @type {unknown} */
+  #suspendTimer = null;
+  /** @type {unknown} */
+  #timer = null;
+  /** @type {number | null} */
+  #timerDeadline = null;
+  /** @type {(() => void) | null} */
+  #detachPage = null;
+  /** @type {ClientEvent[]} */
+  #events = [];
+  #depth = 0;
+  #dispatching = false;
+
+  /** @param {PresenceClientOptions} options */
+  constructor(options) {
+    super();
+    if (!isObject(options)) throw invalid("options are required");
+    if (typeof options.token !== "function") throw invalid("token must be a function returning the gateway token");
+    this.#window = options.window === undefined ? /** @type {any} */ (globalThis).window ?? null : options.window;
+    this.#document = options.document === undefined ? /** @type {any} */ (globalThis).document ?? null : options.document;
+    const pageURL = /** @type {any} */ (this.#window)?.location?.href ?? /** @type {any} */ (globalThis).location?.href;
+    this.#urls = gatewayURLs(options.gatewayURLs, pageURL);
+    this.#tokenProvider = options.token;
+    this.#random = options.random ?? Math.random;
+    this.#deviceId = options.deviceId === undefined
+      ? storedDeviceId(options.storage === undefined ? defaultStorage() : options.storage, this.#random)
+      : checkId(options.deviceId, "device id");
+    this.#policy = backgroundPolicy(options.backgroundPolicy);
+    this.#backoff = new ReconnectBackoff(options.backoff);
+    this.#debouncer = new TypingDebouncer({
+      refreshInterval: seconds(options.typingRefreshInterval, "typingRefreshInterval", 2),
+      idleTimeout: seconds(options.typingIdleTimeout, "typingIdleTimeout", 3),
+    });
+    this.#typingDisplayTimeout = seconds(options.typingDisplayTimeout, "typingDisplayTimeout", 8);
+    this.#retryDelay = seconds(options.retryDelay, "retryDelay", 1);
+    this.#closeTimeout = seconds(options.closeTimeout, "closeTimeout", 3);
+    this.#openTimeout = seconds(options.openTimeout, "openTimeout", 10);
+    this.#clock = options.clock ?? systemClock();
+    this.#WebSocket = options.WebSocket ?? globalThis.WebSocket;
+    if (typeof this.#WebSocket !== "function") throw invalid("no WebSocket: pass the WebSocket option");
+    this.#logger = options.logger ?? null;
+  }
+
+  // MARK: Reading
+
+  /** This browser's device id. */
+  get deviceId() { return this.#deviceId; }
+
+  /** The link to the gateway. */
+  get connectionState() { return this.#state; }
+
+  /** The close code of the last session (`null`: none yet, or it dropped without one). */
+  get lastCloseCode() { return this.#lastCloseCode; }
+
+  /** The status this device is meant to have now. */
+  get status() { return this.#lifecycle.desiredStatus; }
+
+  /** Users watched explicitly, sorted. */
+  get watchedUsers() { return [...this.#watched].sort(); }
+
+  /** Conversations followed, sorted. */
+  get joinedConversations() { return [...this.#joined].sort(); }
+
+  /**
+   * The presence of a user, if known.
+   * @param {string} userId
+   * @returns {PresenceSnapshot | undefined}
+   */
+  presence(userId) { return this.#cache.presences.get(userId); }
+
+  /** Every known presence, sorted by user id. */
+  get presences() {
+    return [...this.#cache.presences.values()].sort((a, b) => (a.userId < b.userId ? -1 : a.userId > b.userId ? 1 : 0));
+  }
+
+  /**
+   * The counts of a followed conversation, if known.
+   * @param {string} conversationId
+   * @returns {GroupPresence | undefined}
+   */
+  group(conversationId) { return this.#cache.groups.get(conversationId); }
+
+  /**
+   * Who is typing in a conversation, sorted; nobody while this device is disconnected or offline.
+   * @param {string} conversationId
+   * @returns {string[]}
+   */
+  typingUsers(conversationId) {
+    return this.#lifecycle.canType ? this.#cache.typingUsers(conversationId) : [];
+  }
+
+  // MARK: Starting and stopping
+
+  /**
+   * Starts keeping a session open and following the page's life (visibility, `pagehide`,
+   * `online`/`offline`). A client stopped for good (signed out, disconnected by an admin,
+   * replaced) stays stopped.
+   */
+  start() {
+    this.#act(() => {
+      if (this.#started) return;
+      this.#started = true;
+      this.#attachPage();
+      this.#lifecycle.resume(false);
+      this.#lifecycle.networkChanged(/** @type {any} */ (this.#window)?.navigator?.onLine !== false);
+      this.#backoffReset();
+      if (this.#isHidden()) this.#pageHidden();
+      this.#statusChanged();
+    });
+  }
+
+  /**
+   * Stops: offline at once with a clean close (1000); `start()` may be called again.
+   * Resolves once the gateway answered the close, or after `closeTimeout`.
+   * @returns {Promise<void>}
+   */
+  stop() {
+    return this.#act(() => {
+      this.#started = false;
+      this.#detachPageListeners();
+      this.#clearSuspendTimer();
+      this.#lifecycle.unload();
+      return this.#closeCleanly(CloseCode.normal);
+    });
+  }
+
+  /**
+   * The person signed out: offline at once with a clean close (1000), and never again
+   * (`connection` ends `stopped` with reason `signedOut`). Resolves once the close is done, or
+   * after `closeTimeout`.
+   * @returns {Promise<void>}
+   */
+  signOut() {
+    return this.#act(() => {
+      this.#started = false;
+      this.#detachPageListeners();
+      this.#clearSuspendTimer();
+      this.#lifecycle.signOut();
+      return this.#closeCleanly(CloseCode.normal);
+    });
+  }
+
+  // MARK: Status, watching, typing
+
+  /**
+   * Chooses the status shown while the page is visible: `online`, `away`, or `offline` to
+   * appear offline while still hearing others. Changes made while disconnected are sent on
+   * reconnect (the latest wins).
+   * @param {PresenceStatus} status
+   */
+  setStatus(status) {
+    this.#act(() => {
+      if (!STATUSES.includes(status)) throw invalid("status must be one of online, away, offline");
+      this.#lifecycle.choose(status);
+      this.#statusChanged();
+    });
+  }
+
+  /**
+   * Watches users besides those the gateway watches for the session. Users the caller may not
+   * see are left out silently, as the gateway does.
+   * @param {string[]} userIds
+   */
+  watch(userIds) {
+    this.#act(() => {
+      /** @type {string[]} */
+      const added = [];
+      for (const user of checkIds(userIds, "user id")) {
+        if (this.#watched.has(user)) continue;
+        this.#watched.add(user);
+        added.push(user);
+      }
+      const session = this.#session;
+      if (session && !session.awaitingInitialState) this.#subscribeUsers(added, false);
+    });
+  }
+
+  /**
+   * Stops watching users.
+   * @param {string[]} userIds
+   */
+  unwatch(userIds) {
+    this.#act(() => {
+      const removed = checkIds(userIds, "user id").filter((user) => this.#watched.delete(user));
+      if (removed.length === 0) return;
+      for (let start = 0; start < removed.length; start += SUBSCRIBE_CHUNK) {
+        this.#send("unsubscribe", { user_ids: removed.slice(start, start + SUBSCRIBE_CHUNK) }, { kind: "other" });
+      }
+      this.#emit(this.#cache.remove(removed));
+    });
+  }
+
+  /**
+   * Follows a conversation: its counts, its typing, and its members' presence.
+   * @param {string} conversationId
+   */
+  join(conversationId) {
+    this.#act(() => {
+      checkId(conversationId, "conversation id");
+      if (this.#joined.has(conversationId)) return;
+      this.#joined.add(conversationId);
+      const session = this.#session;
+      if (session && !session.awaitingInitialState) this.#subscribeConversation(conversationId, false);
+    });
+  }
+
+  /**
+   * Stops following a conversation, and stops typing in it.
+   * @param {string} conversationId
+   */
+  leave(conversationId) {
+    this.#act(() => {
+      checkId(conversationId, "conversation id");
+      const stop = this.#debouncer.stop(conversationId);
+      if (stop) this.#sendTyping(stop);
+      if (!this.#joined.delete(conversationId)) return;
+      this.#send("unsubscribe", { conversation_id: conversationId }, { kind: "other" });
+      this.#emit(this.#cache.removeConversation(conversationId));
+    });
+  }
+
+  /**
+   * A keystroke in a conversation's composer. Nothing is sent while disconnected or offline.
+   * @param {string} conversationId
+   */
+  userTyped(conversationId) {
+    this.#act(() => {
+      checkId(conversationId, "conversation id");
+      const send = this.#debouncer.keystroke(conversationId, this.#clock.now(), this.#lifecycle.canType);
+      if (send) this.#sendTyping(send);
+    });
+  }
+
+  /**
+   * The message was sent (or the draft cleared): typing stops now.
+   * @param {string} conversationId
+   */
+  messageSent(conversationId) {
+    this.#act(() => {
+      checkId(conversationId, "conversation id");
+      const stop = this.#debouncer.stop(conversationId);
+      if (stop) this.#sendTyping(stop);
+    });
+  }
+
+  // MARK: Running things
+
+  /**
+   * Runs one change of state; then the timers are set again and the events it caused are
+   * announced, so listeners always see a settled client (and may call it).
+   * @template T
+   * @param {() => T} body
+   * @returns {T}
+   */
+  #act(body) {
+    this.#depth += 1;
+    try {
+      return body();
+    } finally {
+      this.#depth -= 1;
+      if (this.#depth === 0) {
+        this.#rescheduleTimers();
+        this.#dispatchEvents();
+      }
+    }
+  }
+
+  /** @param {ClientEvent[]} events */
+  #emit(events) {
+    this.#events.push(...events);
+  }
+
+  #dispatchEvents() {
+    // A listener calling the client queues more events; this loop announces them in order.
+    if (this.#dispatching) return;
+    this.#dispatching = true;
+    try {
+      for (let event = this.#events.shift(); event; event = this.#events.shift()) {
+        this.dispatchEvent(new CustomEvent(event.type, { detail: event.detail }));
+      }
+    } finally {
+      this.#dispatching = false;
+    }
+  }
+
+  /** @param {ConnectionState} state */
+  #setState(state) {
+    if (sameState(this.#state, state)) return;
+    this.#state = Object.freeze(state);
+    this.#log("debug", "connection state", state.state);
+    this.#emit([{ type: "connection", detail: this.#state }]);
+  }
+
+  /**
+   * @param {"debug" | "info" | "warn"} level
+   * @param {...unknown} values
+   */
+  #log(level, ...values) {
+    this.#logger?.[level]?.("[presence]", ...values);
+  }
+
+  // MARK: The page
+
+  #isHidden() {
+    return this.#document?.visibilityState === "hidden";
+  }
+
+  #attachPage() {
+    const page = this.#window;
+    const document = this.#document;
+    const visibility = () => this.#act(() => (this.#isHidden() ? this.#pageHidden() : this.#pageVisible()));
+    const pagehide = () => this.#act(() => this.#pageUnloaded());
+    /** @param {Event} event */
+    const pageshow = (event) => this.#act(() => {
+      // Restored from the back/forward cache: the page lives again.
+      if (/** @type {any} */ (event).persisted) this.#pageRestored();
+    });
+    const online = () => this.#act(() => this.#networkChanged(true));
+    const offline = () => this.#act(() => this.#networkChanged(false));
+    document?.addEventListener("visibilitychange", visibility);
+    page?.addEventListener("pagehide", pagehide);
+    page?.addEventListener("pageshow", pageshow);
+    page?.addEventListener("online", online);
+    page?.addEventListener("offline", offline);
+    this.#detachPage = () => {
+      document?.removeEventListener("visibilitychange", visibility);
+      page?.removeEventListener("pagehide", pagehide);
+      page?.removeEventListener("pageshow", pageshow);
+      page?.removeEventListener("online", online);
+      page?.removeEventListener("offline", offline);
+    };
+  }
+
+  #detachPageListeners() {
+    this.#detachPage?.();
+    this.#detachPage = null;
+  }
+
+  /** Hidden: away at once; with the offline policy, no session once hidden for long enough. */
+  #pageHidden() {
+    this.#lifecycle.didEnterBackground();
+    if (this.#policy.kind === "offline" && this.#policy.afterSeconds <= 0) {
+      this.#suspend();
+      return;
+    }
+    this.#statusChanged();
+    if (this.#policy.kind === "offline" && this.#suspendTimer === null) {
+      this.#suspendTimer = this.#clock.setTimeout(() => this.#act(() => {
+        this.#suspendTimer = null;
+        this.#suspend();
+      }), this.#policy.afterSeconds * 1000);
+    }
+  }
+
+  /** Visible: the chosen status, and a session now if there was none. */
+  #pageVisible() {
+    this.#clearSuspendTimer();
+    this.#lifecycle.didBecomeActive();
+    this.#backoffReset();
+    this.#statusChanged();
+  }
+
+  /** Hidden past the offline policy's time: offline at once (1000); visible reconnects. */
+  #suspend() {
+    this.#lifecycle.suspend();
+    if (this.#lifecycle.phase !== "suspended") return;
+    this.#log("info", "hidden past the background policy: offline");
+    for (const send of this.#debouncer.stopAll()) this.#sendTyping(send);
+    this.#emit(this.#cache.clearTyping());
+    const session = this.#session;
+    if (session) this.#closeSession(session, CloseCode.normal);
+    this.#advance();
+  }
+
+  /** `pagehide`: offline at once. The page may not run again, so nothing waits for the close. */
+  #pageUnloaded() {
+    this.#clearSuspendTimer();
+    this.#lifecycle.unload();
+    for (const send of this.#debouncer.stopAll()) this.#sendTyping(send);
+    const session = this.#session;
+    if (session) {
+      this.#closeSession(session, CloseCode.normal);
+      this.#sessionEnded(session, CloseCode.normal, false);
+    }
+    this.#advance();
+  }
+
+  #pageRestored() {
+    this.#lifecycle.resume(false);
+    this.#backoffReset();
+    if (this.#isHidden()) this.#pageHidden();
+    this.#statusChanged();
+  }
+
+  /**
+   * The network went away or came back. Going away ends the session without a close code, so
+   * the device lingers on the gateway and a quick return shows no offline (browsers may not
+   * send 1001); coming back reconnects now.
+   * @param {boolean} available
+   */
+  #networkChanged(available) {
+    this.#lifecycle.networkChanged(available);
+    if (available) {
+      this.#backoffReset();
+    } else if (this.#session) {
+      this.#closeSession(this.#session, null);
+    }
+    this.#advance();
+  }
+
+  #clearSuspendTimer() {
+    if (this.#suspendTimer !== null) this.#clock.clearTimeout(this.#suspendTimer);
+    this.#suspendTimer = null;
+  }
+
+  /** The backoff starts again, and a wait for the next attempt is cut short. */
+  #backoffReset() {
+    this.#backoff.reset();
+    if (this.#waitTimer !== null) {
+      this.#clock.clearTimeout(this.#waitTimer);
+      this.#waitTimer = null;
+    }
+  }
+
+  #statusChanged() {
+    if (this.#lifecycle.desiredStatus === "offline") {
+      for (const send of this.#debouncer.stopAll()) this.#sendTyping(send);
+      this.#emit(this.#cache.clearTyping());
+    }
+    this.#sendOwedStatus();
+    this.#advance();
+  }
+
+  /**
+   * Typing stops, then a close with `code`; resolves when the session has ended.
+   * @param {number} code
+   * @returns {Promise<void>}
+   */
+  #closeCleanly(code) {
+    for (const send of this.#debouncer.stopAll()) this.#sendTyping(send);
+    const session = this.#session;
+    /** @type {Promise<void>} */
+    let ended = Promise.resolve();
+    if (session) {
+      ended = new Promise((resolve) => session.endWaiters.push(resolve));
+      this.#closeSession(session, code);
+    }
+    this.#advance();
+    return ended;
+  }
+
+  // MARK: Connecting
+
+  /** Decides what comes next when no session or token request is under way. */
+  #advance() {
+    if (this.#session || this.#tokenPending) return;
+    if (this.#lifecycle.stopReason) {
+      this.#cancelWait();
+      this.#setState({ state: "stopped", reason: this.#lifecycle.stopReason });
+      return;
+    }
+    if (!this.#started || !this.#lifecycle.shouldConnect) {
+      this.#cancelWait();
+      this.#setState({ state: "idle" });
+      return;
+    }
+    if (this.#waitTimer !== null) return;
+    this.#connect();
+  }
+
+  #cancelWait() {
+    if (this.#waitTimer !== null) this.#clock.clearTimeout(this.#waitTimer);
+    this.#waitTimer = null;
+  }
+
+  /** @param {number} delay seconds before the next attempt */
+  #pause(delay) {
+    const retryAt = this.#clock.now() + delay * 1000;
+    this.#setState({ state: "waiting", retryAt: new Date(retryAt) });
+    this.#waitTimer = this.#clock.setTimeout(() => this.#act(() => {
+      this.#waitTimer = null;
+      this.#advance();
+    }), delay * 1000);
+  }
+
+  #connect() {
+    this.#setState({ state: "connecting" });
+    this.#tokenPending = true;
+    const refresh = this.#needsNewToken;
+    Promise.resolve()
+      .then(() => this.#tokenProvider(refresh))
+      .then(
+        (token) => this.#act(() => this.#tokenArrived(token)),
+        (error) => this.#act(() => this.#tokenFailed(error)),
+      );
+  }
+
+  /** @param {unknown} token */
+  #tokenArrived(token) {
+    this.#tokenPending = false;
+    if (typeof token !== "string" || token === "") {
+      this.#tokenFailed(new Error("it returned no token"));
+      return;
+    }
+    this.#needsNewToken = false;
+    // The page may have changed its mind while the token was fetched.
+    if (!this.#started || !this.#lifecycle.shouldConnect) {
+      this.#advance();
+      return;
+    }
+    this.#openSession(token);
+  }
+
+  /** @param {unknown} error */
+  #tokenFailed(error) {
+    this.#tokenPending = false;
+    const reason = error instanceof Error ? error.message : String(error);
+    this.#log("warn", "the token provider failed", reason);
+    this.#emit([{ type: "error", detail: Object.freeze({ code: "unauthorized", message: `the token provider failed: ${reason}` }) }]);
+    if (!this.#started || !this.#lifecycle.shouldConnect) {
+      this.#advance();
+      return;
+    }
+    this.#pause(this.#backoff.nextDelay(this.#random));
+  }
+
+  /** @param {string} token */
+  #openSession(token) {
+    const base = this.#urls[this.#urlIndex % this.#urls.length];
+    const openedWith = this.#lifecycle.openingStatus;
+    const url = sessionURL(base, token, this.#deviceId, openedWith);
+    this.#serial += 1;
+    /** @type {WebSocket} */
+    let socket;
+    try {
+      socket = new this.#WebSocket(url);
+    } catch (error) {
+      this.#log("warn", "the WebSocket could not be made", error);
+      this.#urlIndex += 1;
+      this.#pause(this.#backoff.nextDelay(this.#random));
+      return;
+    }
+    /** @type {Session} */
+    const session = {
+      serial: this.#serial, socket, opened: false, awaitingInitialState: true, openedWith,
+      openDeadline: this.#clock.now() + this.#openTimeout * 1000,
+      pending: new Map(), catchUp: new Set(), retries: [], queued: [],
+      closing: false, closeTimer: null, endWaiters: [], detach: () => {},
+    };
+    const onOpen = () => this.#act(() => {
+      if (this.#session !== session) return;
+      session.opened = true;
+      try {
+        for (const text of session.queued.splice(0)) socket.send(text);
+      } catch (error) {
+        this.#log("debug", "a frame could not be written", error);
+      }
+    });
+    /** @param {MessageEvent} event */
+    const onMessage = (event) => this.#act(() => {
+      // Binary frames are not the protocol's; the gateway sends none.
+      if (typeof event.data === "string") this.#receive(session, event.data);
+    });
+    /** @param {CloseEvent} event */
+    const onClose = (event) => this.#act(() => {
+      // 1006: the connection dropped without a close frame (browsers make it up).
+      const code = typeof event.code === "number" && event.code !== 1006 && event.code !== 0 ? event.code : null;
+      // The browser cannot say why an upgrade failed; a refused token is the likely cause.
+      this.#sessionEnded(session, code, !session.opened);
+    });
+    socket.addEventListener("open", onOpen);
+    socket.addEventListener("message", /** @type {EventListener} */ (onMessage));
+    socket.addEventListener("close", /** @type {EventListener} */ (onClose));
+    session.detach = () => {
+      socket.removeEventListener("open", onOpen);
+      socket.removeEventListener("message", /** @type {EventListener} */ (onMessage));
+      socket.removeEventListener("close", /** @type {EventListener} */ (onClose));
+    };
+    this.#session = session;
+    this.#cache.beginCatchUp();
+    this.#log("debug", "connecting", base.href);
+  }
+
+  /**
+   * Asks the gateway to close (`null`: a close without a code, so the device lingers), and
+   * gives the session up if the answer does not come within `closeTimeout`.
+   * @param {Session} session
+   * @param {number | null} code
+   */
+  #closeSession(session, code) {
+    if (session.closing) return;
+    session.closing = true;
+    try {
+      if (code === null) session.socket.close();
+      else session.socket.close(code);
+    } catch (error) {
+      this.#log("debug", "close failed", error);
+    }
+    session.closeTimer = this.#clock.setTimeout(() => this.#act(() => this.#sessionEnded(session, null, false)), this.#closeTimeout * 1000);
+  }
+
+  /**
+   * The session ended: clean up, then reconnect now, after the backoff, or not at all.
+   * @param {Session} session
+   * @param {number | null} code the gateway's close code, `null` without one
+   * @param {boolean} refused the socket never opened
+   */
+  #sessionEnded(session, code, refused) {
+    if (this.#session !== session) return;
+    this.#session = null;
+    session.detach();
+    if (session.closeTimer !== null) this.#clock.clearTimeout(session.closeTimer);
+    // An attempt that never became a session leaves the code of the last session as it was.
+    if (code !== null || !session.awaitingInitialState) this.#lastCloseCode = code;
+    this.#debouncer.forget();
+    this.#emit(this.#cache.clearTyping());
+    for (const resolve of session.endWaiters) resolve();
+    this.#log("info", "session ended", { code, refused });
+    const wanted = this.#started && this.#lifecycle.shouldConnect;
+    const after = this.#lifecycle.closed(code, refused);
+    if (!wanted) {
+      this.#advance();
+      return;
+    }
+    switch (after.kind) {
+      case "stop":
+        this.#setState({ state: "stopped", reason: after.reason });
+        break;
+      case "reconnectNow":
+        this.#needsNewToken = after.newToken;
+        this.#urlIndex += 1;
+        this.#advance();
+        break;
+      case "reconnectAfterBackoff":
+        this.#needsNewToken = after.newToken;
+        this.#urlIndex += 1;
+        this.#pause(this.#backoff.nextDelay(this.#random));
+        break;
+    }
+  }
+
+  /**
+   * Gives a session up without waiting for its socket.
+   * @param {Session} session
+   */
+  #abandon(session) {
+    session.detach();
+    try {
+      session.socket.close();
+    } catch {
+      // Already closing.
+    }
+    this.#sessionEnded(session, null, false);
+  }
+
+  // MARK: Timers
+
+  /** One timer for the timed work: idle typing, typing indicators, retries, the open deadline. */
+  #rescheduleTimers() {
+    const session = this.#session;
+    const deadlines = [
+      this.#debouncer.nextDeadline,
+      this.#cache.nextTypingExpiry,
+      this.#lifecycle.statusRetryAt,
+      session?.awaitingInitialState ? session.openDeadline : null,
+      ...(session?.retries.map((retry) => retry.due) ?? []),
+    ].filter((deadline) => deadline !== null);
+    const next = deadlines.length > 0 ? Math.min(.../** @type {number[]} */ (deadlines)) : null;
+    if (next === this.#timerDeadline) return;
+    if (this.#timer !== null) this.#clock.clearTimeout(this.#timer);
+    this.#timer = null;
+    this.#timerDeadline = next;
+    if (next === null) return;
+    this.#timer = this.#clock.setTimeout(() => this.#act(() => {
+      this.#timer = null;
+      this.#timerDeadline = null;
+      this.#fireTimers();
+    }), Math.max(0, next - this.#clock.now()));
+  }
+
+  #fireTimers() {
+    const now = this.#clock.now();
+    const opening = this.#session;
+    if (opening?.awaitingInitialState && opening.openDeadline <= now) {
+      this.#log("info", "the session did not open in time; trying again");
+      this.#abandon(opening);
+    }
+    for (const send of this.#debouncer.expire(now)) this.#sendTyping(send);
+    this.#emit(this.#cache.expireTyping(now));
+    const session = this.#session;
+    if (session) {
+      const due = session.retries.filter((retry) => retry.due <= now);
+      session.retries = session.retries.filter((retry) => retry.due > now);
+      for (const retry of due) {
+        const id = this.#send(retry.type, retry.data, retry.request);
+        if (id !== null && retry.catchingUp) session.catchUp.add(id);
+      }
+    }
+    this.#sendOwedStatus();
+  }
+
+  // MARK: Sending
+
+  /**
+   * Writes a frame with a fresh id if there is a session; returns the id.
+   * @param {string} type
+   * @param {Record<string, unknown>} data keys in sorted order
+   * @param {Request} request
+   * @returns {string | null}
+   */
+  #send(type, data, request) {
+    const session = this.#session;
+    if (!session) return null;
+    this.#nextFrameId += 1;
+    const id = `${session.serial}.${this.#nextFrameId}`;
+    session.pending.set(id, request);
+    const text = frameText(type, data, id);
+    if (!session.opened) {
+      session.queued.push(text);
+      return id;
+    }
+    try {
+      session.socket.send(text);
+    } catch (error) {
+      this.#log("debug", "a frame could not be written", error);
+    }
+    return id;
+  }
+
+  /** @param {TypingSend} typing */
+  #sendTyping(typing) {
+    this.#send("typing", { conversation_id: typing.conversationId, is_typing: typing.isTyping }, { kind: "typing" });
+  }
+
+  #sendOwedStatus() {
+    if (!this.#session || this.#session.awaitingInitialState) return;
+    const status = this.#lifecycle.statusToSend(this.#clock.now());
+    if (status) this.#send("status", { status }, { kind: "status" });
+  }
+
+  /**
+   * @param {string[]} users
+   * @param {boolean} catchingUp
+   */
+  #subscribeUsers(users, catchingUp) {
+    const sorted = [...users].sort();
+    for (let start = 0; start < sorted.length; start += SUBSCRIBE_CHUNK) {
+      const chunk = sorted.slice(start, start + SUBSCRIBE_CHUNK);
+      const id = this.#send("subscribe", { user_ids: chunk }, { kind: "users", users: chunk });
+      if (id !== null && catchingUp) this.#session?.catchUp.add(id);
+    }
+  }
+
+  /**
+   * @param {string} conversationId
+   * @param {boolean} catchingUp
+   */
+  #subscribeConversation(conversationId, catchingUp) {
+    const id = this.#send("subscribe", { conversation_id: conversationId }, { kind: "conversation", conversationId });
+    if (id !== null && catchingUp) this.#session?.catchUp.add(id);
+  }
+
+  // MARK: Frames from the gateway
+
+  /**
+   * @param {Session} session
+   * @param {string} text
+   */
+  #receive(session, text) {
+    if (this.#session !== session) return;
+    const message = readServerMessage(text);
+    if (!message) {
+      this.#log("warn", "an unreadable frame from the gateway", text.slice(0, 200));
+      return;
+    }
+    const id = message.id;
+    switch (message.type) {
+      case "initial_state": {
+        const request = id === null ? undefined : session.pending.get(id);
+        if (session.awaitingInitialState && id === null) {
+          session.awaitingInitialState = false;
+          this.#emit(message.presences.flatMap((presence) => this.#cache.apply(presence)));
+          this.#sessionOpened(session);
+        } else if (id !== null && request) {
+          session.pending.delete(id);
+          if (request.kind === "users") this.#emit(this.#cache.applySnapshot(message.presences, request.users));
+          else this.#emit(message.presences.flatMap((presence) => this.#cache.apply(presence)));
+          this.#answered(id);
+        } else {
+          this.#emit(message.presences.flatMap((presence) => this.#cache.apply(presence)));
+        }
+        break;
+      }
+      case "presence_update":
+        this.#emit(this.#cache.apply(message.presence));
+        break;
+      case "typing_update":
+        // Others' typing is not shown while this device appears offline.
+        if (!this.#lifecycle.canType && message.isTyping) return;
+        this.#emit(this.#cache.setTyping(message.userId, message.conversationId, message.isTyping,
+          this.#clock.now() + this.#typingDisplayTimeout * 1000));
+        break;
+      case "group_presence":
+        this.#emit(this.#cache.applyGroup(message.group));
+        break;
+      case "ack":
+        if (id !== null && session.pending.delete(id)) this.#answered(id);
+        break;
+      case "pong":
+        break;
+      case "error":
+        this.#refused(session, id, message.code, message.message);
+        break;
+      default:
+        this.#log("debug", "a frame this client does not know", message.name);
+    }
+  }
+
+  /**
+   * The gateway refused a request (or said something went wrong).
+   * @param {Session} session
+   * @param {string | null} id
+   * @param {string} code
+   * @param {string} message
+   */
+  #refused(session, id, code, message) {
+    this.#log("info", "the gateway refused a request", code, message);
+    const error = /** @type {ClientEvent} */ ({ type: "error", detail: Object.freeze({ code, message }) });
+    const request = id === null ? undefined : session.pending.get(id);
+    if (id === null || !request) {
+      this.#emit([error]);
+      return;
+    }
+    session.pending.delete(id);
+    const retryAt = this.#clock.now() + this.#retryDelay * 1000;
+    if (request.kind === "status") {
+      this.#lifecycle.statusRefused(retryAt);
+    } else if (request.kind === "users" && code === "rate_limited") {
+      session.retries.push({ due: retryAt, type: "subscribe", data: { user_ids: request.users }, request, catchingUp: session.catchUp.delete(id) });
+      return;
+    } else if (request.kind === "conversation" && code === "rate_limited") {
+      session.retries.push({
+        due: retryAt, type: "subscribe", data: { conversation_id: request.conversationId }, request, catchingUp: session.catchUp.delete(id),
+      });
+      return;
+    } else if (request.kind === "conversation") {
+      // Not a member (any more), or too large: following it cannot succeed.
+      this.#joined.delete(request.conversationId);
+      this.#emit(this.#cache.removeConversation(request.conversationId));
+    }
+    this.#answered(id);
+    this.#emit([error]);
+  }
+
+  /**
+   * The session's first `initial_state` arrived: the device is live. Ask again for what the
+   * page follows, and send a status owed since the session opened.
+   * @param {Session} session
+   */
+  #sessionOpened(session) {
+    this.#lifecycle.opened(session.openedWith);
+    this.#backoff.reset();
+    this.#subscribeUsers([...this.#watched], true);
+    for (const conversation of [...this.#joined].sort()) this.#subscribeConversation(conversation, true);
+    this.#sendOwedStatus();
+    this.#answered(null);
+  }
+
+  /**
+   * A request of the catch-up was answered; when the last one is, the cache is current.
+   * @param {string | null} id
+   */
+  #answered(id) {
+    const session = this.#session;
+    if (!session) return;
+    if (id !== null) session.catchUp.delete(id);
+    if (session.catchUp.size > 0 || session.retries.some((retry) => retry.catchingUp) || session.awaitingInitialState
+      || this.#state.state === "connected") return;
+    this.#emit(this.#cache.endCatchUp());
+    this.#setState({ state: "connected" });
+  }
+}

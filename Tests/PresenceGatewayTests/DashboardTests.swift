@@ -1,0 +1,171 @@
+import Foundation
+#if canImport(FoundationNetworking)
+import FoundationNetworking
+#endif
+#if canImport(Glibc)
+import Glibc
+#endif
+import RedisTestSupport
+import Testing
+
+@testable import PresenceGateway
+
+/// The browser client and dashboard the node serves, and the admin reads behind the dashboard:
+/// a user's devices, the overview, and the live feed (Server-Sent Events), on a live node.
+@Suite("Browser client, dashboard and admin feed")
+struct DashboardTests {
+    /// The repository's `Sources/PresenceGateway/Web/`.
+    static let webFolder = URL(fileURLWithPath: #filePath)
+        .deletingLastPathComponent().deletingLastPathComponent().deletingLastPathComponent()
+        .appendingPathComponent("Sources/PresenceGateway/Web")
+
+    static func fetch(_ port: Int, _ path: String, token: String? = nil) async throws -> (status: Int, body: Data, headers: [String: String]) {
+        var request = URLRequest(url: URL(string: "http://127.0.0.1:\(port)\(path)")!)
+        if let token { request.setValue("Bearer \(token)", forHTTPHeaderField: "Authorization") }
+        let (data, response) = try await URLSession.shared.data(for: request)
+        let http = response as! HTTPURLResponse
+        var headers: [String: String] = [:]
+        for (name, value) in http.allHeaderFields { headers[String(describing: name).lowercased()] = String(describing: value) }
+        return (http.statusCode, data, headers)
+    }
+
+    @Test("the client module, its types and the dashboard are served as the repository holds them, the page under a strict CSP")
+    func assets() async throws {
+        try await withNodes(1) { ports in
+            for (path, file, type) in [
+                ("/client/presence.js", "presence.js", "text/javascript"), ("/client/presence.d.ts", "presence.d.ts", "text/plain"),
+                ("/dashboard", "dashboard.html", "text/html"), ("/dashboard/dashboard.js", "dashboard.js", "text/javascript"),
+                ("/dashboard/dashboard.css", "dashboard.css", "text/css"),
+            ] {
+                let answer = try await Self.fetch(ports[0], path)
+                #expect(answer.status == 200, "\(path)")
+                #expect(answer.headers["content-type"]?.hasPrefix(type) == true, "\(path): \(answer.headers["content-type"] ?? "none")")
+                let repository = try Data(contentsOf: Self.webFolder.appendingPathComponent(file))
+                #expect(answer.body == repository, "\(path) is \(file)")
+                #expect(answer.headers["x-content-type-options"] == "nosniff")
+            }
+            let client = try await Self.fetch(ports[0], "/client/presence.js")
+            #expect(client.headers["access-control-allow-origin"] == "*", "any origin may import the module")
+            let page = try await Self.fetch(ports[0], "/dashboard")
+            let policy = try #require(page.headers["content-security-policy"])
+            #expect(policy.contains("default-src 'none'") && policy.contains("script-src 'self'") && policy.contains("connect-src 'self'"))
+            #expect(!policy.contains("unsafe"), "no inline scripts or styles, no eval")
+            #expect(page.headers["x-frame-options"] == "DENY")
+        }
+    }
+
+    @Test("admin user lookup and overview: 401 with a wrong token, 404 for an unknown user, the real state otherwise")
+    func adminReads() async throws {
+        try await withNodes(1) { ports in
+            let port = ports[0]
+            #expect(try await Self.fetch(port, "/api/admin/users/alice", token: "wrong").status == 401)
+            #expect(try await Self.fetch(port, "/api/admin/overview", token: try await token("alice")).status == 401)
+            #expect(try await Self.fetch(port, "/api/admin/users/nobody", token: adminToken).status == 404)
+            #expect(try await Self.fetch(port, "/api/admin/users/bad%20id", token: adminToken).status == 422)
+
+            #expect(try await call(port, "POST", "/api/presence/status", token: try await token("alice"), body: #"{"status":"away","device_id":"web"}"#).status == 200)
+            #expect(try await call(port, "PUT", "/api/admin/conversations/team", token: adminToken, body: #"{"member_ids":["alice","bob","carol"]}"#).status == 200)
+            _ = try await call(port, "PUT", "/api/presence/privacy", token: try await token("alice"), body: #"{"show_online_status":false}"#)
+
+            let user = try await Self.fetch(port, "/api/admin/users/alice", token: adminToken)
+            #expect(user.status == 200)
+            let detail = try #require(try JSONSerialization.jsonObject(with: user.body) as? [String: Any])
+            #expect(detail["status"] as? String == "away", "the operator sees the real status")
+            #expect(detail["show_online_status"] as? Bool == false)
+            #expect((detail["shown_to_others"] as? [String: Any])?["status"] as? String == "offline")
+            let device = try #require((detail["devices"] as? [[String: Any]])?.first)
+            #expect(device["device_id"] as? String == "web")
+            #expect(device["node"] is NSNull, "a REST device has no node, written as null")
+            #expect(device["deadline"] is String, "a REST device lives until its heartbeat runs out")
+
+            let ready = try await eventually {
+                let answer = try await Self.fetch(port, "/api/admin/overview", token: adminToken)
+                let overview = try JSONSerialization.jsonObject(with: answer.body) as? [String: Any]
+                return (overview?["nodes"] as? [[String: Any]])?.first?["node_id"] as? String == "node-0"
+            }
+            #expect(ready, "the node is in the overview once it holds its lease")
+            try await Task.sleep(for: .seconds(1))  // past the overview cache's second
+            let answer = try await Self.fetch(port, "/api/admin/overview", token: adminToken)
+            let overview = try #require(try JSONSerialization.jsonObject(with: answer.body) as? [String: Any])
+            #expect(overview["users_online"] as? Int == 0 && overview["users_away"] as? Int == 1)
+            #expect((overview["users"] as? [[String: Any]])?.map { $0["user_id"] as? String } == ["alice"])
+            let team = try #require((overview["conversations"] as? [[String: Any]])?.first)
+            #expect(team["conversation_id"] as? String == "team" && team["total"] as? Int == 3 && team["away"] as? Int == 1 && team["online"] as? Int == 0)
+        }
+        try await withNodes(1, configure: { $0.adminToken = nil }) { ports in
+            let overview = try await Self.fetch(ports[0], "/api/admin/overview", token: adminToken)
+            let feed = try await Self.fetch(ports[0], "/api/admin/events", token: adminToken)
+            let page = try await Self.fetch(ports[0], "/dashboard")
+            #expect(overview.status == 404 && feed.status == 404)
+            #expect(page.status == 200, "the page itself says the admin routes are off")
+        }
+    }
+
+    /// Reads a Server-Sent Events stream over a plain socket (`URLSession` on Linux has no
+    /// streaming body) until `until` holds for what has arrived, or `timeout` passes.
+    static func readEvents(port: Int, token: String, timeout: Duration, until: (String) -> Bool) throws -> String {
+        let socket = Glibc.socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
+        guard socket >= 0 else { throw POSIXError(.EIO) }
+        defer { close(socket) }
+        var address = sockaddr_in()
+        address.sin_family = sa_family_t(AF_INET)
+        address.sin_port = in_port_t(UInt16(port).bigEndian)
+        address.sin_addr.s_addr = inet_addr("127.0.0.1")
+        let connected = withUnsafePointer(to: &address) {
+            $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { connect(socket, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) }
+        }
+        guard connected == 0 else { throw POSIXError(.ECONNREFUSED) }
+        var wait = timeval(tv_sec: 0, tv_usec: 200_000)
+        setsockopt(socket, SOL_SOCKET, SO_RCVTIMEO, &wait, socklen_t(MemoryLayout<timeval>.size))
+        let request = "GET /api/admin/events HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer \(token)\r\n\r\n"
+        _ = request.withCString { send(socket, $0, strlen($0), 0) }
+        var received: [UInt8] = []
+        var buffer = [UInt8](repeating: 0, count: 65_536)
+        let deadline = ContinuousClock.now + timeout
+        while ContinuousClock.now < deadline {
+            let count = recv(socket, &buffer, buffer.count, 0)
+            if count == 0 { break }
+            if count > 0 { received += buffer[0..<count] }
+            if until(String(decoding: received, as: UTF8.self)) { break }
+        }
+        return String(decoding: received, as: UTF8.self)
+    }
+
+    @Test("the admin feed: an overview at once and every 2 s, and each change of any user as a presence event")
+    func feed() async throws {
+        try await withNodes(1) { ports in
+            let port = ports[0]
+            let alice = try await token("alice")
+            // Changes made while the feed is being read.
+            let changes = Task {
+                try await Task.sleep(for: .milliseconds(500))
+                _ = try await call(port, "POST", "/api/presence/status", token: alice, body: #"{"status":"online","device_id":"web"}"#)
+                try await Task.sleep(for: .milliseconds(300))
+                _ = try await call(port, "POST", "/api/presence/status", token: alice, body: #"{"status":"away","device_id":"web"}"#)
+            }
+            defer { changes.cancel() }
+            let text = try await Task.detached {
+                try Self.readEvents(port: port, token: adminToken, timeout: .seconds(10)) { text in
+                    text.components(separatedBy: "event: overview\n").count > 2 && text.contains(#""status":"away""#)
+                }
+            }.value
+            #expect(text.hasPrefix("HTTP/1.1 200"), "\(text.prefix(200))")
+            #expect(text.lowercased().contains("content-type: text/event-stream"))
+            // The body is chunked, one event a chunk: the chunks' size lines fall between events.
+            let events = text.replacingOccurrences(of: "\r\n", with: "\n").components(separatedBy: "\n\n").compactMap { block -> (String, [String: Any])? in
+                let lines = block.split(separator: "\n")
+                guard let name = lines.first(where: { $0.hasPrefix("event: ") })?.dropFirst(7),
+                      let data = lines.first(where: { $0.hasPrefix("data: ") })?.dropFirst(6),
+                      let json = try? JSONSerialization.jsonObject(with: Data(data.utf8)) as? [String: Any] else { return nil }
+                return (String(name), json)
+            }
+            #expect(events.first?.0 == "overview", "an overview first: \(events.map(\.0))")
+            #expect(events.count { $0.0 == "overview" } >= 2, "overviews keep coming: \(events.map(\.0))")
+            let presences = events.filter { $0.0 == "presence" }.map(\.1)
+            #expect(presences.map { $0["user_id"] as? String } == ["alice", "alice"], "\(presences)")
+            #expect(presences.map { $0["status"] as? String } == ["online", "away"])
+            #expect(presences.allSatisfy { $0["shown_status"] as? String == $0["status"] as? String && $0["at"] is String })
+            #expect(try await Self.fetch(port, "/api/admin/events", token: "wrong").status == 401)
+        }
+    }
+}

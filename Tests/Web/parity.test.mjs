@@ -1,0 +1,143 @@
+// Feeds the recorded gateway frames of Tests/Fixtures/parity.json to the browser SDK and checks
+// it announces exactly the events (and labels) the fixture expects; its `about` gives the format.
+import assert from "node:assert/strict";
+import { readFileSync } from "node:fs";
+import { test } from "node:test";
+
+import { PresenceClient, PresenceText, formatTimestamp, parseTimestamp } from "../../Sources/PresenceGateway/Web/presence.js";
+
+const fixture = JSON.parse(readFileSync(new URL("../Fixtures/parity.json", import.meta.url), "utf8"));
+
+const settle = () => new Promise((resolve) => setImmediate(resolve));
+
+/** A clock that moves only when told to. */
+class FakeClock {
+  constructor(start) {
+    this.time = start;
+    this.timers = new Map();
+    this.nextId = 1;
+  }
+
+  now() { return this.time; }
+
+  setTimeout(callback, milliseconds) {
+    const id = this.nextId++;
+    this.timers.set(id, { id, at: this.time + Math.max(0, milliseconds), callback });
+    return id;
+  }
+
+  clearTimeout(id) { this.timers.delete(id); }
+
+  async advance(seconds) {
+    const end = this.time + seconds * 1000;
+    for (let fired = 0; ; fired += 1) {
+      // A timer that keeps re-arming at a moment already past is a bug: fail, do not hang.
+      assert.ok(fired < 10_000, "timers keep firing without time moving");
+      const due = [...this.timers.values()].filter((timer) => timer.at <= end).sort((a, b) => a.at - b.at || a.id - b.id)[0];
+      if (!due) break;
+      this.timers.delete(due.id);
+      this.time = Math.max(this.time, due.at);
+      due.callback();
+      await settle();
+    }
+    this.time = end;
+    await settle();
+  }
+}
+
+/** The gateway's end of one session: open at once, frames delivered as given. */
+class FakeSocket extends EventTarget {
+  static sockets = [];
+
+  constructor(url) {
+    super();
+    this.url = url;
+    this.readyState = 0;
+    FakeSocket.sockets.push(this);
+  }
+
+  send() {}
+
+  close() {}
+
+  accept() {
+    this.readyState = 1;
+    this.dispatchEvent(new Event("open"));
+  }
+
+  deliver(text) {
+    this.dispatchEvent(Object.assign(new Event("message"), { data: text }));
+  }
+}
+
+/** A client event in the fixture's words. */
+function describeEvent(type, detail, now, typing) {
+  switch (type) {
+    case "connection":
+      return { event: type, state: detail.state };
+    case "presence": {
+      const lastSeen = detail.lastSeen === null ? null : formatTimestamp(detail.lastSeen);
+      return { event: type, user_id: detail.userId, status: detail.status, last_seen: lastSeen, label: PresenceText.status(detail, now) };
+    }
+    case "removed":
+      return { event: type, user_id: detail.userId };
+    case "typing": {
+      const users = typing.get(detail.conversationId) ?? new Set();
+      if (detail.isTyping) users.add(detail.userId);
+      else users.delete(detail.userId);
+      typing.set(detail.conversationId, users);
+      const label = PresenceText.typing([...users].sort());
+      return { event: type, conversation_id: detail.conversationId, user_id: detail.userId, is_typing: detail.isTyping, label };
+    }
+    case "group":
+      return { event: type, conversation_id: detail.conversationId, total: detail.total, online: detail.online, away: detail.away, label: PresenceText.group(detail) };
+    default:
+      return { event: type, code: detail.code, message: detail.message };
+  }
+}
+
+test("the browser SDK announces exactly what parity.json expects for its gateway frames", async () => {
+  const start = parseTimestamp(fixture.now);
+  assert.notEqual(start, null);
+  const clock = new FakeClock(start);
+  const client = new PresenceClient({
+    gatewayURLs: "wss://gateway.test",
+    deviceId: "parity",
+    token: async () => "token",
+    clock,
+    WebSocket: FakeSocket,
+    window: null,
+    document: null,
+    storage: null,
+  });
+  /** Who types where, as the events tell. */
+  const typing = new Map();
+  let heard = [];
+  for (const type of ["connection", "presence", "removed", "typing", "group", "error"]) {
+    client.addEventListener(type, (event) => heard.push(describeEvent(type, event.detail, clock.now(), typing)));
+  }
+
+  let total = 0;
+  for (const [index, step] of fixture.steps.entries()) {
+    heard = [];
+    if (step.start) {
+      client.start();
+      await settle();
+      assert.equal(FakeSocket.sockets.length, 1, "one connection attempt");
+      FakeSocket.sockets[0].accept();
+    } else if (typeof step.frame === "string") {
+      FakeSocket.sockets[0].deliver(step.frame);
+      await settle();
+    } else if (typeof step.advance_seconds === "number") {
+      await clock.advance(step.advance_seconds);
+    } else {
+      assert.fail(`step ${index} is none of start, frame, advance_seconds`);
+    }
+    assert.deepEqual(heard, step.expect, `step ${index}: ${step.note ?? step.frame ?? JSON.stringify(step)}`);
+    // The cache says the same as the events.
+    for (const [conversation, users] of typing) assert.deepEqual(client.typingUsers(conversation), [...users].sort(), `step ${index}: typing in ${conversation}`);
+    total += step.expect.length;
+  }
+  assert.ok(total >= 20, "the fixture exercises a real sequence");
+  assert.equal(FakeSocket.sockets.length, 1, "one session throughout");
+});

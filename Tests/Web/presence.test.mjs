@@ -1,0 +1,776 @@
+// The browser SDK (Sources/PresenceGateway/Web/presence.js) on a fake clock and a fake
+// WebSocket: `node --test Tests/Web/`.
+import assert from "node:assert/strict";
+import { describe, test } from "node:test";
+
+import {
+  DEVICE_ID_STORAGE_KEY,
+  PresenceClient,
+  PresenceClientError,
+  PresenceText,
+  ReconnectBackoff,
+  TypingDebouncer,
+  parseTimestamp,
+} from "../../Sources/PresenceGateway/Web/presence.js";
+
+const START = Date.parse("2026-11-21T12:00:00.000Z");
+
+/** Lets promise chains (the token provider) and queued close events run. */
+const settle = () => new Promise((resolve) => setImmediate(resolve));
+
+/** A clock that moves only when told to; `advance` fires due timers in order. */
+class FakeClock {
+  constructor(start = START) {
+    this.time = start;
+    this.timers = new Map();
+    this.nextId = 1;
+  }
+
+  now() { return this.time; }
+
+  setTimeout(callback, milliseconds) {
+    const id = this.nextId++;
+    this.timers.set(id, { id, at: this.time + Math.max(0, milliseconds), callback });
+    return id;
+  }
+
+  clearTimeout(id) { this.timers.delete(id); }
+
+  /** Moves `seconds` forward, firing each timer at its moment (and what it starts). */
+  async advance(seconds) {
+    const end = this.time + seconds * 1000;
+    for (let fired = 0; ; fired += 1) {
+      // A timer that keeps re-arming at a moment already past is a bug: fail, do not hang.
+      assert.ok(fired < 10_000, "timers keep firing without time moving");
+      const due = [...this.timers.values()].filter((timer) => timer.at <= end).sort((a, b) => a.at - b.at || a.id - b.id)[0];
+      if (!due) break;
+      this.timers.delete(due.id);
+      this.time = Math.max(this.time, due.at);
+      due.callback();
+      await settle();
+    }
+    this.time = end;
+    await settle();
+  }
+}
+
+/** A WebSocket class whose instances the test drives from the gateway's side. */
+function fakeWebSocket() {
+  const sockets = [];
+  class FakeSocket extends EventTarget {
+    static sockets = sockets;
+    /** Whether a close from the client is answered (as the gateway does). */
+    static answersClose = true;
+
+    constructor(url) {
+      super();
+      this.url = url;
+      this.readyState = 0;
+      this.sent = [];
+      this.closeCalls = [];
+      sockets.push(this);
+    }
+
+    send(text) {
+      if (this.readyState === 0) throw new Error("InvalidStateError: still connecting");
+      if (this.readyState === 1) this.sent.push(text);
+    }
+
+    close(code) {
+      this.closeCalls.push(code ?? null);
+      if (this.readyState >= 2) return;
+      this.readyState = 2;
+      // The gateway answers a close without a code with 1000.
+      if (FakeSocket.answersClose) queueMicrotask(() => this.serverClose(code ?? 1000));
+    }
+
+    get frames() { return this.sent.map((text) => JSON.parse(text)); }
+
+    framesOf(type) { return this.frames.filter((frame) => frame.type === type); }
+
+    // The gateway's side.
+    accept() {
+      this.readyState = 1;
+      this.dispatchEvent(new Event("open"));
+    }
+
+    deliver(frame) {
+      this.dispatchEvent(Object.assign(new Event("message"), { data: typeof frame === "string" ? frame : JSON.stringify(frame) }));
+    }
+
+    /** Accepts and sends the session's first `initial_state`. */
+    open(presences = []) {
+      this.accept();
+      this.deliver({ type: "initial_state", data: { presences } });
+    }
+
+    serverClose(code) {
+      if (this.readyState === 3) return;
+      this.readyState = 3;
+      this.dispatchEvent(Object.assign(new Event("close"), { code }));
+    }
+
+    /** The upgrade failed (refused or unreachable): the browser says 1006 and no more. */
+    fail() {
+      this.readyState = 3;
+      this.dispatchEvent(new Event("error"));
+      this.dispatchEvent(Object.assign(new Event("close"), { code: 1006 }));
+    }
+  }
+  return FakeSocket;
+}
+
+function memoryStorage(entries = {}) {
+  const map = new Map(Object.entries(entries));
+  return { getItem: (key) => map.get(key) ?? null, setItem: (key, value) => map.set(key, String(value)), map };
+}
+
+const EVENT_NAMES = ["connection", "presence", "removed", "typing", "group", "error"];
+
+/** A client on fakes, its page, and what it announced. */
+function setup(options = {}) {
+  const clock = new FakeClock();
+  const WebSocket = fakeWebSocket();
+  const document = Object.assign(new EventTarget(), { visibilityState: "visible" });
+  const window = Object.assign(new EventTarget(), { navigator: { onLine: true } });
+  const tokenCalls = [];
+  const client = new PresenceClient({
+    gatewayURLs: "https://gateway.test",
+    deviceId: "browser-1",
+    token: async (refresh) => {
+      tokenCalls.push(refresh);
+      return `token-${tokenCalls.length}`;
+    },
+    clock,
+    random: () => 0.5,
+    WebSocket,
+    window,
+    document,
+    storage: null,
+    ...options,
+  });
+  const events = [];
+  for (const type of EVENT_NAMES) client.addEventListener(type, (event) => events.push({ type, detail: event.detail }));
+  const harness = {
+    client, clock, WebSocket, document, window, tokenCalls, events,
+    get sockets() { return WebSocket.sockets; },
+    last() { return WebSocket.sockets.at(-1); },
+    states() { return events.filter((event) => event.type === "connection").map((event) => event.detail.state); },
+    of(type) { return events.filter((event) => event.type === type).map((event) => event.detail); },
+    setHidden(hidden) {
+      document.visibilityState = hidden ? "hidden" : "visible";
+      document.dispatchEvent(new Event("visibilitychange"));
+    },
+    /** Seconds until the next attempt, from the waiting state. */
+    waitingDelay() {
+      const state = client.connectionState;
+      assert.equal(state.state, "waiting", `waiting, not ${JSON.stringify(state)}`);
+      return Math.round(state.retryAt.getTime() - clock.now()) / 1000;
+    },
+    /** Starts and opens the first session. */
+    async connect(presences = []) {
+      client.start();
+      await settle();
+      harness.last().open(presences);
+      await settle();
+      assert.equal(client.connectionState.state, "connected");
+      return harness.last();
+    },
+  };
+  return harness;
+}
+
+const typingFrames = (socket) => socket.framesOf("typing").map((frame) => frame.data);
+const statusFrames = (socket) => socket.framesOf("status").map((frame) => frame.data.status);
+
+describe("reconnecting", () => {
+  test("failed attempts wait 1, 2, 4, 8, 16, 16 s on the clock; a session that opened starts again from 1 s", async () => {
+    const h = setup();
+    h.client.start();
+    await settle();
+    const delays = [];
+    for (let step = 0; step < 6; step += 1) {
+      h.last().fail();
+      await settle();
+      const delay = h.waitingDelay();
+      delays.push(delay);
+      const attempts = h.sockets.length;
+      await h.clock.advance(delay - 0.01);
+      assert.equal(h.sockets.length, attempts, "no attempt before the delay is over");
+      await h.clock.advance(0.01);
+      assert.equal(h.sockets.length, attempts + 1, "an attempt once it is");
+    }
+    assert.deepEqual(delays, [1, 2, 4, 8, 16, 16]);
+    h.last().open();
+    await settle();
+    assert.equal(h.client.connectionState.state, "connected");
+    h.last().serverClose(1006);
+    await settle();
+    assert.equal(h.waitingDelay(), 1, "back to 1 s after a session opened");
+  });
+
+  test("jitter moves each delay by at most ±20 %, and uses the injected random()", async () => {
+    for (const [random, expected] of [[() => 0, 0.8], [() => 0.999999, 1.2]]) {
+      const h = setup({ random });
+      h.client.start();
+      await settle();
+      h.last().fail();
+      await settle();
+      assert.ok(Math.abs(h.waitingDelay() - expected) < 0.001, `${h.waitingDelay()} for ${expected}`);
+    }
+    const backoff = new ReconnectBackoff();
+    const seen = new Set();
+    for (let run = 0; run < 50; run += 1) {
+      backoff.reset();
+      for (const base of [1, 2, 4, 8, 16, 16]) {
+        const delay = backoff.nextDelay();
+        assert.ok(delay >= base * 0.8 && delay <= base * 1.2, `${delay} for ${base}`);
+        if (base === 1) seen.add(delay);
+      }
+    }
+    assert.ok(seen.size > 40, "first delays differ from run to run");
+    assert.deepEqual(Array.from({ length: 7 }, ((plain) => () => plain.nextDelay())(new ReconnectBackoff({ jitter: 0 }))), [1, 2, 4, 8, 16, 16, 16]);
+  });
+
+  test("attempts rotate through the gateway URLs; http(s) becomes ws(s) with the session path and query", async () => {
+    const h = setup({ gatewayURLs: ["https://a.test/base/", "http://b.test:8080"] });
+    h.client.start();
+    await settle();
+    h.last().fail();
+    await settle();
+    await h.clock.advance(h.waitingDelay());
+    h.last().fail();
+    await settle();
+    await h.clock.advance(h.waitingDelay());
+    const urls = h.sockets.map((socket) => new URL(socket.url));
+    assert.deepEqual(urls.map((url) => `${url.origin}${url.pathname}`), [
+      "wss://a.test/base/api/presence/subscribe",
+      "ws://b.test:8080/api/presence/subscribe",
+      "wss://a.test/base/api/presence/subscribe",
+    ]);
+    assert.equal(urls[0].searchParams.get("token"), "token-1");
+    assert.equal(urls[0].searchParams.get("device_id"), "browser-1");
+    assert.equal(urls[0].searchParams.get("status"), "online");
+    assert.equal(urls[2].searchParams.get("token"), "token-3", "a token for each attempt");
+  });
+
+  test("1001 reconnects at once to the next URL; a second 1001 before a session opened backs off", async () => {
+    const h = setup({ gatewayURLs: ["wss://a.test", "wss://b.test"] });
+    await h.connect();
+    h.last().serverClose(1001);
+    await settle();
+    assert.equal(h.sockets.length, 2, "without the clock moving");
+    assert.equal(new URL(h.last().url).host, "b.test");
+    h.last().accept();
+    h.last().serverClose(1001);
+    await settle();
+    assert.equal(h.sockets.length, 2);
+    assert.equal(h.waitingDelay(), 1);
+    assert.equal(h.client.lastCloseCode, 1001);
+  });
+
+  test("the token provider is asked for a fresh token after 4001, and the reconnect is immediate", async () => {
+    const h = setup();
+    await h.connect();
+    assert.deepEqual(h.tokenCalls, [false]);
+    h.last().serverClose(4001);
+    await settle();
+    assert.deepEqual(h.tokenCalls, [false, true]);
+    assert.equal(h.sockets.length, 2, "at once");
+    assert.equal(new URL(h.last().url).searchParams.get("token"), "token-2");
+    // Refused again before any session opened: back off, still asking for a fresh token.
+    h.last().accept();
+    h.last().serverClose(4001);
+    await settle();
+    await h.clock.advance(h.waitingDelay());
+    assert.deepEqual(h.tokenCalls, [false, true, true]);
+    h.last().open();
+    await settle();
+    h.last().serverClose(1006);
+    await settle();
+    await h.clock.advance(h.waitingDelay());
+    assert.deepEqual(h.tokenCalls, [false, true, true, false], "a drop needs no new token");
+  });
+
+  test("a token provider that fails is an error event and a backoff", async () => {
+    let fail = true;
+    const h = setup({ token: async () => { if (fail) throw new Error("no session cookie"); return "t"; } });
+    h.client.start();
+    await settle();
+    assert.deepEqual(h.of("error"), [{ code: "unauthorized", message: "the token provider failed: no session cookie" }]);
+    assert.equal(h.sockets.length, 0);
+    fail = false;
+    await h.clock.advance(h.waitingDelay());
+    assert.equal(h.sockets.length, 1);
+  });
+
+  test("4003 stops for good: no reconnect, whatever the page does", async () => {
+    const h = setup();
+    await h.connect();
+    h.last().serverClose(4003);
+    await settle();
+    assert.deepEqual(h.client.connectionState, { state: "stopped", reason: "disconnectedByAdmin" });
+    await h.clock.advance(120);
+    h.window.dispatchEvent(new Event("online"));
+    h.setHidden(true);
+    h.setHidden(false);
+    await settle();
+    assert.equal(h.sockets.length, 1);
+    assert.equal(h.client.connectionState.state, "stopped");
+  });
+
+  test("4009 (another session took the device over) stops with reason replaced", async () => {
+    const h = setup();
+    await h.connect();
+    h.last().serverClose(4009);
+    await settle();
+    await h.clock.advance(60);
+    assert.deepEqual(h.client.connectionState, { state: "stopped", reason: "replaced" });
+    assert.equal(h.sockets.length, 1);
+  });
+
+  test("an attempt without its initial_state is given up after openTimeout and tried again after the backoff", async () => {
+    const h = setup();
+    h.client.start();
+    await settle();
+    h.last().accept();
+    await h.clock.advance(9.9);
+    assert.equal(h.client.connectionState.state, "connecting");
+    assert.deepEqual(h.last().closeCalls, []);
+    await h.clock.advance(0.1);
+    assert.deepEqual(h.sockets[0].closeCalls, [null], "given up at 10 s, closed without a code");
+    assert.equal(h.waitingDelay(), 1);
+    await h.clock.advance(1);
+    assert.equal(h.sockets.length, 2);
+  });
+});
+
+describe("catching up", () => {
+  const presence = (user, status, lastSeen = "2026-11-21T11:59:00.000Z") => ({ user_id: user, status, last_seen: lastSeen });
+
+  test("after each (re)connect, watched users and joined conversations are asked again; the answers are fresh state", async () => {
+    const h = setup();
+    h.client.watch(["bob", "alice"]);
+    h.client.join("room");
+    h.client.start();
+    await settle();
+    let socket = h.last();
+    socket.open([presence("carol", "online")]);
+    await settle();
+    assert.deepEqual(socket.sent, [
+      '{"data":{"user_ids":["alice","bob"]},"id":"1.1","type":"subscribe"}',
+      '{"data":{"conversation_id":"room"},"id":"1.2","type":"subscribe"}',
+    ]);
+    assert.equal(h.client.connectionState.state, "connecting", "connected only once the catch-up is answered");
+    socket.deliver({ type: "initial_state", id: "1.1", data: { presences: [presence("alice", "online"), presence("bob", "away")] } });
+    socket.deliver({ type: "group_presence", id: "1.2", data: { conversation_id: "room", total: 3, online: 2, away: 1 } });
+    socket.deliver({ type: "initial_state", id: "1.2", data: { presences: [presence("alice", "online"), presence("carol", "online")] } });
+    socket.deliver({ type: "presence_update", data: presence("dave", "online") });
+    await settle();
+    assert.equal(h.client.connectionState.state, "connected");
+    assert.deepEqual(h.client.presences.map((p) => `${p.userId}:${p.status}`), ["alice:online", "bob:away", "carol:online", "dave:online"]);
+
+    h.events.length = 0;
+    socket.serverClose(1006);
+    await settle();
+    await h.clock.advance(h.waitingDelay());
+    socket = h.last();
+    assert.equal(h.sockets.length, 2);
+    socket.open([presence("carol", "online")]);
+    await settle();
+    assert.deepEqual(socket.frames.map((frame) => frame.data), [{ user_ids: ["alice", "bob"] }, { conversation_id: "room" }], "the same requests again");
+    const [users, room] = socket.frames.map((frame) => frame.id);
+    // bob is no longer visible: left out of the answer.
+    socket.deliver({ type: "initial_state", id: users, data: { presences: [presence("alice", "away")] } });
+    socket.deliver({ type: "group_presence", id: room, data: { conversation_id: "room", total: 3, online: 2, away: 1 } });
+    assert.equal(h.client.connectionState.state, "connecting");
+    socket.deliver({ type: "initial_state", id: room, data: { presences: [presence("alice", "away")] } });
+    await settle();
+    assert.deepEqual(h.events.map(({ type, detail }) => `${type}:${detail.userId ?? detail.state}${detail.status ? `:${detail.status}` : ""}`), [
+      "connection:waiting", "connection:connecting",
+      "presence:alice:away", "removed:bob",
+      // dave was heard of in the last session only; this one did not confirm him.
+      "removed:dave",
+      "connection:connected",
+    ], "unchanged presences (carol) and counts (room) cause no event");
+    assert.equal(h.client.presence("bob"), undefined);
+  });
+
+  test("a conversation the gateway refuses is dropped, with an error event", async () => {
+    const h = setup();
+    const socket = await h.connect();
+    h.client.join("secret");
+    const [frame] = socket.framesOf("subscribe");
+    socket.deliver({ type: "error", id: frame.id, data: { code: "forbidden", message: "you are not a member of this conversation" } });
+    await settle();
+    assert.deepEqual(h.client.joinedConversations, []);
+    assert.deepEqual(h.of("error"), [{ code: "forbidden", message: "you are not a member of this conversation" }]);
+  });
+
+  test("ids are checked before anything is sent", () => {
+    const h = setup();
+    assert.throws(() => h.client.watch(["no spaces"]), (error) => error instanceof PresenceClientError && error.code === "invalid_request");
+    assert.throws(() => h.client.join(""), PresenceClientError);
+    assert.throws(() => h.client.setStatus("busy"), PresenceClientError);
+    assert.deepEqual(h.client.watchedUsers, []);
+  });
+});
+
+describe("status", () => {
+  test("changes while disconnected: the latest opens the next session, and no status frame follows", async () => {
+    const h = setup();
+    h.client.start();
+    await settle();
+    h.last().fail();
+    await settle();
+    h.client.setStatus("away");
+    h.client.setStatus("offline");
+    h.client.setStatus("away");
+    await h.clock.advance(h.waitingDelay());
+    const socket = h.last();
+    assert.equal(new URL(socket.url).searchParams.get("status"), "away");
+    socket.open();
+    await settle();
+    assert.deepEqual(statusFrames(socket), []);
+    h.client.setStatus("online");
+    assert.deepEqual(statusFrames(socket), ["online"]);
+  });
+
+  test("changes while the session opens: only the latest is sent, once, after its initial_state", async () => {
+    const h = setup();
+    h.client.start();
+    await settle();
+    const socket = h.last();
+    socket.accept();
+    h.client.setStatus("offline");
+    h.client.setStatus("away");
+    assert.deepEqual(statusFrames(socket), []);
+    socket.deliver({ type: "initial_state", data: { presences: [] } });
+    assert.deepEqual(statusFrames(socket), ["away"]);
+    h.client.setStatus("away");
+    assert.deepEqual(statusFrames(socket), ["away"], "no change, no frame");
+  });
+
+  test("a refused status change is sent again after retryDelay", async () => {
+    const h = setup();
+    const socket = await h.connect();
+    h.client.setStatus("away");
+    const [frame] = socket.framesOf("status");
+    socket.deliver({ type: "error", id: frame.id, data: { code: "rate_limited", message: "too many status changes" } });
+    assert.deepEqual(h.of("error"), [{ code: "rate_limited", message: "too many status changes" }]);
+    await h.clock.advance(0.9);
+    assert.deepEqual(statusFrames(socket), ["away"]);
+    await h.clock.advance(0.1);
+    assert.deepEqual(statusFrames(socket), ["away", "away"]);
+  });
+});
+
+describe("typing", () => {
+  test("the debouncer: true at once and at most every 2 s, false after 3 s idle, on send and on leave", () => {
+    const debouncer = new TypingDebouncer();
+    const sent = [];
+    for (let step = 0; step < 50; step += 1) {
+      const send = debouncer.keystroke("room", START + step * 100, true);
+      if (send) sent.push([step * 100, send.isTyping]);
+    }
+    assert.deepEqual(sent, [[0, true], [2000, true], [4000, true]]);
+    assert.equal(debouncer.nextDeadline, START + 4900 + 3000);
+    assert.deepEqual(debouncer.expire(START + 7899), []);
+    assert.deepEqual(debouncer.expire(START + 7900), [{ conversationId: "room", isTyping: false }]);
+    assert.deepEqual(debouncer.expire(START + 9000), [], "one false only");
+    debouncer.keystroke("a", START, true);
+    assert.deepEqual(debouncer.stop("a"), { conversationId: "a", isTyping: false });
+    assert.equal(debouncer.stop("a"), null);
+    assert.equal(debouncer.keystroke("b", START, false), null, "nothing while the device cannot type");
+    assert.equal(debouncer.nextDeadline, null);
+  });
+
+  test("on the clock: true, no repeat within 2 s, a refresh at 2 s, false 3 s after the last keystroke", async () => {
+    const h = setup();
+    const socket = await h.connect();
+    h.client.userTyped("room");
+    await h.clock.advance(1);
+    h.client.userTyped("room");
+    assert.deepEqual(typingFrames(socket), [{ conversation_id: "room", is_typing: true }]);
+    await h.clock.advance(1);
+    h.client.userTyped("room");
+    assert.equal(typingFrames(socket).length, 2, "refreshed 2 s after the first");
+    await h.clock.advance(2.9);
+    assert.equal(typingFrames(socket).length, 2, "still typing 2.9 s after the last keystroke");
+    await h.clock.advance(0.1);
+    assert.deepEqual(typingFrames(socket).at(-1), { conversation_id: "room", is_typing: false });
+    assert.equal(typingFrames(socket).length, 3);
+  });
+
+  test("false at once on messageSent and on leave; nothing when not typing", async () => {
+    const h = setup();
+    const socket = await h.connect();
+    h.client.userTyped("room");
+    h.client.messageSent("room");
+    h.client.messageSent("room");
+    assert.deepEqual(typingFrames(socket).map((frame) => frame.is_typing), [true, false]);
+    h.client.join("room");
+    h.client.userTyped("room");
+    h.client.leave("room");
+    assert.deepEqual(socket.frames.slice(-2).map((frame) => [frame.type, frame.data]), [
+      ["typing", { conversation_id: "room", is_typing: false }],
+      ["unsubscribe", { conversation_id: "room" }],
+    ]);
+    await h.clock.advance(10);
+    assert.equal(typingFrames(socket).length, 4, "no late false after a stop");
+  });
+
+  test("nothing is sent while disconnected or appearing offline", async () => {
+    const h = setup();
+    h.client.userTyped("room");
+    const socket = await h.connect();
+    h.client.setStatus("offline");
+    h.client.userTyped("room");
+    await h.clock.advance(5);
+    assert.deepEqual(typingFrames(socket), []);
+    h.client.setStatus("online");
+    h.client.userTyped("room");
+    assert.equal(typingFrames(socket).length, 1);
+    // Appearing offline ends typing at once.
+    h.client.setStatus("offline");
+    assert.deepEqual(typingFrames(socket).at(-1), { conversation_id: "room", is_typing: false });
+  });
+
+  test("others' typing: shown until the stop or typingDisplayTimeout (8 s); hidden while this device appears offline", async () => {
+    const h = setup();
+    const socket = await h.connect();
+    const typing = (user, isTyping) => socket.deliver({ type: "typing_update", data: { user_id: user, conversation_id: "room", is_typing: isTyping } });
+    typing("alice", true);
+    assert.deepEqual(h.client.typingUsers("room"), ["alice"]);
+    await h.clock.advance(7.9);
+    assert.deepEqual(h.client.typingUsers("room"), ["alice"]);
+    await h.clock.advance(0.1);
+    assert.deepEqual(h.client.typingUsers("room"), [], "the stop was never heard: gone after 8 s");
+
+    typing("alice", true);
+    h.client.setStatus("offline");
+    assert.deepEqual(h.client.typingUsers("room"), []);
+    typing("bob", true);
+    assert.deepEqual(h.client.typingUsers("room"), []);
+    h.client.setStatus("online");
+    assert.deepEqual(h.client.typingUsers("room"), [], "those heard while offline are not shown afterwards");
+    typing("bob", true);
+    assert.deepEqual(h.client.typingUsers("room"), ["bob"]);
+    assert.deepEqual(h.of("typing").map((t) => `${t.userId}:${t.isTyping}`), ["alice:true", "alice:false", "alice:true", "alice:false", "bob:true"]);
+  });
+});
+
+describe("the page's life", () => {
+  test("hidden: away at once; visible: back to the chosen status; the session stays", async () => {
+    const h = setup();
+    const socket = await h.connect();
+    h.setHidden(true);
+    assert.equal(h.client.status, "away");
+    h.setHidden(false);
+    assert.deepEqual(statusFrames(socket), ["away", "online"]);
+    h.client.setStatus("offline");
+    h.setHidden(true);
+    h.setHidden(false);
+    assert.deepEqual(statusFrames(socket), ["away", "online", "offline"], "appearing offline stays offline when hidden");
+    assert.deepEqual(socket.closeCalls, []);
+  });
+
+  test("a page hidden at start opens its session away", async () => {
+    const h = setup();
+    h.document.visibilityState = "hidden";
+    h.client.start();
+    await settle();
+    assert.equal(new URL(h.last().url).searchParams.get("status"), "away");
+  });
+
+  test("background policy offline-after-N: away, then a 1000 close after N s hidden; visible reconnects", async () => {
+    const h = setup({ backgroundPolicy: { kind: "offline", afterSeconds: 30 } });
+    const socket = await h.connect();
+    h.setHidden(true);
+    assert.deepEqual(statusFrames(socket), ["away"]);
+    await h.clock.advance(29.9);
+    assert.deepEqual(socket.closeCalls, []);
+    await h.clock.advance(0.1);
+    assert.deepEqual(socket.closeCalls, [1000]);
+    assert.equal(h.client.connectionState.state, "idle");
+    await h.clock.advance(300);
+    assert.equal(h.sockets.length, 1, "no session while hidden");
+    h.setHidden(false);
+    await settle();
+    assert.equal(h.sockets.length, 2, "at once when visible");
+    assert.equal(new URL(h.last().url).searchParams.get("status"), "online");
+  });
+
+  test("background policy: visible again before N s keeps the session", async () => {
+    const h = setup({ backgroundPolicy: { kind: "offline", afterSeconds: 30 } });
+    const socket = await h.connect();
+    h.setHidden(true);
+    await h.clock.advance(20);
+    h.setHidden(false);
+    await h.clock.advance(60);
+    assert.deepEqual(socket.closeCalls, []);
+    assert.equal(h.client.connectionState.state, "connected");
+  });
+
+  test("pagehide: typing stops, close 1000 at once, no reconnect; a page restored from the cache reconnects", async () => {
+    const h = setup();
+    const socket = await h.connect();
+    h.client.userTyped("room");
+    h.window.dispatchEvent(new Event("pagehide"));
+    assert.deepEqual(socket.closeCalls, [1000]);
+    assert.deepEqual(typingFrames(socket).at(-1), { conversation_id: "room", is_typing: false });
+    assert.equal(h.client.connectionState.state, "idle");
+    await h.clock.advance(60);
+    assert.equal(h.sockets.length, 1);
+    h.window.dispatchEvent(Object.assign(new Event("pageshow"), { persisted: true }));
+    await settle();
+    assert.equal(h.sockets.length, 2);
+  });
+
+  test("offline ends the session without a close code (the device lingers); online reconnects at once", async () => {
+    const h = setup();
+    const socket = await h.connect();
+    h.window.dispatchEvent(new Event("offline"));
+    assert.deepEqual(socket.closeCalls, [null]);
+    await settle();
+    assert.equal(h.client.connectionState.state, "idle");
+    await h.clock.advance(60);
+    assert.equal(h.sockets.length, 1, "no attempt while offline");
+    h.window.dispatchEvent(new Event("online"));
+    await settle();
+    assert.equal(h.sockets.length, 2);
+  });
+
+  test("online cuts a backoff wait short", async () => {
+    const h = setup();
+    h.client.start();
+    await settle();
+    for (let attempt = 0; attempt < 3; attempt += 1) {
+      h.last().fail();
+      await settle();
+      if (attempt < 2) await h.clock.advance(h.waitingDelay());
+    }
+    assert.equal(h.waitingDelay(), 4);
+    h.window.dispatchEvent(new Event("online"));
+    await settle();
+    assert.equal(h.sockets.length, 4, "without the clock moving");
+  });
+});
+
+describe("stopping", () => {
+  test("signOut: typing stops, close 1000, stopped for good", async () => {
+    const h = setup();
+    const socket = await h.connect();
+    h.client.userTyped("room");
+    await h.client.signOut();
+    assert.deepEqual(socket.closeCalls, [1000]);
+    assert.deepEqual(typingFrames(socket).at(-1), { conversation_id: "room", is_typing: false });
+    assert.deepEqual(h.client.connectionState, { state: "stopped", reason: "signedOut" });
+    h.client.start();
+    await h.clock.advance(60);
+    assert.equal(h.sockets.length, 1);
+  });
+
+  test("signOut waits closeTimeout at most for the gateway's answer", async () => {
+    const h = setup();
+    await h.connect();
+    h.WebSocket.answersClose = false;
+    let done = false;
+    h.client.signOut().then(() => { done = true; });
+    await h.clock.advance(2.9);
+    assert.equal(done, false);
+    await h.clock.advance(0.1);
+    assert.equal(done, true);
+    assert.equal(h.client.connectionState.state, "stopped");
+  });
+
+  test("stop then start: idle, then a new session", async () => {
+    const h = setup();
+    await h.connect();
+    await h.client.stop();
+    assert.deepEqual(h.client.connectionState, { state: "idle" });
+    assert.deepEqual(h.sockets[0].closeCalls, [1000]);
+    h.client.start();
+    await settle();
+    assert.equal(h.sockets.length, 2);
+  });
+});
+
+describe("the device id", () => {
+  test(`made with crypto.randomUUID() and kept under ${DEVICE_ID_STORAGE_KEY}`, () => {
+    const storage = memoryStorage();
+    const first = setup({ deviceId: undefined, storage }).client.deviceId;
+    assert.match(first, /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/);
+    assert.equal(storage.map.get("presence.device_id"), first);
+    assert.equal(setup({ deviceId: undefined, storage }).client.deviceId, first, "the same on the next load");
+    const broken = memoryStorage({ [DEVICE_ID_STORAGE_KEY]: "not valid!" });
+    assert.notEqual(setup({ deviceId: undefined, storage: broken }).client.deviceId, "not valid!");
+    assert.throws(() => setup({ deviceId: "white space" }), PresenceClientError);
+  });
+
+  test("sent with every attempt", async () => {
+    const h = setup({ deviceId: undefined, storage: memoryStorage({ [DEVICE_ID_STORAGE_KEY]: "kept-id" }) });
+    h.client.start();
+    await settle();
+    assert.equal(new URL(h.last().url).searchParams.get("device_id"), "kept-id");
+  });
+});
+
+describe("PresenceText", () => {
+  const now = new Date(1_800_000_000_000);
+  const offline = (secondsAgo) => ({ userId: "a", status: "offline", lastSeen: secondsAgo === null ? null : new Date(now.getTime() - secondsAgo * 1000) });
+
+  test("status labels, as the Swift SDK's", () => {
+    assert.equal(PresenceText.status({ userId: "a", status: "online", lastSeen: now }, now), "Online");
+    assert.equal(PresenceText.status({ userId: "a", status: "away", lastSeen: now }, now), "Away");
+    assert.equal(PresenceText.status(undefined, now), "Offline");
+    assert.equal(PresenceText.status(offline(null), now), "Offline");
+    const cases = [
+      [0, "Last seen just now"], [59, "Last seen just now"], [60, "Last seen 1m ago"], [5 * 60 + 30, "Last seen 5m ago"],
+      [3 * 3600 + 1, "Last seen 3h ago"], [2 * 86_400, "Last seen 2d ago"], [30 * 86_400, "Last seen on 2026-12-16"], [-30, "Last seen just now"],
+    ];
+    for (const [ago, text] of cases) assert.equal(PresenceText.status(offline(ago), now), text, `${ago} s ago`);
+    assert.equal(PresenceText.lastSeen(now.getTime() - 7200_000, now.getTime()), "Last seen 2h ago", "milliseconds work too");
+  });
+
+  test("nextChange is exactly when the text changes", () => {
+    const seen = now.getTime() - 30_000;
+    const next = PresenceText.nextChange(seen, now);
+    assert.equal(next.getTime(), seen + 60_000);
+    assert.notEqual(PresenceText.lastSeen(seen, next.getTime() - 1), PresenceText.lastSeen(seen, next));
+    assert.equal(PresenceText.nextChange(seen, seen + 125_000).getTime(), seen + 180_000);
+    assert.equal(PresenceText.nextChange(seen, seen + (3 * 3600 + 10) * 1000).getTime(), seen + 4 * 3600_000);
+    assert.equal(PresenceText.nextChange(null, now), null);
+    assert.equal(PresenceText.nextChange(seen, seen + 8 * 86_400_000), null);
+  });
+
+  test("updatingStatus follows the clock", async () => {
+    const clock = new FakeClock(now.getTime());
+    const labels = [];
+    const stop = PresenceText.updatingStatus(offline(50), (label) => labels.push(label), { clock });
+    await clock.advance(10);
+    await clock.advance(60);
+    stop();
+    await clock.advance(600);
+    assert.deepEqual(labels, ["Last seen just now", "Last seen 1m ago", "Last seen 2m ago"]);
+  });
+
+  test("groups and typing", () => {
+    assert.equal(PresenceText.group({ conversationId: "c", total: 5, online: 3, away: 1 }), "3 of 5 online");
+    assert.equal(PresenceText.typing([]), "");
+    assert.equal(PresenceText.typing(["Alice"]), "Alice is typing…");
+    assert.equal(PresenceText.typing(["Alice", "Bob"]), "Alice and Bob are typing…");
+    assert.equal(PresenceText.typing(["Alice", "Bob", "Carol"]), "Alice, Bob and Carol are typing…");
+    assert.equal(PresenceText.typing(["Alice", "Bob", "Carol", "Dan", "Eve"]), "Alice, Bob and 3 others are typing…");
+  });
+});
+
+test("timestamps: ISO 8601 UTC, the fraction optional and cut at milliseconds", () => {
+  assert.equal(parseTimestamp("2026-11-21T12:00:00.123Z"), Date.UTC(2026, 10, 21, 12, 0, 0, 123));
+  assert.equal(parseTimestamp("2026-11-21T12:00:00Z"), Date.UTC(2026, 10, 21, 12));
+  assert.equal(parseTimestamp("2026-11-21T12:00:00.5Z"), Date.UTC(2026, 10, 21, 12, 0, 0, 500));
+  assert.equal(parseTimestamp("2026-11-21T12:00:00.123456789Z"), Date.UTC(2026, 10, 21, 12, 0, 0, 123));
+  for (const bad of ["2026-11-21 12:00:00Z", "2026-13-01T00:00:00Z", "2026-11-21T12:00:00", "2026-11-21T12:00:00.Z", "yesterday", null]) {
+    assert.equal(parseTimestamp(bad), null, String(bad));
+  }
+});
