@@ -20,7 +20,9 @@ build-tests: deps
 # beside them, the timing of the other tests (leases of 3 s) would not hold on 2 cores.
 HEAVY_TESTS = GatewayFaultTests
 # A test run that fails prints its failures again at its end (scripts/test-run).
-# Then the soak (60 s), schemathesis on the REST routes and a bounded run of each libFuzzer target.
+# Then the browser client's logic under Node's test runner, the browser end-to-end test in headless
+# Chromium (two nodes, two pages and the dashboard; alone, as its bounds are in seconds), the soak
+# (60 s), schemathesis on the REST routes and a bounded run of each libFuzzer target.
 # Both searches run with fixed seeds (printed), so that every run tries the same inputs: a red
 # `make test` means the code changed, not that a random search got lucky. Random, longer
 # campaigns are `make fuzz` and `make api-fuzz`.
@@ -28,6 +30,8 @@ TEST_SEED = 20261124
 test: build-tests check-deploy fuzz-build
 	scripts/with-redis sh -c 'scripts/test-run light timeout --kill-after=10 900 $(SWIFT) test --skip-build $(BUILD_FLAGS) --skip "$(HEAVY_TESTS)" \
 	  && scripts/test-run heavy timeout --kill-after=10 900 $(SWIFT) test --skip-build --no-parallel $(BUILD_FLAGS) --filter "$(HEAVY_TESTS)" \
+	  && scripts/test-run web timeout --kill-after=10 120 node --test Tests/Web/ \
+	  && scripts/test-run browser timeout --kill-after=10 300 Tests/Browser/e2e.py \
 	  && timeout --kill-after=10 300 .build/debug/presence-bench soak --duration 60 --seed $(TEST_SEED)'
 	API_FUZZ_SEED=$(TEST_SEED) timeout --kill-after=10 300 scripts/api-fuzz
 	timeout --kill-after=10 300 scripts/fuzz --runs 30000 --seed $(TEST_SEED) resp
