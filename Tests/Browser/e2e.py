@@ -171,6 +171,18 @@ def peer_events(driver, user, since_ms=0):
     return [entry for entry in log_of(driver) if entry["type"] == "presence" and entry["detail"]["userId"] == user and entry["at"] >= since_ms]
 
 
+def json_values(text):
+    """The JSON values written one after another (presencectl prints each event pretty-printed)."""
+    decoder, values, position = json.JSONDecoder(), [], 0
+    while True:
+        while position < len(text) and text[position].isspace():
+            position += 1
+        if position >= len(text):
+            return values
+        value, position = decoder.raw_decode(text, position)
+        values.append(value)
+
+
 def presencectl(arguments, redis_url, prefix):
     binary = os.path.join(ROOT, ".build/debug/presencectl")
     output = subprocess.run([binary, *arguments, "--json", "--redis-url", redis_url, "--key-prefix", prefix], check=True, capture_output=True, text=True, timeout=30)
@@ -246,11 +258,18 @@ def main():
         board.find_element("id", "token-input").send_keys(ADMIN)
         board.find_element("css selector", "#token-form button[type=submit], #token-form button").click()
         wait_until(lambda: board.find_element("id", "feed-state").text.startswith("live"), 10, "the dashboard's feed is live")
+        watch = subprocess.Popen([os.path.join(ROOT, ".build/debug/presencectl"), "watch", "--json", "--user", "alice", "--redis-url", redis_url,
+                                  "--key-prefix", prefix], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        time.sleep(1)  # subscribed
         started = time.time() * 1000
         alice.minimize_window()
         wait_until(lambda: any(e["detail"]["status"] == "away" for e in peer_events(bob, "alice", started)), 3, "Bob sees Alice away again")
         wait_until(lambda: "away" in " ".join(li.text for li in board.find_elements("css selector", "#events li[data-user-id=alice]")), 5, "the dashboard's event tail has Alice away")
-        check(True, "the dashboard's event tail shows Alice going away")
+        watch.terminate()
+        watched = [event for event in json_values(watch.communicate(timeout=5)[0]) if event.get("type") == "presence"]
+        newest = board.find_elements("css selector", "#events li[data-user-id=alice]")[0].text
+        check(watched and watched[-1]["status"] == "away" and "away" in newest and watched[-1]["at"][11:23] in newest,
+              f"the dashboard's newest event for Alice ({newest!r}) is presencectl watch's ({watched[-1] if watched else None})")
         time.sleep(2.5)  # the next overview
         online_now = presencectl(["online"], redis_url, prefix)
         nodes_now = [n for n in presencectl(["nodes"], redis_url, prefix) if n["state"] == "live"]
