@@ -4,46 +4,11 @@ import assert from "node:assert/strict";
 import { readFileSync } from "node:fs";
 import { test } from "node:test";
 
+import { FakeClock, settle } from "./fake-clock.mjs";
+
 import { PresenceClient, PresenceText, formatTimestamp, parseTimestamp } from "../../Sources/PresenceGateway/Web/presence.js";
 
 const fixture = JSON.parse(readFileSync(new URL("../Fixtures/parity.json", import.meta.url), "utf8"));
-
-const settle = () => new Promise((resolve) => setImmediate(resolve));
-
-/** A clock that moves only when told to. */
-class FakeClock {
-  constructor(start) {
-    this.time = start;
-    this.timers = new Map();
-    this.nextId = 1;
-  }
-
-  now() { return this.time; }
-
-  setTimeout(callback, milliseconds) {
-    const id = this.nextId++;
-    this.timers.set(id, { id, at: this.time + Math.max(0, milliseconds), callback });
-    return id;
-  }
-
-  clearTimeout(id) { this.timers.delete(id); }
-
-  async advance(seconds) {
-    const end = this.time + seconds * 1000;
-    for (let fired = 0; ; fired += 1) {
-      // A timer that keeps re-arming at a moment already past is a bug: fail, do not hang.
-      assert.ok(fired < 10_000, "timers keep firing without time moving");
-      const due = [...this.timers.values()].filter((timer) => timer.at <= end).sort((a, b) => a.at - b.at || a.id - b.id)[0];
-      if (!due) break;
-      this.timers.delete(due.id);
-      this.time = Math.max(this.time, due.at);
-      due.callback();
-      await settle();
-    }
-    this.time = end;
-    await settle();
-  }
-}
 
 /** The gateway's end of one session: open at once, frames delivered as given. */
 class FakeSocket extends EventTarget {
