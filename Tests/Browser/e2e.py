@@ -10,7 +10,7 @@ shows the dashboard. Checked, each with the time it took:
   1. Bob sees Alice online within 1 s of her page loading;
   2. Alice's window minimized (the page is hidden) -> Bob sees away; shown again -> online;
   3. typing in Alice's box -> Bob shows "alice is typing…", gone about 3 s after the last key;
-  4. the dashboard's counts, nodes and event tail match presencectl's;
+  4. the dashboard's counts, nodes, users, event tail and user lookup match presencectl's;
   5. node A killed -> Alice's page reconnects to node B and Bob never sees her offline, past the
      lease and a reaper pass;
   6. Alice's tab closed -> Bob sees offline at once.
@@ -280,7 +280,13 @@ def main():
         check(shown_nodes == sorted(n["node_id"] for n in nodes_now), f"the dashboard lists nodes {shown_nodes}")
         shown_users = sorted(row.get_attribute("data-user-id") for row in board.find_elements("css selector", "#users tr[data-user-id]"))
         check(shown_users == sorted(u["user_id"] for u in online_now["users"]), f"the dashboard lists users {shown_users} as presencectl does")
-        screenshot(board, arguments.screenshots, "dashboard", ["count-online", "nodes", "users", "events", "chart"])
+        board.find_element("id", "lookup-user").send_keys("alice")
+        board.find_element("css selector", "#lookup-form button").click()
+        device = wait_until(lambda: board.find_elements("css selector", "#lookup-result tr[data-device-id]"), 5, "the lookup shows Alice's device")[0]
+        detail = presencectl(["user", "alice"], redis_url, prefix)
+        check(device.get_attribute("data-device-id") == detail["devices"][0]["device_id"] and detail["devices"][0]["node"] in device.text
+              and detail["devices"][0]["status"] in device.text, f"the lookup's device row ({device.text!r}) is presencectl user's")
+        screenshot(board, arguments.screenshots, "dashboard", ["count-online", "nodes", "users", "events", "chart", "lookup-result"])
         alice.maximize_window()
         wait_until(lambda: bob.find_element("id", "peer-status").text == "Online", 3, "Alice online again")
 
