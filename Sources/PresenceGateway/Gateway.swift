@@ -52,10 +52,7 @@ public final class Gateway: Sendable {
         authenticator = try await Authenticator(configuration: configuration)
         restLimiter = RateLimiter(rate: configuration.statusRate)
         typingLimiter = RateLimiter(rate: configuration.typingRate)
-        services = [
-            redis, subscriber, hub, PresenceLeaseService(engine: engine), PresenceReaperService(engine: engine),
-            MemoryTrimService(logger: logger),
-        ]
+        services = [redis, subscriber, hub, PresenceLeaseService(engine: engine), PresenceReaperService(engine: engine)]
         GatewayMetrics.bootstrap()
     }
 
@@ -87,10 +84,11 @@ public struct GatewayNode: Sendable {
     /// Closes every session with 1001 when a graceful shutdown starts, before the server stops.
     public var drainer: any Service
 
-    /// Runs both until SIGTERM or SIGINT, draining sessions first.
+    /// Runs both until SIGTERM or SIGINT, draining sessions first, with the process's heap trim
+    /// beside them (a process-wide concern: nodes built in a test process leave it out).
     public func run() async throws {
         let group = ServiceGroup(configuration: .init(
-            services: [application, drainer],
+            services: [application, drainer, MemoryTrimService(logger: application.logger)],
             gracefulShutdownSignals: [.sigterm, .sigint],
             logger: application.logger
         ))

@@ -1,4 +1,5 @@
 import Foundation
+import NIOConcurrencyHelpers
 #if canImport(FoundationNetworking)
 import FoundationNetworking
 #endif
@@ -136,9 +137,11 @@ struct DashboardTests {
         try await withNodes(1) { ports in
             let port = ports[0]
             let alice = try await token("alice")
-            // Changes made while the feed is being read.
+            // Changes made while the feed is being read, after its first overview (from which on it
+            // carries every change).
+            let listening = NIOLockedValueBox(false)
             let changes = Task {
-                try await Task.sleep(for: .milliseconds(500))
+                for _ in 0..<500 where !listening.withLockedValue({ $0 }) { try await Task.sleep(for: .milliseconds(10)) }
                 _ = try await call(port, "POST", "/api/presence/status", token: alice, body: #"{"status":"online","device_id":"web"}"#)
                 try await Task.sleep(for: .milliseconds(300))
                 _ = try await call(port, "POST", "/api/presence/status", token: alice, body: #"{"status":"away","device_id":"web"}"#)
@@ -146,7 +149,8 @@ struct DashboardTests {
             defer { changes.cancel() }
             let text = try await Task.detached {
                 try Self.readEvents(port: port, token: adminToken, timeout: .seconds(10)) { text in
-                    text.components(separatedBy: "event: overview\n").count > 2 && text.contains(#""status":"away""#)
+                    if text.contains("event: overview") { listening.withLockedValue { $0 = true } }
+                    return text.components(separatedBy: "event: overview\n").count > 2 && text.contains(#""status":"away""#)
                 }
             }.value
             #expect(text.hasPrefix("HTTP/1.1 200"), "\(text.prefix(200))")

@@ -84,10 +84,13 @@ extension Gateway {
         let redisConfiguration = feedConfiguration
         let engine = engine
         let logger = logger
+        // The first overview waits for the subscription: every change after it is in the stream.
+        let (subscribed, subscribedSink) = AsyncStream.makeStream(of: Void.self)
         try await withThrowingTaskGroup(of: Void.self) { tasks in
             tasks.addTask {
                 try await RedisSubscriber.withSubscriber(configuration: redisConfiguration, logger: logger) { subscriber in
                     try await subscriber.subscribe(pattern: engine.keys.allUserChannelsPattern)
+                    subscribedSink.finish()
                     for await event in subscriber.events {
                         guard case .message(let channel, let payload) = event, let change = engine.decodeEvent(payload),
                               change.changed || change.shownChanged
@@ -98,6 +101,7 @@ extension Gateway {
                 }
             }
             tasks.addTask {
+                for await _ in subscribed {}
                 while !Task.isCancelled {
                     sink.yield(.overview)
                     try await Task.sleep(for: AdminFeed.overviewInterval)
