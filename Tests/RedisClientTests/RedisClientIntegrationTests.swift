@@ -126,16 +126,16 @@ struct RedisClientIntegrationTests {
     @Test("AUTH with requirepass, with an ACL user, and a clear error for a wrong password")
     func authentication() async throws {
         let server = try RedisServerProcess(arguments: ["--requirepass", "right-password", "--user", "app", "on", ">app-secret", "~*", "&*", "+@all"])
-        try await RedisClient.withClient(configuration: RedisConfiguration(url: server.url(credentials: ":right-password", database: 2)), logger: logger) { client in
+        try await RedisClient.withClient(configuration: patient(server.url(credentials: ":right-password", database: 2)), logger: logger) { client in
             #expect(try await client.send("PING") == .simpleString("PONG"))
             try await client.send("SET", "in-db-2", "1")
         }
-        try await RedisClient.withClient(configuration: RedisConfiguration(url: server.url(credentials: "app:app-secret", database: 2)), logger: logger) { client in
+        try await RedisClient.withClient(configuration: patient(server.url(credentials: "app:app-secret", database: 2)), logger: logger) { client in
             let value = try await client.send("GET", "in-db-2")
             #expect(value.string == "1")
         }
         do {
-            _ = try await RedisClient.withClient(configuration: RedisConfiguration(url: server.url(credentials: ":wrong")), logger: logger) { _ in }
+            _ = try await RedisClient.withClient(configuration: patient(server.url(credentials: ":wrong")), logger: logger) { _ in }
             Issue.record("a wrong password must not connect")
         } catch let error as RedisError {
             #expect(error.code == .authentication)
@@ -143,7 +143,7 @@ struct RedisClientIntegrationTests {
             #expect(!error.description.contains("wrong"), "the message must not echo the password")
         }
         do {
-            _ = try await RedisClient.withClient(configuration: RedisConfiguration(url: server.url()), logger: logger) { client in
+            _ = try await RedisClient.withClient(configuration: patient(server.url()), logger: logger) { client in
                 try await client.send("PING")
             }
             Issue.record("no password must not be allowed to run commands")
@@ -176,7 +176,7 @@ struct RedisTLSTests {
         let server = try RedisServerProcess(arguments: certificates.redisArguments(tlsPort: tlsPort, clientCertificates: true))
         let files = "ca=\(certificates.caFile)&cert=\(certificates.clientCertificateFile)&key=\(certificates.clientKeyFile)"
         for host in ["127.0.0.1", "localhost"] {
-            let configuration = try RedisConfiguration(url: "rediss://\(host):\(tlsPort)/0?\(files)")
+            let configuration = try patient("rediss://\(host):\(tlsPort)/0?\(files)")
             try await RedisClient.withClient(configuration: configuration, logger: logger) { client in
                 try await client.send("SET", "over-tls", RedisArgument(host))
                 #expect(try await client.send("GET", "over-tls").string == host)
@@ -243,4 +243,13 @@ struct RedisTLSTests {
             #expect(error.code == .unavailable && error.description.contains("TLS"), "\(error)")
         }
     }
+}
+
+/// A configuration that waits 5 s for its connection rather than 500 ms: these tests check
+/// authentication and TLS, not how fast a fresh redis-server answers beside the parallel suites
+/// (in fresh-clone CI runs the 500 ms ran out there: "unreachable").
+func patient(_ url: String) throws -> RedisConfiguration {
+    var configuration = try RedisConfiguration(url: url)
+    configuration.waitForConnection = .seconds(5)
+    return configuration
 }
