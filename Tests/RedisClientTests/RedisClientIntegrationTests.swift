@@ -189,12 +189,12 @@ struct RedisTLSTests {
             }
         }
         // The plain port holds what the TLS connections wrote: they reached this server.
-        try await RedisClient.withClient(configuration: RedisConfiguration(url: server.url()), logger: logger) { client in
+        try await RedisClient.withClient(configuration: patient(server.url()), logger: logger) { client in
             let written = try await client.send("GET", "over-tls")
             #expect(written.string == "localhost")
         }
 
-        let configuration = try RedisConfiguration(url: "rediss://127.0.0.1:\(tlsPort)/0?\(files)")
+        let configuration = try patient("rediss://127.0.0.1:\(tlsPort)/0?\(files)")
         try await RedisSubscriber.withSubscriber(configuration: configuration, logger: logger) { subscriber in
             try await subscriber.subscribe(["tls-channel"])
             try await RedisClient.withClient(configuration: configuration, logger: logger) { client in
