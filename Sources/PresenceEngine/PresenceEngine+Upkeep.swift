@@ -143,6 +143,8 @@ extension PresenceEngine {
         public var restored = 0
         /// Devices another session holds now; their sessions here are let go.
         public var takenOver = 0
+        /// Devices whose status Redis had lost (an older one stood there); written again.
+        public var restatused = 0
     }
 
     /// Compares what Redis holds with the devices this node's sessions hold: a device lost
@@ -169,10 +171,13 @@ extension PresenceEngine {
         }
         var report = AuditReport()
         var lost: [String] = []
+        var stale: [(member: String, session: String)] = []
         let node = configuration.nodeID
         for start in stride(from: 0, to: devices.count, by: Self.auditBatch) {
             let slice = devices[start..<min(start + Self.auditBatch, devices.count)]
-            let findings = try await evaluate(AuditDevices(node: node, devices: slice.map { AuditDevices.Device(user: $0.value.user, device: $0.value.device, session: $0.value.session) }))
+            let findings = try await evaluate(AuditDevices(node: node, devices: slice.map {
+                AuditDevices.Device(user: $0.value.user, device: $0.value.device, session: $0.value.session, status: $0.value.status)
+            }))
             report.checked += slice.count
             for ((member, device), finding) in zip(slice, findings) {
                 switch finding {
@@ -180,9 +185,19 @@ extension PresenceEngine {
                 case .heldByAnother:
                     report.takenOver += 1
                     await takenOver(member, session: device.session)
+                case .staleStatus:
+                    stale.append((member, device.session))
                 case .held: break
                 }
             }
+        }
+        if !stale.isEmpty {
+            logger.warning("Redis had lost status changes of this node's sessions; writing them again", metadata: ["presence.node_id": "\(node)", "presence.devices": "\(stale.count)"])
+            local.withLockedValue { local in
+                for (member, session) in stale where local[member]?.session == session { local[member]?.statusOwed = true }
+            }
+            report.restatused = stale.count
+            await retryOwedStatuses()
         }
         if !lost.isEmpty {
             logger.warning("Redis had lost devices this node's sessions hold; writing them again", metadata: ["presence.node_id": "\(node)", "presence.devices": "\(lost.count)"])

@@ -388,6 +388,26 @@ struct PresenceEngineTests {
         }
     }
 
+    @Test("the audit writes again a status Redis lost: a failover to a replica that missed the change leaves the older status standing")
+    func auditStaleStatus() async throws {
+        try await EngineCluster.with { cluster in
+            let node = cluster.engine(node: "n1")
+            try await node.registerNode()
+            _ = try await node.connect(user: "u1", device: "phone", session: "s1")
+            let keys = cluster.prefixKeys
+            let online = try #require(try await cluster.redis.send("HGET", RedisArgument(keys.devices("u1")), "phone").string)
+            _ = try await node.setStatus(user: "u1", device: "phone", session: "s1", status: .away)
+            #expect(try await node.views(of: "u1").real.status == .away)
+            // The replica promoted had the record from before the change.
+            try await cluster.redis.send("HSET", RedisArgument(keys.devices("u1")), "phone", RedisArgument(online))
+            try await cluster.redis.send("HSET", RedisArgument(keys.state("u1")), "status", "online")
+            #expect(try await node.views(of: "u1").real.status == .online, "the loss is real")
+            #expect(try await node.audit() == PresenceEngine.AuditReport(checked: 1, restored: 0, takenOver: 0, restatused: 1))
+            #expect(try await node.views(of: "u1").real.status == .away, "the session's status stands again")
+            #expect(try await node.audit() == PresenceEngine.AuditReport(checked: 1, restored: 0, takenOver: 0, restatused: 0), "healed")
+        }
+    }
+
     @Test("the scheduled audit checks 500 devices at a time, in turn, so its cost does not grow with the node's devices")
     func auditInTurn() async throws {
         try await EngineCluster.with { cluster in

@@ -102,6 +102,8 @@ struct AuditDevices: ScriptCall {
         var device: String
         /// The session holding it here.
         var session: String
+        /// The status this node's session set.
+        var status: PresenceStatus
     }
 
     enum Finding: Equatable {
@@ -113,6 +115,9 @@ struct AuditDevices: ScriptCall {
         case unindexed
         /// Another session holds it now.
         case heldByAnother
+        /// Held, with a status other than the session's: a status write Redis acknowledged and
+        /// then lost in a failover.
+        case staleStatus
     }
 
     var node: String
@@ -123,7 +128,9 @@ struct AuditDevices: ScriptCall {
     }
 
     func arguments(_ context: ScriptContext) -> [RedisArgument] {
-        devices.flatMap { [RedisArgument(context.keys.deviceMember(user: $0.user, device: $0.device)), RedisArgument($0.device), RedisArgument($0.session)] }
+        devices.flatMap {
+            [RedisArgument(context.keys.deviceMember(user: $0.user, device: $0.device)), RedisArgument($0.device), RedisArgument($0.session), RedisArgument($0.status.rawValue)]
+        }
     }
 
     /// One finding per device, in order.
@@ -135,6 +142,7 @@ struct AuditDevices: ScriptCall {
             case 1: .lost
             case 2: .unindexed
             case 3: .heldByAnother
+            case 4: .staleStatus
             default: .held
             }
         }
@@ -143,20 +151,22 @@ struct AuditDevices: ScriptCall {
     static let script = RedisScript(ScriptLua.devices + """
     local codes = {}
     for i = 2, #KEYS do
-      local base = (i - 2) * 3
-      local member, device, session = ARGV[base + 1], ARGV[base + 2], ARGV[base + 3]
+      local base = (i - 2) * 4
+      local member, device, session, status = ARGV[base + 1], ARGV[base + 2], ARGV[base + 3], ARGV[base + 4]
       local raw = redis.call('HGET', KEYS[i], device)
       local code = 0
       if not raw then
         code = 1
       else
-        local held = parse(raw).session
-        if held == '' then
+        local held = parse(raw)
+        if held.session == '' then
           code = 1
-        elseif held ~= session then
+        elseif held.session ~= session then
           code = 3
         elseif redis.call('SISMEMBER', KEYS[1], member) == 0 then
           code = 2
+        elseif held.status ~= status then
+          code = 4
         end
       end
       codes[#codes + 1] = code
@@ -184,6 +194,9 @@ struct RemoveDevice: ScriptCall {
         case live(deadline: Int64?)
         /// Another session holds it now.
         case heldByAnother
+        /// Held, with a status other than the session's: a status write Redis acknowledged and
+        /// then lost in a failover.
+        case staleStatus
     }
 
     var user: String
