@@ -56,7 +56,7 @@ public final class RedisClient: Service, Sendable {
         _ body: (RedisClient) async throws -> Result
     ) async throws -> Result {
         let client = RedisClient(configuration: configuration, eventLoopGroup: eventLoopGroup, logger: logger)
-        let first = try await RedisConnection.connect(configuration: configuration, eventLoopGroup: eventLoopGroup, logger: logger)
+        let first = try await RedisSentinel.connect(configuration: configuration, eventLoopGroup: eventLoopGroup, logger: logger)
         return try await withThrowingTaskGroup(of: Void.self) { group in
             group.addTask { try await client.run(startingWith: first) }
             defer {
@@ -105,16 +105,16 @@ public final class RedisClient: Service, Sendable {
                         connection = first
                         pendingFirst = nil
                     } else {
-                        connection = try await RedisConnection.connect(configuration: configuration, eventLoopGroup: eventLoopGroup, logger: logger)
+                        connection = try await RedisSentinel.connect(configuration: configuration, eventLoopGroup: eventLoopGroup, logger: logger)
                     }
                     attempt = 0
                     let event = RedisConnectionEvent.connected(reconnect: everConnected)
                     everConnected = true
                     install(connection)
-                    logger.info("connected to Redis", metadata: ["redis.url": "\(configuration.redactedURL)"])
+                    logger.info("connected to Redis", metadata: ["redis.url": "\(configuration.redactedURL)", "redis.server": "\(connection.address)"])
                     notify(event)
                     await withTaskCancellationHandler {
-                        await connection.closed()
+                        await RedisSentinel.hold(connection, configuration: configuration, eventLoopGroup: eventLoopGroup, logger: logger)
                     } onCancel: {
                         Task { await connection.close() }
                     }
@@ -209,7 +209,7 @@ public final class RedisClient: Service, Sendable {
                 let (waiter, cause) = self.state.withLockedValue { ($0.waiters.removeValue(forKey: id), $0.lastError) }
                 waiter?.resume(throwing: RedisError(
                     .unavailable,
-                    "Redis at \(self.configuration.host):\(self.configuration.port) is unreachable",
+                    "Redis at \(self.configuration.redactedURL) is unreachable",
                     underlying: cause
                 ))
             }

@@ -1,6 +1,31 @@
-/// Where and how to reach Redis, parsed from a `redis://[user:password@]host:port/db` URL, or a
-/// `rediss://` one for TLS.
+/// Where and how to reach Redis, parsed from a `redis://[user:password@]host:port/db` URL, a
+/// `rediss://` one for TLS, a `redis+sentinel://` one (the primary a set of Sentinels names) or a
+/// `redis+cluster://` one (a Redis Cluster's seed nodes).
 public struct RedisConfiguration: Sendable, Equatable {
+    /// A host and port.
+    public struct Address: Sendable, Hashable, CustomStringConvertible {
+        public var host: String
+        public var port: Int
+
+        public init(host: String, port: Int) {
+            self.host = host
+            self.port = port
+        }
+
+        public var description: String { host.contains(":") ? "[\(host)]:\(port)" : "\(host):\(port)" }
+    }
+
+    /// How the Redis deployment is found.
+    public enum Topology: Sendable, Equatable {
+        /// One server at `host:port`.
+        case standalone
+        /// The primary named `primaryName` by these Sentinels, asked again at every connect.
+        case sentinel(sentinels: [Address], primaryName: String)
+        /// A Redis Cluster, discovered from these seed nodes.
+        case cluster(seeds: [Address])
+    }
+
+
     /// TLS settings of a `rediss://` connection. Files are PEM and read at each connect, so a
     /// rotated certificate is picked up by the next reconnect.
     public struct TLS: Sendable, Equatable {
@@ -49,6 +74,9 @@ public struct RedisConfiguration: Sendable, Equatable {
     /// TLS for the connection (`rediss://`); plain TCP when nil. The server's certificate is
     /// always verified, against the URL's host name or IP address.
     public var tls: TLS?
+    /// Standalone, Sentinel or Cluster. For the latter two `host` and `port` are the first
+    /// Sentinel or seed of the URL, and a connection's own configuration holds the node it reached.
+    public var topology: Topology = .standalone
 
     /// A configuration for `host:port` with defaults for everything else.
     public init(
@@ -85,8 +113,12 @@ public struct RedisConfiguration: Sendable, Equatable {
     /// password may be given alone (`:pw@`).
     ///
     /// `rediss://` connects over TLS; its query names PEM files: `ca` the certificates to trust
-    /// (the system's when absent), `cert` and `key` a client certificate. User and password may
-    /// be percent-encoded. Throws ``RedisError/Code/invalidURL`` with the reason, never echoing
+    /// (the system's when absent), `cert` and `key` a client certificate.
+    /// `redis+sentinel://[user:password@]host[:port][,host[:port]...]/primary-name[/db]` asks the
+    /// Sentinels (port 26379 unless given) for the primary; the credentials are the primary's,
+    /// Sentinels are asked without them. `redis+cluster://[user:password@]host[:port][,...]`
+    /// names a Redis Cluster's seed nodes (database 0 only). User and password may be
+    /// percent-encoded. Throws ``RedisError/Code/invalidURL`` with the reason, never echoing
     /// the password.
     public init(url: String) throws(RedisError) {
         self.init()
@@ -95,14 +127,17 @@ public struct RedisConfiguration: Sendable, Equatable {
             throw RedisError(.invalidURL, "a Redis URL starts with redis:// or rediss://, as in redis://127.0.0.1:6379/0")
         }
         let scheme = parts[0].lowercased()
-        guard scheme == "redis" || scheme == "rediss" else {
-            throw RedisError(.invalidURL, "unsupported scheme '\(scheme)'; use redis:// or rediss:// (TLS)")
+        guard ["redis", "rediss", "redis+sentinel", "redis+cluster"].contains(scheme) else {
+            throw RedisError(.invalidURL, "unsupported scheme '\(scheme)'; use redis://, rediss:// (TLS), redis+sentinel:// or redis+cluster://")
         }
         var rest = parts[1]
         var query: Substring = ""
         if let mark = rest.firstIndex(of: "?") {
             query = rest[rest.index(after: mark)...]
             rest = rest[..<mark]
+        }
+        if scheme.hasPrefix("redis+"), !query.isEmpty {
+            throw RedisError(.invalidURL, "\(scheme):// takes no URL parameters (TLS to Sentinel or Cluster nodes is not supported)")
         }
         tls = try Self.tls(scheme: scheme, query: query)
         if let at = rest.lastIndex(of: "@") {
@@ -117,6 +152,10 @@ public struct RedisConfiguration: Sendable, Equatable {
                 password = try Self.percentDecoded(String(credentials))
             }
         }
+        if scheme == "redis+sentinel" || scheme == "redis+cluster" {
+            try parseNodeList(rest, sentinel: scheme == "redis+sentinel")
+            return
+        }
         var hostPort = rest
         if let slash = rest.firstIndex(of: "/") {
             hostPort = rest[..<slash]
@@ -128,17 +167,56 @@ public struct RedisConfiguration: Sendable, Equatable {
                 database = db
             }
         }
-        if hostPort.hasPrefix("["), let close = hostPort.firstIndex(of: "]") {
-            host = String(hostPort[hostPort.index(after: hostPort.startIndex)..<close])
-            hostPort = hostPort[hostPort.index(after: close)...]
-            if hostPort.hasPrefix(":") { try parsePort(hostPort.dropFirst()) }
-        } else if let colon = hostPort.lastIndex(of: ":") {
-            host = String(hostPort[..<colon])
-            try parsePort(hostPort[hostPort.index(after: colon)...])
-        } else {
-            host = String(hostPort)
+        let address = try Self.address(hostPort, defaultPort: 6379)
+        host = address.host
+        port = address.port
+    }
+
+    /// `host:port,host:port[/name[/db]]` of a Sentinel or Cluster URL.
+    private mutating func parseNodeList(_ text: Substring, sentinel: Bool) throws(RedisError) {
+        let pieces = text.split(separator: "/", omittingEmptySubsequences: false)
+        var addresses: [Address] = []
+        for node in pieces[0].split(separator: ",", omittingEmptySubsequences: false) {
+            addresses.append(try Self.address(node, defaultPort: sentinel ? 26379 : 6379))
         }
-        guard !host.isEmpty else { throw RedisError(.invalidURL, "the Redis URL has no host") }
+        let path = pieces.dropFirst().filter { !$0.isEmpty }
+        if sentinel {
+            guard let name = path.first else {
+                throw RedisError(.invalidURL, "a Sentinel URL names the primary after the nodes, as in redis+sentinel://127.0.0.1:26379/mymaster/0")
+            }
+            guard path.count <= 2 else { throw RedisError(.invalidURL, "a Sentinel URL's path is /primary-name[/db]") }
+            if path.count == 2 {
+                guard let db = Int(path[path.startIndex + 1]), db >= 0 else {
+                    throw RedisError(.invalidURL, "database '\(path[path.startIndex + 1])' is not a non-negative number")
+                }
+                database = db
+            }
+            topology = .sentinel(sentinels: addresses, primaryName: try Self.percentDecoded(String(name)))
+        } else {
+            guard path.isEmpty || path == ["0"] else {
+                throw RedisError(.invalidURL, "a Redis Cluster has database 0 only; its URL has no path other than /0")
+            }
+            topology = .cluster(seeds: addresses)
+        }
+        host = addresses[0].host
+        port = addresses[0].port
+    }
+
+    private static func address(_ text: Substring, defaultPort: Int) throws(RedisError) -> Address {
+        var hostPort = text
+        var address = Address(host: "", port: defaultPort)
+        if hostPort.hasPrefix("["), let close = hostPort.firstIndex(of: "]") {
+            address.host = String(hostPort[hostPort.index(after: hostPort.startIndex)..<close])
+            hostPort = hostPort[hostPort.index(after: close)...]
+            if hostPort.hasPrefix(":") { address.port = try port(hostPort.dropFirst()) }
+        } else if let colon = hostPort.lastIndex(of: ":") {
+            address.host = String(hostPort[..<colon])
+            address.port = try port(hostPort[hostPort.index(after: colon)...])
+        } else {
+            address.host = String(hostPort)
+        }
+        guard !address.host.isEmpty else { throw RedisError(.invalidURL, "the Redis URL has no host") }
+        return address
     }
 
     private static func tls(scheme: String, query: Substring) throws(RedisError) -> TLS? {
@@ -169,11 +247,11 @@ public struct RedisConfiguration: Sendable, Equatable {
         return tls
     }
 
-    private mutating func parsePort(_ text: Substring) throws(RedisError) {
+    private static func port(_ text: Substring) throws(RedisError) -> Int {
         guard let value = Int(text), (1...65535).contains(value) else {
             throw RedisError(.invalidURL, "port '\(text)' is not between 1 and 65535")
         }
-        port = value
+        return value
     }
 
     private static func percentDecoded(_ text: String) throws(RedisError) -> String {
@@ -196,7 +274,22 @@ public struct RedisConfiguration: Sendable, Equatable {
         if username != nil || password != nil {
             credentials = (username ?? "") + (password != nil ? ":***" : "") + "@"
         }
-        let hostText = host.contains(":") ? "[\(host)]" : host
-        return "\(tls == nil ? "redis" : "rediss")://\(credentials)\(hostText):\(port)/\(database)"
+        switch topology {
+        case .standalone:
+            return "\(tls == nil ? "redis" : "rediss")://\(credentials)\(Address(host: host, port: port))/\(database)"
+        case .sentinel(let sentinels, let name):
+            return "redis+sentinel://\(credentials)\(sentinels.map(\.description).joined(separator: ","))/\(name)/\(database)"
+        case .cluster(let seeds):
+            return "redis+cluster://\(credentials)\(seeds.map(\.description).joined(separator: ","))"
+        }
+    }
+
+    /// This configuration aimed at one server, as a standalone connection to it.
+    public func standalone(at address: Address) -> RedisConfiguration {
+        var copy = self
+        copy.host = address.host
+        copy.port = address.port
+        copy.topology = .standalone
+        return copy
     }
 }

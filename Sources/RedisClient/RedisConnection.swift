@@ -128,6 +128,20 @@ public final class RedisConnection: Sendable {
     /// Whether the socket is still open.
     public var isActive: Bool { channel.isActive }
 
+    /// The server this connection reached.
+    public var address: RedisConfiguration.Address { RedisConfiguration.Address(host: configuration.host, port: configuration.port) }
+
+    /// The error a command gets when its reply is an error; a `READONLY` reply also closes the
+    /// connection. That reply means the server was demoted to a replica (a failover moved the
+    /// primary, or a managed endpoint's name now points elsewhere): the command did not run, and
+    /// the next connection is made to wherever the primary is now.
+    private func failure(_ message: String) -> RedisError {
+        guard message.hasPrefix("READONLY") else { return RedisError(.server, message) }
+        logger.warning("Redis answered READONLY: it is a replica now; reconnecting to the primary", metadata: ["redis.server": "\(address)"])
+        channel.close(promise: nil)
+        return RedisError(.unavailable, "Redis at \(address) is a replica now (\(message)); reconnecting to the primary")
+    }
+
     /// Sends one command and waits for its reply.
     ///
     /// An error reply throws ``RedisError/Code/server`` and fails this command only.
@@ -136,7 +150,7 @@ public final class RedisConnection: Sendable {
         let started = ContinuousClock.now
         defer { Self.latency.recordNanoseconds(Backoff.nanoseconds(ContinuousClock.now - started)) }
         let reply = try await sendRaw(arguments, expectedReplies: 1)
-        if case .error(let message) = reply { throw RedisError(.server, message) }
+        if case .error(let message) = reply { throw failure(message) }
         return reply
     }
 
@@ -149,7 +163,7 @@ public final class RedisConnection: Sendable {
             do {
                 let reply = try await future.get()
                 if case .error(let message) = reply {
-                    results.append(.failure(RedisError(.server, message)))
+                    results.append(.failure(failure(message)))
                 } else {
                     results.append(.success(reply))
                 }

@@ -198,7 +198,7 @@ public final class RedisSubscriber: Service, Sendable {
         let deadline = ContinuousClock.now + configuration.connectTimeout + configuration.waitForConnection
         while !isConnected {
             if ContinuousClock.now > deadline || state.withLockedValue({ $0.shutdown }) {
-                throw RedisError(.unavailable, "the subscriber could not connect to Redis at \(configuration.host):\(configuration.port)")
+                throw RedisError(.unavailable, "the subscriber could not connect to Redis at \(configuration.redactedURL)")
             }
             try await Task.sleep(for: .milliseconds(10))
         }
@@ -213,7 +213,7 @@ public final class RedisSubscriber: Service, Sendable {
         await withGracefulShutdownHandler {
             while !Task.isCancelled, !state.withLockedValue({ $0.shutdown }) {
                 do {
-                    let connection = try await RedisConnection.connect(
+                    let connection = try await RedisSentinel.connect(
                         configuration: configuration,
                         eventLoopGroup: eventLoopGroup,
                         logger: logger,
@@ -228,7 +228,7 @@ public final class RedisSubscriber: Service, Sendable {
                     everConnected = true
                     let keepAlive = Task { await self.keepAlive(connection) }
                     await withTaskCancellationHandler {
-                        await connection.closed()
+                        await RedisSentinel.hold(connection, configuration: configuration, eventLoopGroup: eventLoopGroup, logger: logger)
                     } onCancel: {
                         Task { await connection.close() }
                     }

@@ -152,6 +152,28 @@ struct RedisClientIntegrationTests {
         }
     }
 
+    @Test("a READONLY reply (the server was demoted to a replica) fails the command as unavailable and drops the connection, so the next one goes to wherever the primary is now")
+    func demoted() async throws {
+        let server = try RedisServerProcess()
+        let other = try RedisServerProcess()
+        try await RedisClient.withClient(configuration: patient(server.url()), logger: logger) { client in
+            try await client.send("SET", "k", "1")
+            let before = try await client.send("CLIENT", "ID").int
+            #expect(try server.cli("REPLICAOF", "127.0.0.1", "\(other.port)").contains("OK"))
+            do {
+                try await client.send("SET", "k", "2")
+                Issue.record("a write to a replica must fail")
+            } catch let error as RedisError {
+                #expect(error.code == .unavailable)
+                #expect(error.message.contains("is a replica now"), "\(error.message)")
+            }
+            #expect(try server.cli("REPLICAOF", "NO", "ONE").contains("OK"))
+            let after = try await client.send("CLIENT", "ID").int
+            #expect(after != before, "a new connection (\(String(describing: before)) → \(String(describing: after)))")
+            try await client.send("SET", "k", "3")
+        }
+    }
+
     @Test("connecting to a port where nothing listens fails with a clear error")
     func unreachable() async throws {
         let refusing = try RefusingPort()

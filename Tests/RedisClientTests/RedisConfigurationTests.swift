@@ -34,6 +34,49 @@ struct RedisConfigurationTests {
         #expect(throws: RedisError.self) { try RedisConfiguration(url: url) }
     }
 
+    @Test("redis+sentinel:// names Sentinels (port 26379 by default), the primary's name and a database; the credentials are the primary's")
+    func sentinel() throws {
+        let configuration = try RedisConfiguration(url: "redis+sentinel://:s%40cret@10.0.0.1,10.0.0.2:26380,[::1]/my%20primary/2")
+        #expect(configuration.topology == .sentinel(sentinels: [
+            .init(host: "10.0.0.1", port: 26379), .init(host: "10.0.0.2", port: 26380), .init(host: "::1", port: 26379),
+        ], primaryName: "my primary"))
+        #expect(configuration.password == "s@cret" && configuration.database == 2)
+        #expect(configuration.redactedURL == "redis+sentinel://:***@10.0.0.1:26379,10.0.0.2:26380,[::1]:26379/my primary/2")
+        let noDatabase = try RedisConfiguration(url: "redis+sentinel://127.0.0.1:5000/mymaster")
+        #expect(noDatabase.database == 0 && noDatabase.topology == .sentinel(sentinels: [.init(host: "127.0.0.1", port: 5000)], primaryName: "mymaster"))
+    }
+
+    @Test("redis+cluster:// names seed nodes (port 6379 by default), database 0 only")
+    func cluster() throws {
+        let configuration = try RedisConfiguration(url: "redis+cluster://user:pw@a.internal:7000,b.internal")
+        #expect(configuration.topology == .cluster(seeds: [.init(host: "a.internal", port: 7000), .init(host: "b.internal", port: 6379)]))
+        #expect(configuration.username == "user" && configuration.password == "pw")
+        #expect(configuration.redactedURL == "redis+cluster://user:***@a.internal:7000,b.internal:6379")
+        #expect(try RedisConfiguration(url: "redis+cluster://127.0.0.1:7000/0").database == 0)
+    }
+
+    @Test("bad Sentinel and Cluster URLs are refused with a reason", arguments: [
+        ("redis+sentinel://127.0.0.1:26379", "names the primary"),
+        ("redis+sentinel://127.0.0.1:26379/", "names the primary"),
+        ("redis+sentinel://127.0.0.1:26379/m/x", "not a non-negative number"),
+        ("redis+sentinel://127.0.0.1:26379/m/1/2", "primary-name[/db]"),
+        ("redis+sentinel://127.0.0.1:0/m", "between 1 and 65535"),
+        ("redis+sentinel://127.0.0.1,,127.0.0.2/m", "no host"),
+        ("redis+cluster://127.0.0.1:7000/1", "database 0 only"),
+        ("redis+cluster://127.0.0.1:7000?ca=/ca.pem", "no URL parameters"),
+        ("redis+cluster://", "no host"),
+        ("redis+tcp://127.0.0.1", "unsupported scheme"),
+    ])
+    func invalidTopologies(url: String, reason: String) {
+        do {
+            _ = try RedisConfiguration(url: url)
+            Issue.record("\(url) must be refused")
+        } catch {
+            #expect(error.code == .invalidURL)
+            #expect(error.message.contains(reason), "\(error.message)")
+        }
+    }
+
     @Test("rediss:// turns TLS on; its query names the CA and the client certificate")
     func tls() throws {
         let plain = try RedisConfiguration(url: "redis://127.0.0.1:6379/0")

@@ -58,14 +58,20 @@ public final class RedisServerProcess: @unchecked Sendable {
     // Safe: `process` is only touched by the owning test, one call at a time.
     public let port: Int
     private let extraArguments: [String]
+    private let configFile: String?
     private var process: Process?
 
-    /// Starts a server with `--save '' --appendonly no` plus `arguments`, on a free port.
-    public init(arguments: [String] = []) throws {
+    /// Starts a server with `--save '' --appendonly no` plus `arguments`, on a free port (or
+    /// `port`), reading `configFile` first when given (a Sentinel's, which it rewrites).
+    public init(arguments: [String] = [], configFile: String? = nil, port: Int? = nil) throws {
         self.extraArguments = arguments
-        self.port = try Self.freePort()
+        self.configFile = configFile
+        self.port = try port ?? Self.freePort()
         try start()
     }
+
+    /// The server's process id, while it runs.
+    public var pid: Int32? { process?.processIdentifier }
 
     deinit { stop() }
 
@@ -78,7 +84,7 @@ public final class RedisServerProcess: @unchecked Sendable {
     public func start() throws {
         let process = Process()
         process.executableURL = URL(fileURLWithPath: Self.redisServerPath)
-        process.arguments = ["--port", "\(port)", "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"] + extraArguments
+        process.arguments = (configFile.map { [$0] } ?? []) + ["--port", "\(port)", "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"] + extraArguments
         process.standardOutput = FileHandle.nullDevice
         process.standardError = FileHandle.nullDevice
         try process.run()
