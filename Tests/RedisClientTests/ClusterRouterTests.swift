@@ -1,0 +1,552 @@
+import Foundation
+import RedisTestSupport
+import Testing
+
+@testable import RedisClient
+
+@Suite("Hash slots and command keys")
+struct HashSlotTests {
+    @Test("CRC16 (XMODEM) and slots match Redis's published values")
+    func knownValues() {
+        #expect(HashSlot.crc16(Array("123456789".utf8)) == 0x31C3)
+        #expect(HashSlot.crc16([UInt8]()) == 0)
+        #expect(HashSlot(of: "foo").value == 12182)
+        #expect(HashSlot(of: "bar").value == 5061)
+        #expect(HashSlot(of: "hello").value == 866)
+        #expect(HashSlot(of: "").value == 0)
+    }
+
+    @Test("a {hash tag} picks the hashed part: first '{', first '}' after it, non-empty between")
+    func hashTags() {
+        #expect(HashSlot(of: "{user1000}.following") == HashSlot(of: "{user1000}.followers"))
+        #expect(HashSlot(of: "{user1000}.following") == HashSlot(of: "user1000"))
+        // An empty tag hashes the whole key.
+        #expect(HashSlot(of: "foo{}{bar}").value == Int(HashSlot.crc16(Array("foo{}{bar}".utf8)) % 16384))
+        #expect(HashSlot(of: "foo{}{bar}") != HashSlot(of: "bar"))
+        #expect(HashSlot(of: "foo{{bar}}zap") == HashSlot(of: "{bar"))
+        #expect(HashSlot(of: "foo{bar}{zap}") == HashSlot(of: "bar"))
+        // No closing brace: the whole key.
+        #expect(HashSlot(of: "foo{bar").value == Int(HashSlot.crc16(Array("foo{bar".utf8)) % 16384))
+        #expect(HashSlot(16384) == nil)
+        #expect(HashSlot(-1) == nil)
+        #expect(HashSlot(16383)?.value == 16383)
+    }
+
+    private func keys(_ words: RedisArgument...) -> [String] {
+        HashSlot.keys(of: words).map { String(decoding: $0, as: UTF8.self) }
+    }
+
+    @Test("keys of each command family")
+    func commandKeys() {
+        #expect(keys("GET", "k") == ["k"])
+        #expect(keys("set", "k", "v", "EX", "10") == ["k"])
+        #expect(keys("HSET", "h", "f", "v") == ["h"])
+        #expect(keys("DEL", "a", "b", "c") == ["a", "b", "c"])
+        #expect(keys("UNLINK", "a", "b") == ["a", "b"])
+        #expect(keys("MGET", "a", "b") == ["a", "b"])
+        #expect(keys("EXISTS", "a", "b") == ["a", "b"])
+        #expect(keys("SUNION", "a", "b") == ["a", "b"])
+        #expect(keys("SINTER", "a", "b") == ["a", "b"])
+        #expect(keys("MSET", "a", "1", "b", "2") == ["a", "b"])
+        #expect(keys("EVAL", "return 1", "2", "a", "b", "arg") == ["a", "b"])
+        #expect(keys("EVALSHA", "abc", "1", "a", "arg") == ["a"])
+        #expect(keys("EVAL_RO", "s", "0", "arg") == [])
+        #expect(keys("EVALSHA_RO", "s", "1", "a") == ["a"])
+        #expect(keys("FCALL", "f", "2", "a", "b", "x") == ["a", "b"])
+        #expect(keys("SINTERCARD", "2", "a", "b", "LIMIT", "5") == ["a", "b"])
+        #expect(keys("ZINTERCARD", "1", "a") == ["a"])
+        #expect(keys("ZUNION", "2", "a", "b", "WITHSCORES") == ["a", "b"])
+        #expect(keys("ZINTER", "2", "a", "b") == ["a", "b"])
+        #expect(keys("ZDIFF", "2", "a", "b") == ["a", "b"])
+        #expect(keys("LMPOP", "2", "a", "b", "LEFT") == ["a", "b"])
+        #expect(keys("ZMPOP", "1", "a", "MIN") == ["a"])
+        #expect(keys("BLMPOP", "0", "2", "a", "b", "LEFT") == ["a", "b"])
+        #expect(keys("ZUNIONSTORE", "d", "2", "a", "b") == ["d", "a", "b"])
+        #expect(keys("BLPOP", "a", "b", "0") == ["a", "b"])
+        #expect(keys("RENAME", "a", "b") == ["a", "b"])
+        #expect(keys("LMOVE", "a", "b", "LEFT", "RIGHT") == ["a", "b"])
+        #expect(keys("XREAD", "COUNT", "2", "STREAMS", "s1", "s2", "0", "0") == ["s1", "s2"])
+        #expect(keys("XREADGROUP", "GROUP", "g", "c", "STREAMS", "s1", ">") == ["s1"])
+        #expect(keys("OBJECT", "ENCODING", "k") == ["k"])
+        #expect(keys("MEMORY", "USAGE", "k") == ["k"])
+        #expect(keys("MEMORY", "STATS") == [])
+        #expect(keys("BITOP", "AND", "d", "a", "b") == ["d", "a", "b"])
+        #expect(keys("PUBLISH", "channel", "message") == ["channel"])
+        #expect(keys("SPUBLISH", "channel", "message") == ["channel"])
+        #expect(keys("SSUBSCRIBE", "c1", "c2") == ["c1", "c2"])
+        // A count beyond the arguments is Redis's error to give; route by what is there.
+        #expect(keys("EVAL", "s", "5", "a") == ["a"])
+        #expect(keys("EVAL", "s", "x", "a") == [])
+        for keyless in ["PING", "TIME", "INFO", "SCAN", "DBSIZE", "SCRIPT", "CLUSTER", "CONFIG", "CLIENT", "ECHO", "PUBSUB", "FUNCTION"] {
+            #expect(keys(RedisArgument(keyless), "x", "y") == [], "\(keyless) names no key")
+        }
+        #expect(keys() == [])
+        #expect(keys("GET") == [])
+    }
+
+    @Test("keys in several slots fail locally with CROSSSLOT, naming the command and no key")
+    func crossSlot() throws {
+        #expect(try HashSlot.slot(of: ["PING"]) == nil)
+        #expect(try HashSlot.slot(of: ["GET", "foo"]) == HashSlot(of: "foo"))
+        #expect(try HashSlot.slot(of: ["DEL", "{u1}.a", "{u1}.b"]) == HashSlot(of: "u1"))
+        #expect(try HashSlot.slot(of: ["EVAL", "s", "2", "{t}x", "{t}y", "not-a-key"]) == HashSlot(of: "t"))
+        let error = #expect(throws: RedisError.self) { try HashSlot.slot(of: ["MGET", "secret-key-1", "secret-key-2"]) }
+        #expect(error?.serverErrorPrefix == "CROSSSLOT")
+        #expect(error?.message.contains("MGET") == true)
+        #expect(error?.message.contains("secret") == false)
+        // Arguments that are not keys never cause it.
+        #expect(try HashSlot.slot(of: ["EVAL", "s", "1", "{t}x", "other", "args"]) == HashSlot(of: "t"))
+        #expect(throws: RedisError.self) { try HashSlot.slot(of: ["ZUNIONSTORE", "dest", "1", "source"]) }
+    }
+
+    @Test("the router refuses commands that change one connection's state")
+    func connectionStateCommands() throws {
+        for name in ["MULTI", "exec", "WATCH", "SELECT", "AUTH", "SUBSCRIBE", "SSUBSCRIBE", "ASKING"] {
+            let error = #expect(throws: RedisError.self) { try RedisClusterClient.route([RedisArgument(name), "k"]) }
+            #expect(error?.message.contains(name.uppercased()) == true)
+        }
+        #expect(try RedisClusterClient.route(["INCR", "k"]) == HashSlot(of: "k"))
+    }
+
+    @Test("MOVED and ASK addresses, with the answering node's host when empty")
+    func redirectionAddresses() {
+        #expect(ClusterNodeAddress(redirection: "127.0.0.1:7001", defaultHost: "h") == ClusterNodeAddress(host: "127.0.0.1", port: 7001))
+        #expect(ClusterNodeAddress(redirection: ":7001", defaultHost: "10.0.0.5") == ClusterNodeAddress(host: "10.0.0.5", port: 7001))
+        #expect(ClusterNodeAddress(redirection: "::1:7001", defaultHost: "h") == ClusterNodeAddress(host: "::1", port: 7001))
+        #expect(ClusterNodeAddress(redirection: "[::1]:7001", defaultHost: "h") == ClusterNodeAddress(host: "::1", port: 7001))
+        #expect(ClusterNodeAddress(redirection: "host:0", defaultHost: "h") == nil)
+        #expect(ClusterNodeAddress(redirection: "host", defaultHost: "h") == nil)
+    }
+
+    private static func node(_ port: Int, role: String, health: String = "online", endpoint: String = "127.0.0.1", tlsPort: Int? = nil) -> RESPValue {
+        var fields: [RESPValue] = [
+            .bulkString(Array("id".utf8)), .bulkString(Array("node\(port)".utf8)),
+            .bulkString(Array("port".utf8)), .integer(Int64(port)),
+            .bulkString(Array("ip".utf8)), .bulkString(Array("127.0.0.1".utf8)),
+            .bulkString(Array("endpoint".utf8)), .bulkString(Array(endpoint.utf8)),
+            .bulkString(Array("role".utf8)), .bulkString(Array(role.utf8)),
+            .bulkString(Array("health".utf8)), .bulkString(Array(health.utf8)),
+        ]
+        if let tlsPort { fields += [.bulkString(Array("tls-port".utf8)), .integer(Int64(tlsPort))] }
+        return .array(fields)
+    }
+
+    private static func shard(_ ranges: [Int], _ nodes: [RESPValue]) -> RESPValue {
+        .array([.bulkString(Array("slots".utf8)), .array(ranges.map { .integer(Int64($0)) }), .bulkString(Array("nodes".utf8)), .array(nodes)])
+    }
+
+    @Test("a CLUSTER SHARDS reply becomes a slot map of its primaries")
+    func parseShards() throws {
+        let reply = RESPValue.array([
+            Self.shard([0, 5460], [Self.node(7000, role: "master", tlsPort: 8000), Self.node(7003, role: "replica")]),
+            Self.shard([5461, 10922], [Self.node(7004, role: "replica"), Self.node(7001, role: "master", endpoint: "?")]),
+            Self.shard([10923, 12000, 12001, 16383], [Self.node(7002, role: "master", health: "failed"), Self.node(7005, role: "master")]),
+        ])
+        let map = try ClusterSlotMap.parse(shards: reply, tls: false, fallbackHost: "seed")
+        #expect(map.primary(for: HashSlot(0)!) == ClusterNodeAddress(host: "127.0.0.1", port: 7000))
+        #expect(map.primary(for: HashSlot(5460)!)?.port == 7000)
+        #expect(map.primary(for: HashSlot(5461)!)?.port == 7001)
+        // Unknown endpoint: the IP.
+        #expect(map.primary(for: HashSlot(5461)!)?.host == "127.0.0.1")
+        // Two primaries in a shard (mid-failover): the healthy one.
+        #expect(map.primary(for: HashSlot(16383)!)?.port == 7005)
+        #expect(map.primaries.map(\.port) == [7000, 7001, 7005])
+        #expect(map.coveredSlots == 16384)
+        #expect(map.isComplete)
+
+        let tls = try ClusterSlotMap.parse(shards: reply, tls: true, fallbackHost: "seed")
+        #expect(tls.primary(for: HashSlot(0)!)?.port == 8000)
+
+        let partial = try ClusterSlotMap.parse(shards: .array([Self.shard([0, 99], [Self.node(7000, role: "master", health: "loading")])]), tls: false, fallbackHost: "seed")
+        #expect(partial.coveredSlots == 100)
+        #expect(partial.healthySlots == 0)
+        #expect(partial.primary(for: HashSlot(100)!) == nil)
+        #expect(!partial.isComplete)
+
+        #expect(throws: RedisError.self) { try ClusterSlotMap.parse(shards: .integer(1), tls: false, fallbackHost: "seed") }
+        #expect(throws: RedisError.self) {
+            try ClusterSlotMap.parse(shards: .array([Self.shard([0, 16384], [Self.node(7000, role: "master")])]), tls: false, fallbackHost: "seed")
+        }
+    }
+
+    @Test("a MOVED slot points at its new primary; maps compare slot by slot")
+    func slotMapUpdates() throws {
+        let reply = RESPValue.array([Self.shard([0, 16383], [Self.node(7000, role: "master")])])
+        var map = try ClusterSlotMap.parse(shards: reply, tls: false, fallbackHost: "seed")
+        let original = map
+        #expect(map.sameAssignment(as: original))
+        map.assign(HashSlot(42)!, to: ClusterNodeAddress(host: "127.0.0.1", port: 7009))
+        #expect(map.primary(for: HashSlot(42)!)?.port == 7009)
+        #expect(map.primary(for: HashSlot(43)!)?.port == 7000)
+        #expect(map.primaries.map(\.port) == [7000, 7009])
+        #expect(!map.sameAssignment(as: original))
+    }
+
+    @Test("configuration checks: seeds, database 0")
+    func configurationChecks() {
+        #expect(throws: RedisError.self) {
+            try RedisClusterClient(seeds: [], configuration: RedisConfiguration(), logger: TestRedis.logger())
+        }
+        #expect(throws: RedisError.self) {
+            try RedisClusterClient(seeds: [("127.0.0.1", 7000)], configuration: RedisConfiguration(database: 1), logger: TestRedis.logger())
+        }
+    }
+
+    @Test("with no node reachable, withClient fails fast, naming what it could not do")
+    func unreachable() async throws {
+        let port = try RefusingPort()
+        var configuration = RedisConfiguration(waitForConnection: .milliseconds(100))
+        configuration.connectTimeout = .milliseconds(500)
+        let started = ContinuousClock.now
+        do {
+            try await RedisClusterClient.withClient(seeds: [("127.0.0.1", port.port)], configuration: configuration, logger: TestRedis.logger()) { _ in }
+            Issue.record("withClient should throw when no seed answers")
+        } catch let error as RedisError {
+            #expect(error.code == .unavailable)
+            #expect(error.message.contains("127.0.0.1:\(port.port)"))
+        }
+        #expect(ContinuousClock.now - started < .seconds(2))
+    }
+}
+
+/// Against the live cluster of `scripts/with-redis-cluster`. One at a time and in this order:
+/// the migrations move slots by hand and the last test kills a primary for good.
+@Suite(
+    "Redis Cluster router against a live cluster",
+    .serialized,
+    .enabled(if: TestRedisCluster.isAvailable, "no Redis Cluster: run with scripts/with-redis-cluster to set PRESENCE_TEST_REDIS_CLUSTER_URL")
+)
+struct ClusterRouterTests {
+    let logger = TestRedis.logger()
+
+    private func withRouter<Result: Sendable>(_ body: (RedisClusterClient) async throws -> Result) async throws -> Result {
+        try await RedisClusterClient.withClient(seeds: TestRedisCluster.seeds, configuration: TestRedisCluster.configuration(), logger: logger, body)
+    }
+
+    /// A hash tag whose slot the router sends to `node`.
+    private func tag(on node: ClusterNodeAddress, _ router: RedisClusterClient, prefix: String) -> String {
+        for index in 0..<100_000 where router.primary(for: HashSlot(of: "\(prefix)-\(index)")) == node {
+            return "\(prefix)-\(index)"
+        }
+        fatalError("no tag found for \(node)")
+    }
+
+    /// The node ID of the server on `port`.
+    private func nodeID(_ port: Int) throws -> String {
+        try TestRedisCluster.cli(port: port, "CLUSTER", "MYID")
+    }
+
+    /// The ports of every live primary, as the node on `port` sees them.
+    private func livePrimaryPorts(askingPort port: Int) throws -> [Int] {
+        try TestRedisCluster.nodes(askingPort: port).filter { $0.isPrimary && !$0.isFailed }.map(\.port)
+    }
+
+    @Test("10,000 keys written and read back land on all 3 primaries, in the slots Redis computes", .timeLimit(.minutes(1)))
+    func keysOnEveryPrimary() async throws {
+        let prefix = TestRedis.uniquePrefix("spread")
+        let keys = (0..<10_000).map { "\(prefix):\($0)" }
+        try await withRouter { router in
+            #expect(router.primaries.count == 3)
+            #expect(router.isConnected)
+            // Half one by one from 50 tasks, half in pipelines.
+            try await withThrowingTaskGroup(of: Void.self) { group in
+                for task in 0..<50 {
+                    group.addTask {
+                        for index in stride(from: task, to: 5_000, by: 50) {
+                            try await router.send("SET", RedisArgument(keys[index]), RedisArgument(index))
+                        }
+                    }
+                }
+                try await group.waitForAll()
+            }
+            for chunk in stride(from: 5_000, to: 10_000, by: 1_000) {
+                let results = try await router.pipeline((chunk..<chunk + 1_000).map { ["SET", RedisArgument(keys[$0]), RedisArgument($0)] })
+                #expect(results.allSatisfy { (try? $0.get()) == .simpleString("OK") })
+            }
+            let values = try await router.pipeline(keys.map { ["GET", RedisArgument($0)] })
+            let wrong = zip(values, 0...).filter { (try? $0.get().int) != $1 }.count
+            #expect(wrong == 0)
+
+            // Each primary, asked directly, holds its share: EXISTS answers 1 for its own keys
+            // and MOVED for the others'.
+            var total = 0
+            for node in router.primaries {
+                var configuration = TestRedisCluster.configuration()
+                configuration.host = node.host
+                configuration.port = node.port
+                let here = try await RedisClient.withClient(configuration: configuration, logger: logger) { client in
+                    try await client.pipeline(keys.map { ["EXISTS", RedisArgument($0)] }).count { (try? $0.get()) == .integer(1) }
+                }
+                #expect(here > 2_500, "primary \(node) holds \(here) of 10,000 keys")
+                total += here
+            }
+            #expect(total == 10_000)
+
+            // Our slots are Redis's.
+            let sample = try await router.pipeline(keys.prefix(200).map { ["CLUSTER", "KEYSLOT", RedisArgument($0)] })
+            #expect(zip(sample, keys).allSatisfy { (try? $0.get().int) == HashSlot(of: $1).value })
+
+            let deleted = try await router.pipeline(keys.map { ["DEL", RedisArgument($0)] })
+            #expect(deleted.allSatisfy { (try? $0.get()) == .integer(1) })
+        }
+    }
+
+    @Test("a pipeline with a key in every slot returns each result in its place", .timeLimit(.minutes(1)))
+    func pipelineOverAllSlots() async throws {
+        let prefix = TestRedis.uniquePrefix("slots")
+        // One key per slot.
+        var keyOfSlot = [String?](repeating: nil, count: HashSlot.count)
+        var found = 0
+        var index = 0
+        while found < HashSlot.count {
+            let key = "\(prefix):\(index)"
+            index += 1
+            let slot = HashSlot(of: key).value
+            if keyOfSlot[slot] == nil {
+                keyOfSlot[slot] = key
+                found += 1
+            }
+        }
+        let keys = keyOfSlot.map { $0! }
+        try await withRouter { router in
+            let set = try await router.pipeline(keys.enumerated().map { ["SET", RedisArgument($1), RedisArgument($0)] })
+            #expect(set.allSatisfy { (try? $0.get()) == .simpleString("OK") })
+            // Reads and increments, with keyless commands and a cross-slot one among them.
+            var commands: [[RedisArgument]] = []
+            for (slot, key) in keys.enumerated() {
+                commands.append(slot % 2 == 0 ? ["GET", RedisArgument(key)] : ["INCRBY", RedisArgument(key), "1000000"])
+                if slot % 4096 == 0 { commands.append(["PING"]) }
+                if slot == 8000 { commands.append(["MGET", RedisArgument(keys[0]), RedisArgument(keys[1])]) }
+            }
+            let results = try await router.pipeline(commands)
+            #expect(results.count == commands.count)
+            var position = 0
+            var mismatches = 0
+            for (slot, _) in keys.enumerated() {
+                let expected = slot % 2 == 0 ? slot : slot + 1_000_000
+                if (try? results[position].get().int) != expected { mismatches += 1 }
+                position += 1
+                if slot % 4096 == 0 {
+                    #expect((try? results[position].get()) == .simpleString("PONG"))
+                    position += 1
+                }
+                if slot == 8000 {
+                    guard case .failure(let error) = results[position] else {
+                        Issue.record("MGET over two slots should fail locally")
+                        continue
+                    }
+                    #expect(error.serverErrorPrefix == "CROSSSLOT")
+                    position += 1
+                }
+            }
+            #expect(mismatches == 0)
+            _ = try await router.pipeline(keys.map { ["DEL", RedisArgument($0)] })
+        }
+    }
+
+    @Test("EVALSHA after SCRIPT FLUSH loads the script on the node that lacked it, alone and pipelined", .timeLimit(.minutes(1)))
+    func scriptReload() async throws {
+        let script = RedisScript("return redis.call('INCRBY', KEYS[1], ARGV[1]) -- \(UUID().uuidString)")
+        let prefix = TestRedis.uniquePrefix("lua")
+        try await withRouter { router in
+            let flushed = try await router.sendToEachPrimary(["SCRIPT", "FLUSH"])
+            #expect(flushed.count == 3)
+            #expect(flushed.allSatisfy { (try? $0.result.get()) == .simpleString("OK") })
+            let primaries = router.primaries
+            let first = "{\(tag(on: primaries[0], router, prefix: prefix))}:n"
+            #expect(try await router.evaluate(script, keys: [first], arguments: ["5"]) == .integer(5))
+            #expect(try await router.evaluate(script, keys: [first], arguments: ["2"]) == .integer(7))
+            // Loaded where it ran, and only there.
+            let known = try await router.sendToEachPrimary(["SCRIPT", "EXISTS", RedisArgument(script.sha1)])
+            #expect(known.map { try? $0.result.get() } == primaries.map { .array([.integer($0 == primaries[0] ? 1 : 0)]) })
+
+            // Pipelined over every node: the two that lack it load it, all calls succeed.
+            let keys = primaries.flatMap { node in (0..<3).map { "{\(tag(on: node, router, prefix: prefix + "-\(node.port)"))}:\($0)" } }
+            let results = try await router.evaluate(script, calls: keys.map { (keys: [$0], arguments: ["1"]) })
+            #expect(results.map { try? $0.get() } == keys.map { _ in .integer(1) })
+            let everywhere = try await router.sendToEachPrimary(["SCRIPT", "EXISTS", RedisArgument(script.sha1)])
+            #expect(everywhere.allSatisfy { (try? $0.result.get()) == .array([.integer(1)]) })
+            _ = try await router.pipeline((keys + [first]).map { ["DEL", RedisArgument($0)] })
+        }
+    }
+
+    /// Moves `slot` from the primary on `source` to the one on `target` as `redis-cli --cluster
+    /// reshard` would, in steps: `beforeFinishing` runs while the slot is half migrated (only
+    /// `migrateFirst` moved).
+    private func migrate(slot: Int, from source: Int, to target: Int, migrateFirst: [String], rest: [String], beforeFinishing: () async throws -> Void = {}) async throws {
+        let sourceID = try nodeID(source)
+        let targetID = try nodeID(target)
+        #expect(try TestRedisCluster.cli(port: target, "CLUSTER", "SETSLOT", "\(slot)", "IMPORTING", sourceID) == "OK")
+        #expect(try TestRedisCluster.cli(port: source, "CLUSTER", "SETSLOT", "\(slot)", "MIGRATING", targetID) == "OK")
+        if !migrateFirst.isEmpty {
+            #expect(try TestRedisCluster.cli(port: source, ["MIGRATE", "127.0.0.1", "\(target)", "", "0", "5000", "KEYS"] + migrateFirst) == "OK")
+        }
+        try await beforeFinishing()
+        if !rest.isEmpty {
+            #expect(try TestRedisCluster.cli(port: source, ["MIGRATE", "127.0.0.1", "\(target)", "", "0", "5000", "KEYS"] + rest) == "OK")
+        }
+        // The new owner first, then the old one, then everyone else, as the reshard tool does.
+        for port in [target, source] + (try livePrimaryPorts(askingPort: source)).filter({ $0 != target && $0 != source }) {
+            #expect(try TestRedisCluster.cli(port: port, "CLUSTER", "SETSLOT", "\(slot)", "NODE", targetID) == "OK")
+        }
+    }
+
+    @Test("MOVED: after a slot migrates by hand, its keys are read and written on the new primary and the map follows", .timeLimit(.minutes(1)))
+    func movedSlot() async throws {
+        let prefix = TestRedis.uniquePrefix("moved")
+        try await withRouter { router in
+            let primaries = router.primaries
+            let key = "{\(tag(on: primaries[0], router, prefix: prefix))}:k"
+            let slot = HashSlot(of: key)
+            try await router.send("SET", RedisArgument(key), "before")
+            let source = primaries[0].port
+            let target = primaries[1].port
+            try await migrate(slot: slot.value, from: source, to: target, migrateFirst: [key], rest: [])
+            #expect(router.primary(for: slot)?.port == source, "the router cannot know yet")
+
+            #expect(try await router.send("GET", RedisArgument(key)).string == "before")
+            #expect(router.primary(for: slot)?.port == target, "MOVED updates the slot at once")
+            try await router.send("SET", RedisArgument(key), "after")
+            #expect(try TestRedisCluster.cli(port: target, "GET", key) == "after")
+            // The full refresh that MOVED scheduled agrees.
+            #expect(await eventually(timeout: .seconds(3)) { router.primary(for: slot)?.port == target && router.primaries.count == 3 })
+            let piped = try await router.pipeline([["GET", RedisArgument(key)], ["DEL", RedisArgument(key)]])
+            #expect(try piped[0].get().string == "after")
+            #expect(try piped[1].get() == .integer(1))
+        }
+    }
+
+    @Test("ASK: mid-migration, moved and unmoved keys are readable, new keys go to the target, a pipeline succeeds", .timeLimit(.minutes(1)))
+    func askDuringMigration() async throws {
+        let prefix = TestRedis.uniquePrefix("ask")
+        try await withRouter { router in
+            let primaries = router.primaries
+            let tag = tag(on: primaries[2], router, prefix: prefix)
+            let moved = "{\(tag)}:moved"
+            let stays = "{\(tag)}:stays"
+            let fresh = "{\(tag)}:new"
+            let piped = "{\(tag)}:piped"
+            let slot = HashSlot(of: moved)
+            let source = primaries[2].port
+            let target = primaries[0].port
+            let other = "{\(self.tag(on: primaries[1], router, prefix: prefix + "-o"))}:k"
+            try await router.send("SET", RedisArgument(moved), "m")
+            try await router.send("SET", RedisArgument(stays), "s")
+            try await router.send("SET", RedisArgument(other), "o")
+            try await migrate(slot: slot.value, from: source, to: target, migrateFirst: [moved], rest: [stays, fresh, piped]) {
+                #expect(try TestRedisCluster.cli(port: target, "CLUSTER", "COUNTKEYSINSLOT", "\(slot.value)") == "1")
+                #expect(try await router.send("GET", RedisArgument(moved)).string == "m", "ASK to the target")
+                #expect(try await router.send("GET", RedisArgument(stays)).string == "s", "still on the source")
+                try await router.send("SET", RedisArgument(fresh), "n")
+                #expect(try TestRedisCluster.cli(port: target, "CLUSTER", "COUNTKEYSINSLOT", "\(slot.value)") == "2", "the new key went to the target")
+                let results = try await router.pipeline([
+                    ["GET", RedisArgument(moved)], ["GET", RedisArgument(other)], ["GET", RedisArgument(stays)],
+                    ["SET", RedisArgument(piped), "p"], ["EXISTS", RedisArgument(moved)], ["PING"],
+                ])
+                #expect(results.map { try? $0.get() } == [.bulkString(Array("m".utf8)), .bulkString(Array("o".utf8)), .bulkString(Array("s".utf8)), .simpleString("OK"), .integer(1), .simpleString("PONG")])
+                // ASK changes nothing in the map.
+                #expect(router.primary(for: slot)?.port == source)
+            }
+            for (key, value) in [(moved, "m"), (stays, "s"), (fresh, "n"), (piped, "p"), (other, "o")] {
+                #expect(try await router.send("GET", RedisArgument(key)).string == value, "\(key) after the migration")
+            }
+            #expect(router.primary(for: slot)?.port == target)
+            _ = try await router.pipeline([moved, stays, fresh, piped, other].map { ["DEL", RedisArgument($0)] })
+        }
+    }
+
+    @Test("kill -9 of a primary: its slots wait for the replica's promotion, the others keep working", .timeLimit(.minutes(1)))
+    func primaryFailover() async throws {
+        let prefix = TestRedis.uniquePrefix("failover")
+        var configuration = TestRedisCluster.configuration()
+        // A 10 s budget per command (5 + 5): a promotion takes about 3.4 s here.
+        configuration.waitForConnection = .seconds(5)
+        let events = EventLog()
+        try await RedisClusterClient.withClient(seeds: TestRedisCluster.seeds, configuration: configuration, logger: logger) { router in
+            router.addConnectionObserver { events.append($0) }
+            let primaries = router.primaries
+            let victim = primaries[1]
+            let victimKey = "{\(tag(on: victim, router, prefix: prefix))}:k"
+            let victimSlot = HashSlot(of: victimKey)
+            let survivorKeys = [primaries[0], primaries[2]].map { "{\(tag(on: $0, router, prefix: prefix + "-\($0.port)"))}:k" }
+            try await router.send("SET", RedisArgument(victimKey), "0")
+
+            let witness = primaries[0].port
+            let killed = ContinuousClock.now
+            try TestRedisCluster.kill9(port: victim.port)
+            // When the cluster itself has promoted the replica, as a surviving primary sees it.
+            async let promoted: Duration? = {
+                while ContinuousClock.now - killed < .seconds(20) {
+                    if let owner = try? TestRedisCluster.owner(of: victimSlot.value, askingPort: witness), owner.port != victim.port {
+                        return ContinuousClock.now - killed
+                    }
+                    try? await Task.sleep(for: .milliseconds(25))
+                }
+                return nil
+            }()
+            // Writes to the dead primary's slot: each either fails or waits for the promotion.
+            async let victimWrites: (firstSuccess: Duration?, failures: Int) = {
+                var failures = 0
+                while ContinuousClock.now - killed < .seconds(20) {
+                    do {
+                        try await router.send("SET", RedisArgument(victimKey), "1")
+                        return (ContinuousClock.now - killed, failures)
+                    } catch {
+                        failures += 1
+                        try? await Task.sleep(for: .milliseconds(50))
+                    }
+                }
+                return (nil, failures)
+            }()
+            // Meanwhile the other primaries' slots answer every write.
+            var survivorFailures = 0
+            var slowest = Duration.zero
+            var writes = 0
+            while ContinuousClock.now - killed < .seconds(6) {
+                for key in survivorKeys {
+                    let started = ContinuousClock.now
+                    do {
+                        try await router.send("INCR", RedisArgument(key))
+                    } catch {
+                        survivorFailures += 1
+                    }
+                    slowest = max(slowest, ContinuousClock.now - started)
+                    writes += 1
+                }
+                try await Task.sleep(for: .milliseconds(20))
+            }
+            let (firstSuccess, victimFailures) = await victimWrites
+            let promotion = await promoted
+            print("failover: replica promoted \(promotion.map { "\($0)" } ?? "never") after kill -9; first write to the dead primary's slot succeeded after \(firstSuccess.map { "\($0)" } ?? "never") (\(victimFailures) failed attempts); other slots: \(writes) writes, \(survivorFailures) failed, slowest \(slowest)")
+            #expect(promotion != nil)
+            #expect(firstSuccess != nil)
+            #expect(firstSuccess.map { $0 < .seconds(15) } ?? false)
+            #expect(survivorFailures == 0)
+
+            // Afterwards the promoted replica serves the slot, and everything works.
+            let newOwner = router.primary(for: victimSlot)
+            #expect(newOwner != nil && newOwner != victim)
+            #expect(!router.primaries.contains(victim))
+            #expect(router.primaries.count == 3)
+            #expect(try await router.send("GET", RedisArgument(victimKey)).string == "1")
+            let keys = (0..<300).map { "\(prefix):after:\($0)" }
+            let set = try await router.pipeline(keys.map { ["SET", RedisArgument($0), "v"] })
+            #expect(set.allSatisfy { (try? $0.get()) == .simpleString("OK") })
+            let deleted = try await router.pipeline((keys + survivorKeys + [victimKey]).map { ["DEL", RedisArgument($0)] })
+            #expect(deleted.allSatisfy { (try? $0.get()) == .integer(1) })
+            #expect(await eventually(timeout: .seconds(3)) { router.isConnected })
+            let seen = events.all
+            #expect(seen.contains(.disconnected))
+            #expect(seen.last == .connected(reconnect: true))
+        }
+    }
+}
+
+/// Connection events as observed, in order.
+private final class EventLog: @unchecked Sendable {
+    // Safe: `events` is only touched with `lock` held.
+    private let lock = NSLock()
+    private var events: [RedisConnectionEvent] = []
+    func append(_ event: RedisConnectionEvent) { lock.withLock { events.append(event) } }
+    var all: [RedisConnectionEvent] { lock.withLock { events } }
+}
