@@ -444,6 +444,23 @@ struct ClusterRouterTests {
                     ["SET", RedisArgument(piped), "p"], ["EXISTS", RedisArgument(moved)], ["PING"],
                 ])
                 #expect(results.map { try? $0.get() } == [.bulkString(Array("m".utf8)), .bulkString(Array("o".utf8)), .bulkString(Array("s".utf8)), .simpleString("OK"), .integer(1), .simpleString("PONG")])
+                // ASKING and its command go out as one write: callers sharing the target's
+                // connection cannot slip a command between them (it would then get MOVED).
+                let native = "{\(self.tag(on: primaries[0], router, prefix: prefix + "-t"))}:k"
+                try await router.send("SET", RedisArgument(native), "t")
+                try await withThrowingTaskGroup(of: Void.self) { group in
+                    for task in 0..<20 {
+                        group.addTask {
+                            for _ in 0..<25 {
+                                let key = task % 2 == 0 ? moved : native
+                                let value = try await router.send("GET", RedisArgument(key))
+                                #expect(value.string == (task % 2 == 0 ? "m" : "t"))
+                            }
+                        }
+                    }
+                    try await group.waitForAll()
+                }
+                try await router.send("DEL", RedisArgument(native))
                 // ASK changes nothing in the map.
                 #expect(router.primary(for: slot)?.port == source)
             }
@@ -453,6 +470,28 @@ struct ClusterRouterTests {
             #expect(router.primary(for: slot)?.port == target)
             _ = try await router.pipeline([moved, stays, fresh, piped, other].map { ["DEL", RedisArgument($0)] })
         }
+    }
+
+    @Test("run() as a service: shutdown ends it at once and later commands fail fast", .timeLimit(.minutes(1)))
+    func shutdownEndsRun() async throws {
+        let router = try RedisClusterClient(seeds: TestRedisCluster.seeds, configuration: TestRedisCluster.configuration(), logger: logger)
+        try await withThrowingTaskGroup(of: Void.self) { group in
+            group.addTask { try await router.run() }
+            // The first command waits for the discovery that run() starts.
+            #expect(try await router.send("PING") == .simpleString("PONG"))
+            #expect(router.primaries.count == 3)
+            #expect(await eventually(timeout: .seconds(3)) { router.isConnected })
+            await #expect(throws: RedisError.self) { try await router.run() }
+            let stopping = ContinuousClock.now
+            router.shutdown()
+            try await group.waitForAll()
+            #expect(ContinuousClock.now - stopping < .seconds(1))
+        }
+        let started = ContinuousClock.now
+        let error = await #expect(throws: RedisError.self) { try await router.send("GET", "k") }
+        #expect(error?.code == .unavailable)
+        #expect(ContinuousClock.now - started < .milliseconds(500))
+        #expect(!router.isConnected)
     }
 
     @Test("kill -9 of a primary: its slots wait for the replica's promotion, the others keep working", .timeLimit(.minutes(1)))

@@ -48,10 +48,12 @@ struct ClusterSlotMap: Sendable {
     }
 
     /// The primaries that serve at least one slot, sorted.
-    var primaries: [ClusterNodeAddress] {
+    private(set) var primaries: [ClusterNodeAddress] = []
+
+    private mutating func updatePrimaries() {
         var used = [Bool](repeating: false, count: nodes.count)
         for index in owners where index != Self.unowned { used[Int(index)] = true }
-        return nodes.indices.filter { used[$0] }.map { nodes[$0] }.sorted()
+        primaries = nodes.indices.filter { used[$0] }.map { nodes[$0] }.sorted()
     }
 
     /// How many slots have a primary.
@@ -62,6 +64,11 @@ struct ClusterSlotMap: Sendable {
 
     /// Points `slot` at `node`, as a `MOVED` redirection says.
     mutating func assign(_ slot: HashSlot, to node: ClusterNodeAddress) {
+        setOwner(of: slot, to: node)
+        updatePrimaries()
+    }
+
+    private mutating func setOwner(of slot: HashSlot, to node: ClusterNodeAddress) {
         let index: Int
         if let known = nodes.firstIndex(of: node) {
             index = known
@@ -116,10 +123,11 @@ struct ClusterSlotMap: Sendable {
                 for value in first.value...last.value {
                     let slot = HashSlot(value)!
                     if map.primary(for: slot) == nil, primary.healthy { map.healthySlots += 1 }
-                    map.assign(slot, to: primary.address)
+                    map.setOwner(of: slot, to: primary.address)
                 }
             }
         }
+        map.updatePrimaries()
         return map
     }
 

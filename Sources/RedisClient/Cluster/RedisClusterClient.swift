@@ -796,6 +796,7 @@ public final class RedisClusterClient: Service, Sendable {
                 logger.trace("ASK", metadata: ["redis.command": "\(HashSlot.commandName(command))", "redis.node": "\(address)"])
                 target = .asking(address)
             case .retry:
+                guard !isShutdown else { return (.failure(failure), node) }
                 if failure.code == .unavailable || failure.serverErrorPrefix == "CLUSTERDOWN" { requestRefresh() }
                 let delay = Self.retryBackoff.delay(attempt: attempt)
                 attempt += 1
