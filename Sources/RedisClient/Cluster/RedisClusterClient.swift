@@ -410,7 +410,7 @@ public final class RedisClusterClient: Service, Sendable {
                 for await answer in group {
                     switch answer {
                     case .success(let map):
-                        if best.map({ $0.healthySlots < map.healthySlots || $0.coveredSlots < map.coveredSlots }) ?? true {
+                        if best.map({ ($0.healthySlots, $0.coveredSlots) < (map.healthySlots, map.coveredSlots) }) ?? true {
                             best = map
                         }
                     case .failure(let error):
