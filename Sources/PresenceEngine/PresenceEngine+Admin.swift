@@ -115,12 +115,19 @@ extension PresenceEngine {
         overview.nodes = try await nodes().filter { !$0.lapsed }
         let conversations = try await allConversations()
         overview.conversationsTruncated = conversations.count > conversationLimit
-        for conversation in conversations.prefix(conversationLimit) {
-            guard let members = try await members(of: conversation) else { continue }
-            let statuses = try await views(of: members).map(\.real.status)
+        // Two round trips for them all: every member set, then every member's state.
+        let chosen = Array(conversations.prefix(conversationLimit))
+        let memberSets = try await run { try await self.redis.pipeline(chosen.map { ["SMEMBERS", RedisArgument(keys.members($0))] }) }
+        let members = try memberSets.map { (result) throws(PresenceError) -> [String] in
+            guard case .success(let reply) = result else { throw PresenceError(.unavailable, "the presence store is unreachable") }
+            return reply.strings
+        }
+        let everyone = Array(Set(members.joined()))
+        let statuses = Dictionary(uniqueKeysWithValues: zip(everyone, try await views(of: everyone).map(\.real.status)))
+        for (conversation, members) in zip(chosen, members) {
             overview.conversations.append(.init(
-                conversationID: conversation, total: statuses.count,
-                online: statuses.count { $0 == .online }, away: statuses.count { $0 == .away }
+                conversationID: conversation, total: members.count,
+                online: members.count { statuses[$0] == .online }, away: members.count { statuses[$0] == .away }
             ))
         }
         return overview

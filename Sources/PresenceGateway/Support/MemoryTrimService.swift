@@ -1,6 +1,5 @@
 private import CMallocTrim
 import Logging
-import NIOConcurrencyHelpers
 import ServiceLifecycle
 
 /// Gives memory that the allocator holds free back to the system after a burst.
@@ -19,28 +18,12 @@ struct MemoryTrimService: Service {
     var interval: Duration = .seconds(5)
     let logger: Logger
 
-    /// The process's one trimmer: the heap is the process's, and several nodes in one process (as
-    /// in the tests) must not each trim it.
-    private static let shared = NIOLockedValueBox<(trimmer: MemoryTrimmer, lastLook: ContinuousClock.Instant)?>(nil)
-
     func run() async throws {
+        // The heap is the process's: `GatewayNode.run()` starts one service per process.
+        var trimmer = MemoryTrimmer()
         while !Task.isShuttingDownGracefully, !Task.isCancelled {
             try? await cancelWhenGracefulShutdown { try await Task.sleep(for: interval) }
-            let every = interval
-            let trim = Self.shared.withLockedValue { shared -> MemoryTrimmer.Trim? in
-                let now = ContinuousClock.now
-                guard var state = shared else {
-                    shared = (MemoryTrimmer(), now)
-                    return nil
-                }
-                // Another node of this process looked within the interval.
-                guard now - state.lastLook >= every * 0.9 else { return nil }
-                state.lastLook = now
-                let trim = state.trimmer.check()
-                shared = state
-                return trim
-            }
-            if let trim {
+            if let trim = trimmer.check() {
                 logger.debug("returned free heap memory to the system", metadata: [
                     "presence.slack_before": "\(trim.slackBefore)", "presence.slack_after": "\(trim.slackAfter)",
                     "presence.took": "\(trim.took)",
