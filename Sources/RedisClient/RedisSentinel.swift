@@ -53,7 +53,7 @@ enum RedisSentinel {
             }
             throw RedisError(.unavailable, "no Sentinel named a reachable primary '\(name)': \(reasons.joined(separator: "; "))")
         case .cluster:
-            throw RedisError(.invalidURL, "a redis+cluster:// URL needs the cluster client, not a single connection")
+            throw RedisError(.invalidURL, "a redis+cluster:// URL is for RedisClusterClient; this client reaches one server (redis://, rediss://) or a Sentinel-named primary (redis+sentinel://)")
         }
     }
 

@@ -61,6 +61,23 @@ struct SentinelTests {
         return configuration
     }
 
+    /// Runs the built `presencectl`; its exit status and output (both streams, through a file).
+    static func presencectl(_ arguments: [String]) throws -> (status: Int32, output: String) {
+        var binary = URL(fileURLWithPath: #filePath)
+        for _ in 0..<3 { binary.deleteLastPathComponent() }
+        let output = FileManager.default.temporaryDirectory.appendingPathComponent("presencectl-\(UUID().uuidString).out")
+        _ = FileManager.default.createFile(atPath: output.path, contents: nil)
+        defer { try? FileManager.default.removeItem(at: output) }
+        let process = Process()
+        process.executableURL = binary.appendingPathComponent(".build/debug/presencectl")
+        process.arguments = arguments
+        process.standardOutput = try FileHandle(forWritingTo: output)
+        process.standardError = process.standardOutput
+        try process.run()
+        process.waitUntilExit()
+        return (process.terminationStatus, (try? String(contentsOf: output, encoding: .utf8)) ?? "")
+    }
+
     static func count(_ server: RedisServerProcess?, _ key: String) -> Int {
         guard let server, let text = try? server.cli("GET", key) else { return -1 }
         return Int(text.trimmingCharacters(in: .whitespacesAndNewlines)) ?? 0
@@ -243,6 +260,10 @@ struct SentinelTests {
             #expect(!watcher.statusesSinceOnline(of: user).contains(.offline), "\(user) was never shown offline: \(watcher.timeline(since: start, peer: user))")
         }
         for node in [a, b] { #expect(GatewayProcess.httpStatus(port: node.port, path: "/readyz") == 200, "node \(node.nodeID) is ready") }
+        // presencectl reads through the Sentinels too, from the promoted primary.
+        let user = try Self.presencectl(["user", users[2], "--redis-url", set.url(), "--key-prefix", environment["PRESENCE_KEY_PREFIX"]!, "--json"])
+        let read = (try? JSONSerialization.jsonObject(with: Data(user.output.utf8))) as? [String: Any]
+        #expect(user.status == 0 && read?["status"] as? String == "away", "presencectl user: \(user.output)")
         #expect(await watcher.sees(users[1], .online), "the watcher still sees user1 online")
         // A change the old primary took in the moment before the client left it is lost with
         // it; the node's audit after the reconnect writes it again. The watcher may see the older

@@ -60,6 +60,17 @@ struct ConfigurationTests {
         badURL.jwtSecret = String(repeating: "s", count: 32)
         badURL.redisURL = "http://redis"
         #expect(throws: GatewayConfigurationError.self) { try badURL.validate() }
+        var sentinel = badURL
+        sentinel.redisURL = "redis+sentinel://127.0.0.1:26379,127.0.0.1:26380/mymaster/0"
+        try sentinel.validate()
+        var cluster = badURL
+        cluster.redisURL = "redis+cluster://127.0.0.1:7000"
+        do {
+            try cluster.validate()
+            Issue.record("a cluster URL must be refused until the gateway supports it")
+        } catch {
+            #expect(error.description.contains("not supported by the gateway yet"), "\(error.description)")
+        }
     }
 
     @Test("ES256 tokens verify against a configured public key; HS256 ones do not")

@@ -1,16 +1,7 @@
 /// Where a cluster node listens, as the cluster announces it (or as a seed was given).
-public struct ClusterNodeAddress: Hashable, Sendable, Comparable, CustomStringConvertible {
-    /// Host name or IP address.
-    public var host: String
-    /// TCP port (the TLS port when the router connects over TLS).
-    public var port: Int
+public typealias ClusterNodeAddress = RedisConfiguration.Address
 
-    /// An address.
-    public init(host: String, port: Int) {
-        self.host = host
-        self.port = port
-    }
-
+extension RedisConfiguration.Address: Comparable {
     /// Parses `host:port` as in a `MOVED` or `ASK` redirection; an empty host (a node that does
     /// not know its own address) is `defaultHost`, the host of the node that answered.
     init?(redirection text: Substring, defaultHost: String) {
@@ -22,11 +13,9 @@ public struct ClusterNodeAddress: Hashable, Sendable, Comparable, CustomStringCo
         self.init(host: host.isEmpty ? defaultHost : String(host), port: port)
     }
 
-    public static func < (lhs: ClusterNodeAddress, rhs: ClusterNodeAddress) -> Bool {
+    public static func < (lhs: Self, rhs: Self) -> Bool {
         (lhs.host, lhs.port) < (rhs.host, rhs.port)
     }
-
-    public var description: String { host.contains(":") ? "[\(host)]:\(port)" : "\(host):\(port)" }
 }
 
 /// Which primary serves each hash slot: what the cluster router learns from `CLUSTER SHARDS`,
