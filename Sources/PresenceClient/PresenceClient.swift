@@ -156,8 +156,7 @@ public actor PresenceClient {
     /// Closes the session cleanly for the background's offline policy; `run()` waits for the app
     /// to be active again.
     func endSessionForBackground() {
-        for send in debouncer.stopAll() { sendTyping(send) }
-        emit(cache.clearTyping())
+        stopTyping()
         outbox?.yield(.close(.normal))
         wake.signal()
     }
@@ -196,12 +195,15 @@ public actor PresenceClient {
     }
 
     private func statusChanged() {
-        if lifecycle.desiredStatus == .offline {
-            for send in debouncer.stopAll() { sendTyping(send) }
-            emit(cache.clearTyping())
-        }
+        if lifecycle.desiredStatus == .offline { stopTyping() }
         sendOwedStatus()
         wake.signal()
+    }
+
+    /// Going offline: our typing stops, and others' typing is no longer shown.
+    private func stopTyping() {
+        for send in debouncer.stopAll() { sendTyping(send) }
+        emit(cache.clearTyping())
     }
 
     private func closeCleanly() async {
