@@ -43,7 +43,15 @@ enum RedisSentinel {
                     reasons.append("primary \(named) (named by \(sentinel)): \(error.message)")
                     continue
                 }
-                let role = try? await connection.send(["ROLE"]).array?.first?.string
+                let role: String?
+                do {
+                    role = try await connection.send(["ROLE"]).array?.first?.string
+                } catch where error.code == .server {
+                    // An ACL user without ROLE: the Sentinel's word has to do.
+                    role = "master"
+                } catch {
+                    role = nil
+                }
                 guard role == "master" else {
                     await connection.close()
                     reasons.append("\(named), named by \(sentinel), is not a primary (role \(role ?? "unknown"); a failover is under way)")
