@@ -107,21 +107,61 @@ extension PresenceEngine {
 
     /// Whether `viewer` may see `target` under the configured visibility.
     public func canSee(viewer: String, target: String) async throws(PresenceError) -> Bool {
-        if viewer == target || configuration.visibility == .open { return true }
-        let shared = try await run {
-            try await self.redis.send("SINTERCARD", 2, RedisArgument(keys.conversationsOf(viewer)), RedisArgument(keys.conversationsOf(target)), "LIMIT", 1)
-        }
-        return (shared.int ?? 0) > 0
+        try await visible(to: viewer, among: [target]) == [target]
     }
 
-    /// The users sharing at least one conversation with `viewer` (not `viewer`), sorted.
+    /// Those of `targets` that `viewer` may see under the configured visibility, in order.
+    ///
+    /// Every command touches one user's keys: the viewer's conversations are read in the
+    /// viewer's slot, then each target's set is asked about them in the target's (one pipeline
+    /// for all targets), as a Redis Cluster needs.
+    public func visible(to viewer: String, among targets: [String]) async throws(PresenceError) -> [String] {
+        if configuration.visibility == .open { return targets }
+        let others = targets.filter { $0 != viewer }
+        guard !others.isEmpty else { return targets }
+        let own = try await conversations(of: viewer)
+        guard !own.isEmpty else { return targets.filter { $0 == viewer } }
+        let shared = try await sharing(own, with: others)
+        return targets.filter { $0 == viewer || shared.contains($0) }
+    }
+
+    /// Those of `users` who are members of at least one of `conversations`.
+    private func sharing(_ conversations: [String], with users: [String]) async throws(PresenceError) -> Set<String> {
+        let names = conversations.map { RedisArgument($0) }
+        let replies = try await run {
+            try await self.redis.pipeline(users.map { [RedisArgument("SMISMEMBER"), RedisArgument(keys.conversationsOf($0))] + names })
+        }
+        var sharing = Set<String>()
+        for (user, reply) in zip(users, replies) {
+            guard case .success(let flags) = reply else { throw PresenceError(.unavailable, "the presence store is unreachable") }
+            if (flags.array ?? []).contains(where: { $0.int == 1 }) { sharing.insert(user) }
+        }
+        return sharing
+    }
+
+    /// The conversations `viewer` and `user` are both members of.
+    func sharedConversations(_ viewer: String, _ user: String) async throws(PresenceError) -> [String] {
+        let own = try await conversations(of: viewer)
+        guard !own.isEmpty else { return [] }
+        let flags = try await run {
+            try await self.redis.send([RedisArgument("SMISMEMBER"), RedisArgument(keys.conversationsOf(user))] + own.map { RedisArgument($0) })
+        }.array ?? []
+        return zip(own, flags).compactMap { $1.int == 1 ? $0 : nil }
+    }
+
+    /// The users sharing at least one conversation with `viewer` (not `viewer`), sorted. Each
+    /// conversation's members are read in its own slot (one pipeline), and joined here.
     public func contacts(of viewer: String) async throws(PresenceError) -> [String] {
         let conversations = try await conversations(of: viewer)
         guard !conversations.isEmpty else { return [] }
-        let union = try await run {
-            try await self.redis.send([RedisArgument("SUNION")] + conversations.map { RedisArgument(keys.members($0)) })
+        let replies = try await run { try await self.redis.pipeline(conversations.map { ["SMEMBERS", RedisArgument(keys.members($0))] }) }
+        var contacts = Set<String>()
+        for reply in replies {
+            guard case .success(let members) = reply else { throw PresenceError(.unavailable, "the presence store is unreachable") }
+            contacts.formUnion(members.strings)
         }
-        return union.strings.filter { $0 != viewer }.sorted()
+        contacts.remove(viewer)
+        return contacts.sorted()
     }
 
     /// Applies a change and publishes it on the conversation's channel and on the channel of

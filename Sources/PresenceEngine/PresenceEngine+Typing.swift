@@ -66,9 +66,7 @@ extension PresenceEngine {
 
     /// Whether `user` is typing in a conversation shared with `viewer`.
     public func isTyping(_ user: String, sharedWith viewer: String) async throws(PresenceError) -> Bool {
-        let shared = try await run {
-            try await self.redis.send("SINTER", RedisArgument(keys.conversationsOf(viewer)), RedisArgument(keys.conversationsOf(user)))
-        }.strings
+        let shared = try await sharedConversations(viewer, user)
         guard !shared.isEmpty else { return false }
         let replies = try await run { try await self.redis.pipeline(shared.map { ["HGET", RedisArgument(keys.typing($0)), RedisArgument(user)] }) }
         let now = try await storeNow()

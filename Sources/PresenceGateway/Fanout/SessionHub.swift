@@ -229,12 +229,11 @@ final class SessionHub: Service, Sendable {
     func refreshVisibility(_ session: Session) async {
         guard engine.configuration.visibility == .conversations,
               let contacts = try? await engine.contacts(of: session.userID) else { return }
-        let visible = Set(contacts)
-        var lost: [String] = []
-        for user in session.watched where user != session.userID && !visible.contains(user) {
-            if (try? await engine.canSee(viewer: session.userID, target: user)) == false { lost.append(user) }
+        let contactSet = Set(contacts)
+        let doubtful = session.watched.filter { $0 != session.userID && !contactSet.contains($0) }
+        if !doubtful.isEmpty, let still = try? await engine.visible(to: session.userID, among: Array(doubtful)) {
+            await unwatch(session, Array(Set(doubtful).subtracting(still)))
         }
-        await unwatch(session, lost)
         let added = await watch(session, contacts)
         await catchUp(session, added)
     }

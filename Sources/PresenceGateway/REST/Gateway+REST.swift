@@ -43,9 +43,7 @@ extension Gateway {
                 }
                 var seen = Set<String>()
                 targets = targets.filter { seen.insert($0).inserted }
-                var visible: [String] = []
-                for target in targets where try await self.engine.canSee(viewer: user.userID, target: target) { visible.append(target) }
-                targets = visible
+                targets = try await self.engine.visible(to: user.userID, among: targets)
             } else {
                 targets = try await self.engine.contacts(of: user.userID)
             }

@@ -104,10 +104,7 @@ struct FrameHandler {
             guard session.watchedCount + users.count <= gateway.configuration.maxWatchedUsers else {
                 throw APIError.invalid("a session may watch at most \(gateway.configuration.maxWatchedUsers) users")
             }
-            var visible: [String] = []
-            for target in users where try await gateway.engine.canSee(viewer: user.userID, target: target) {
-                visible.append(target)
-            }
+            let visible = try await gateway.engine.visible(to: user.userID, among: users)
             // Users watched so far only for a large group's counts become fully watched.
             let promoted = visible.filter { session.isQuiet($0) }
             session.unquiet(promoted)
