@@ -14,6 +14,8 @@ public final class RedisConnection: Sendable {
     let configuration: RedisConfiguration
     private let logger: Logger
     private let outbox = NIOLockedValueBox(Outbox())
+    /// A `READONLY` reply came: the server is a replica now, and the connection is closing.
+    private let demoted = NIOLockedValueBox(false)
 
     private struct Outbox {
         var requests: [RedisRequest] = []
@@ -137,14 +139,22 @@ public final class RedisConnection: Sendable {
     /// the next connection is made to wherever the primary is now.
     private func failure(_ message: String) -> RedisError {
         guard message.hasPrefix("READONLY") else { return RedisError(.server, message) }
-        logger.warning("Redis answered READONLY: it is a replica now; reconnecting to the primary", metadata: ["redis.server": "\(address)"])
-        channel.close(promise: nil)
+        // A pipeline can bring many such replies: the first one closes.
+        let first = demoted.withLockedValue { seen in
+            defer { seen = true }
+            return !seen
+        }
+        if first {
+            logger.warning("Redis answered READONLY: it is a replica now; reconnecting to the primary", metadata: ["redis.server": "\(address)"])
+            channel.close(promise: nil)
+        }
         return RedisError(.unavailable, "Redis at \(address) is a replica now (\(message)); reconnecting to the primary")
     }
 
     /// Sends one command and waits for its reply.
     ///
-    /// An error reply throws ``RedisError/Code/server`` and fails this command only.
+    /// An error reply throws ``RedisError/Code/server`` and fails this command only; `READONLY`
+    /// throws ``RedisError/Code/unavailable`` and closes the connection.
     @discardableResult
     public func send(_ arguments: [RedisArgument]) async throws(RedisError) -> RESPValue {
         let started = ContinuousClock.now
