@@ -24,13 +24,12 @@ public final class RedisClient: Service, Sendable {
     private let eventLoopGroup: any EventLoopGroup
     private let logger: Logger
     private let state = NIOLockedValueBox(State())
+    private let observers = ConnectionObservers()
 
     private struct State {
         var connection: RedisConnection?
         var waiters: [Int: CheckedContinuation<RedisConnection, any Error>] = [:]
         var nextWaiterID = 0
-        var observers: [Int: @Sendable (RedisConnectionEvent) -> Void] = [:]
-        var nextObserverID = 0
         var lastError: RedisError?
         var shutdown = false
     }
@@ -75,16 +74,12 @@ public final class RedisClient: Service, Sendable {
     /// Registers `observer` for connection events; keep the token to remove it.
     @discardableResult
     public func addConnectionObserver(_ observer: @escaping @Sendable (RedisConnectionEvent) -> Void) -> Int {
-        state.withLockedValue { state in
-            state.nextObserverID += 1
-            state.observers[state.nextObserverID] = observer
-            return state.nextObserverID
-        }
+        observers.add(observer)
     }
 
     /// Removes an observer added with ``addConnectionObserver(_:)``.
     public func removeConnectionObserver(_ token: Int) {
-        _ = state.withLockedValue { $0.observers.removeValue(forKey: token) }
+        observers.remove(token)
     }
 
     /// Connects, and reconnects with exponential backoff and jitter until shut down.
@@ -112,7 +107,7 @@ public final class RedisClient: Service, Sendable {
                     everConnected = true
                     install(connection)
                     logger.info("connected to Redis", metadata: ["redis.url": "\(configuration.redactedURL)", "redis.server": "\(connection.address)"])
-                    notify(event)
+                    observers.notify(event)
                     await withTaskCancellationHandler {
                         await RedisSentinel.hold(connection, configuration: configuration, eventLoopGroup: eventLoopGroup, logger: logger)
                     } onCancel: {
@@ -121,7 +116,7 @@ public final class RedisClient: Service, Sendable {
                     state.withLockedValue { $0.connection = nil }
                     guard !Task.isCancelled, !state.withLockedValue({ $0.shutdown }) else { break }
                     logger.warning("lost the connection to Redis; reconnecting", metadata: ["redis.url": "\(configuration.redactedURL)"])
-                    notify(.disconnected)
+                    observers.notify(.disconnected)
                 } catch {
                     state.withLockedValue { $0.lastError = error as? RedisError }
                     let level: Logger.Level = attempt == 0 ? .warning : .debug
@@ -164,10 +159,6 @@ public final class RedisClient: Service, Sendable {
         for waiter in waiters.values { waiter.resume(returning: connection) }
     }
 
-    private func notify(_ event: RedisConnectionEvent) {
-        let observers = state.withLockedValue { Array($0.observers.values) }
-        for observer in observers { observer(event) }
-    }
 
     /// The open connection, or one that opens within ``RedisConfiguration/waitForConnection``.
     func connection() async throws(RedisError) -> RedisConnection {
@@ -232,5 +223,29 @@ public final class RedisClient: Service, Sendable {
     public func pipeline(_ commands: [[RedisArgument]]) async throws(RedisError) -> [Result<RESPValue, RedisError>] {
         guard !commands.isEmpty else { return [] }
         return try await connection().pipeline(commands)
+    }
+}
+
+/// Who listens to a client's ``RedisConnectionEvent``s.
+final class ConnectionObservers: Sendable {
+    private let state = NIOLockedValueBox((next: 0, observers: [Int: @Sendable (RedisConnectionEvent) -> Void]()))
+
+    /// Adds `observer`; the token removes it.
+    func add(_ observer: @escaping @Sendable (RedisConnectionEvent) -> Void) -> Int {
+        state.withLockedValue { state in
+            state.next += 1
+            state.observers[state.next] = observer
+            return state.next
+        }
+    }
+
+    func remove(_ token: Int) {
+        _ = state.withLockedValue { $0.observers.removeValue(forKey: token) }
+    }
+
+    /// Tells every observer, outside the lock.
+    func notify(_ event: RedisConnectionEvent) {
+        let observers = state.withLockedValue { Array($0.observers.values) }
+        for observer in observers { observer(event) }
     }
 }

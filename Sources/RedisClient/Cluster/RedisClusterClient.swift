@@ -34,6 +34,7 @@ public final class RedisClusterClient: Service, Sendable {
     private let eventLoopGroup: any EventLoopGroup
     private let logger: Logger
     private let state = NIOLockedValueBox(State())
+    private let observers = ConnectionObservers()
     /// Connections to open and to close, handled by `run()`'s task group.
     private let work: AsyncStream<Work>
     private let workContinuation: AsyncStream<Work>.Continuation
@@ -63,8 +64,6 @@ public final class RedisClusterClient: Service, Sendable {
         var nodes: [ClusterNodeAddress: Node] = [:]
         var mapWaiters: [Int: CheckedContinuation<Void, any Error>] = [:]
         var nextWaiterID = 0
-        var observers: [Int: @Sendable (RedisConnectionEvent) -> Void] = [:]
-        var nextObserverID = 0
         var lastDiscoveryError: RedisError?
         var everConnected = false
         /// A primary's connection was lost and no connection has opened since.
@@ -166,22 +165,16 @@ public final class RedisClusterClient: Service, Sendable {
     /// while); `connected(reconnect: true)` with the next connection opened after that.
     @discardableResult
     public func addConnectionObserver(_ observer: @escaping @Sendable (RedisConnectionEvent) -> Void) -> Int {
-        state.withLockedValue { state in
-            state.nextObserverID += 1
-            state.observers[state.nextObserverID] = observer
-            return state.nextObserverID
-        }
+        observers.add(observer)
     }
 
     /// Removes an observer added with ``addConnectionObserver(_:)``.
     public func removeConnectionObserver(_ token: Int) {
-        _ = state.withLockedValue { $0.observers.removeValue(forKey: token) }
+        observers.remove(token)
     }
 
     private func notify(_ event: RedisConnectionEvent?) {
-        guard let event else { return }
-        let observers = state.withLockedValue { Array($0.observers.values) }
-        for observer in observers { observer(event) }
+        if let event { observers.notify(event) }
     }
 
     // MARK: - Running
