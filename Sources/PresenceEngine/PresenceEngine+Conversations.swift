@@ -139,16 +139,6 @@ extension PresenceEngine {
         return sharing
     }
 
-    /// The conversations `viewer` and `user` are both members of.
-    func sharedConversations(_ viewer: String, _ user: String) async throws(PresenceError) -> [String] {
-        let own = try await conversations(of: viewer)
-        guard !own.isEmpty else { return [] }
-        let flags = try await run {
-            try await self.redis.send([RedisArgument("SMISMEMBER"), RedisArgument(keys.conversationsOf(user))] + own.map { RedisArgument($0) })
-        }.array ?? []
-        return zip(own, flags).compactMap { $1.int == 1 ? $0 : nil }
-    }
-
     /// The users sharing at least one conversation with `viewer` (not `viewer`), sorted. Each
     /// conversation's members are read in its own slot (one pipeline), and joined here.
     public func contacts(of viewer: String) async throws(PresenceError) -> [String] {

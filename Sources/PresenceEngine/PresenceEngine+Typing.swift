@@ -66,14 +66,32 @@ extension PresenceEngine {
 
     /// Whether `user` is typing in a conversation shared with `viewer`.
     public func isTyping(_ user: String, sharedWith viewer: String) async throws(PresenceError) -> Bool {
-        let shared = try await sharedConversations(viewer, user)
-        guard !shared.isEmpty else { return false }
-        let replies = try await run { try await self.redis.pipeline(shared.map { ["HGET", RedisArgument(keys.typing($0)), RedisArgument(user)] }) }
-        let now = try await storeNow()
-        return replies.contains { result in
-            guard let raw = (try? result.get())?.string, let expiry = Int64(raw.prefix { $0 != "|" }) else { return false }
-            return expiry > now
+        try await typing(among: [user], sharedWith: viewer).contains(user)
+    }
+
+    /// Those of `users` typing in a conversation they share with `viewer`: three round trips
+    /// however many users (the viewer's conversations; which of them each user is in; the typing
+    /// entries there), each command on one slot.
+    public func typing(among users: [String], sharedWith viewer: String) async throws(PresenceError) -> Set<String> {
+        let own = try await conversations(of: viewer)
+        guard !own.isEmpty, !users.isEmpty else { return [] }
+        let memberships = try await run {
+            try await self.redis.pipeline(users.map { [RedisArgument("SMISMEMBER"), RedisArgument(keys.conversationsOf($0))] + own.map { RedisArgument($0) } })
         }
+        var pairs: [(user: String, conversation: String)] = []
+        for (user, reply) in zip(users, memberships) {
+            guard case .success(let flags) = reply else { throw PresenceError(.unavailable, "the presence store is unreachable") }
+            for (conversation, flag) in zip(own, flags.array ?? []) where flag.int == 1 { pairs.append((user, conversation)) }
+        }
+        guard !pairs.isEmpty else { return [] }
+        let entries = try await run { try await self.redis.pipeline(pairs.map { ["HGET", RedisArgument(keys.typing($0.conversation)), RedisArgument($0.user)] }) }
+        let now = try await storeNow()
+        var typing = Set<String>()
+        for (pair, entry) in zip(pairs, entries) {
+            guard let raw = (try? entry.get())?.string, let expiry = Int64(raw.prefix { $0 != "|" }), expiry > now else { continue }
+            typing.insert(pair.user)
+        }
+        return typing
     }
 
     /// Ends typing states whose expiry passed; part of every reaper pass.

@@ -70,6 +70,10 @@ struct ConversationTests {
             #expect(started.userID == "alice" && started.data["is_typing"] as? Bool == true && started.data["conversation_id"] as? String == "room")
             let read = try await call(ports[1], "GET", "/api/presence/users/alice", token: try await token("bob"))
             #expect((read.json as? [String: Any])?["is_typing"] as? Bool == true)
+            // The list reads everyone's typing at once: alice typing, bob (not typing) beside her.
+            let list = try await call(ports[1], "GET", "/api/presence/users?user_ids=bob,alice", token: try await token("bob"))
+            let typing = (list.json as? [[String: Any]])?.map { ($0["user_id"] as? String ?? "?") + "=" + (($0["is_typing"] as? Bool).map { "\($0)" } ?? "?") }
+            #expect(typing == ["bob=false", "alice=true"], "\(String(describing: list.json))")
             alice.send("typing", ["conversation_id": "room", "is_typing": true])
             alice.send("typing", ["conversation_id": "room", "is_typing": true])
             #expect(await bob.staysQuiet(for: .milliseconds(500)), "refreshes within 2 s are coalesced")

@@ -49,9 +49,9 @@ extension Gateway {
             }
             let views = try await self.engine.views(of: targets)
             var presences: [PresencePayload] = []
+            let typing = try await self.engine.typing(among: targets, sharedWith: user.userID)
             for view in views {
-                let typing = try await self.engine.isTyping(view.real.userID, sharedWith: user.userID)
-                presences.append(PresencePayload(view.seen(by: user.userID), isTyping: typing))
+                presences.append(PresencePayload(view.seen(by: user.userID), isTyping: typing.contains(view.real.userID)))
             }
             return presences
         }
