@@ -46,6 +46,9 @@ struct OutageTests {
         }
         try #require(allOnline, "every client sees the other 39 online before the outage")
         let reader = try await mint("reader")
+        // `connections` counts the events the client's consumer has read: wait for it to count
+        // the session each client already reports connected (two were still at 0 in a CI run).
+        for client in clients { #expect(await client.waitUntil(.seconds(2)) { _ in client.connections >= 1 }, "\(client.user)'s session counted") }
         let connectionsBefore = clients.map(\.connections)
 
         // Redis goes away. Clients keep changing status all through the outage; the last change
