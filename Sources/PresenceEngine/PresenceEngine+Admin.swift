@@ -18,14 +18,11 @@ public struct PresenceStats: Sendable, Codable, Equatable {
 }
 
 extension PresenceEngine {
-    /// One page of users that have at least one device, by SCAN; pass the returned cursor back
-    /// until it is "0".
+    /// One page of users that have at least one device, by SCAN (every primary of a cluster in
+    /// turn); pass the returned cursor back until it is "0".
     public func usersWithDevices(cursor: String = "0", count: Int = 1000) async throws(PresenceError) -> (cursor: String, users: [String]) {
-        let page = try await run {
-            try await self.redis.send("SCAN", RedisArgument(cursor), "MATCH", RedisArgument(keys.allDevicesPattern), "COUNT", RedisArgument(count))
-        }
-        guard let parts = page.array, parts.count == 2, let next = parts[0].string else { return ("0", []) }
-        return (next, parts[1].strings.compactMap { keys.user(fromKey: $0, suffix: "devices") })
+        let page = try await run { try await self.redis.scanPage(cursor: cursor, matching: keys.allDevicesPattern, count: count) }
+        return (page.cursor, page.keys.compactMap { keys.user(fromKey: $0, suffix: "devices") })
     }
 
     /// Counts users, devices, nodes, keys and memory under the prefix. Walks every key: for
@@ -44,12 +41,9 @@ extension PresenceEngine {
         } while cursor != "0"
         stats.nodes = try await nodes().count { !$0.lapsed }
         repeat {
-            let page = try await run {
-                try await self.redis.send("SCAN", RedisArgument(cursor), "MATCH", RedisArgument(keys.allKeysPattern), "COUNT", 1000)
-            }
-            guard let parts = page.array, parts.count == 2, let next = parts[0].string else { break }
-            cursor = next
-            let names = parts[1].strings
+            let page = try await run { try await self.redis.scanPage(cursor: cursor, matching: keys.allKeysPattern, count: 1000) }
+            cursor = page.cursor
+            let names = page.keys
             stats.keys += names.count
             let sizes = try await run { try await self.redis.pipeline(names.map { ["MEMORY", "USAGE", RedisArgument($0)] }) }
             stats.memoryBytes += sizes.reduce(0) { $0 + ((try? $1.get())?.int ?? 0) }

@@ -22,7 +22,7 @@ extension PresenceEngine {
 
     private func publish(_ message: NodeMessage, on channel: String) async throws(PresenceError) -> Int {
         let text = nodeMessageCoder.data(message)
-        return try await run { try await self.redis.send("PUBLISH", RedisArgument(channel), RedisArgument(bytes: Array(text))) }.int ?? 0
+        return try await run { try await self.redis.publish(Array(text), on: channel) }
     }
 }
 

@@ -42,14 +42,21 @@ extension PresenceEngine {
     /// Runs the lease script; returns whether the lease was renewed (or taken, with
     /// `register`), not found gone. An index holding fewer devices than this node's sessions
     /// asks for an audit: Redis lost part of it, and a node that died now could not be reaped.
+    ///
+    /// The registry follows the lease: before a lease is taken, the node is listed at the
+    /// estimated end (a process that dies right after taking it is still found); after each
+    /// renewal, at the end the script set.
     private func leaseScript(register: Bool) async throws(PresenceError) -> Bool {
         let sessions = localDeviceCount
+        let node = configuration.nodeID
         do {
+            if register { try await list(node, until: indexScore(after: configuration.leaseTTL)) }
             let sent = clock.nowMilliseconds()
-            let outcome = try await evaluate(RenewLease(node: configuration.nodeID, register: register, sessions: sessions))
-            guard case .renewed(let storeNow, let indexed) = outcome else { return false }
+            let outcome = try await evaluate(RenewLease(node: node, register: register, sessions: sessions))
+            guard case .renewed(let storeNow, let ends, let indexed) = outcome else { return false }
             let local = (sent + clock.nowMilliseconds()) / 2
             storeClockOffset.withLockedValue { $0 = storeNow - local }
+            try await list(node, until: ends)
             if indexed < sessions { requestAudit() }
             return true
         } catch where error.code == .unavailable {
@@ -81,7 +88,21 @@ extension PresenceEngine {
         let node = configuration.nodeID
         let listed = try await run { try await self.redis.send("ZSCORE", RedisArgument(keys.nodes), RedisArgument(node)) }
         guard !listed.isNull else { return 0 }
-        return try await reapNode(node, leaseEnded: try await storeNow(), predecessor: true) ?? 0
+        guard case .reaped(let changed) = try await reapNode(node, leaseEnded: try await storeNow(), predecessor: true) else { return 0 }
+        return changed
+    }
+
+    /// Lists `node` in the registry, to be looked at by a reaper at `until` (with the registry's
+    /// safety TTL).
+    private func list(_ node: String, until: Int64) async throws(PresenceError) {
+        let keep = RedisArgument(Int(configuration.deviceKeyTTL.milliseconds))
+        let results = try await run {
+            try await self.redis.pipeline([
+                ["ZADD", RedisArgument(keys.nodes), RedisArgument(Int(until)), RedisArgument(node)],
+                ["PEXPIRE", RedisArgument(keys.nodes), keep],
+            ])
+        }
+        if case .failure(let error) = results[0] { throw Self.presenceError(error) }
     }
 
     /// Renews the lease. Returns `false` when the lease was gone: the node was reaped or Redis
@@ -89,15 +110,19 @@ extension PresenceEngine {
     public func renewLease() async throws(PresenceError) -> Bool {
         guard try await leaseScript(register: false) else { return false }
         // The node's other keys follow the lease; their safety TTL is refreshed at the same time.
+        // The deadline sets every node shares are kept by whichever node's turn comes first, an
+        // eighth of their TTL after the last time this node did it.
         let node = configuration.nodeID
         let keep = RedisArgument(Int(configuration.deviceKeyTTL.milliseconds))
-        _ = try await run {
-            try await self.redis.pipeline([
-                ["PEXPIRE", RedisArgument(keys.nodeDevices(node)), keep],
-                ["PEXPIRE", RedisArgument(keys.deadlines), keep],
-                ["PEXPIRE", RedisArgument(keys.typingDeadlines), keep],
-            ])
+        var sets = [keys.nodeDevices(node)]
+        let now = ContinuousClock.now
+        let shared = sharedKeysKept.withLockedValue { last in
+            guard last.map({ now - $0 >= configuration.deviceKeyTTL / 8 }) ?? true else { return false }
+            last = now
+            return true
         }
+        if shared { sets += keys.allDeadlines + keys.allTypingDeadlines }
+        _ = try await run { try await self.redis.pipeline(sets.map { ["PEXPIRE", RedisArgument($0), keep] }) }
         return true
     }
 
@@ -115,7 +140,8 @@ extension PresenceEngine {
     /// that a reaper takes offline any device a session still held (one whose close Redis did not
     /// take); devices whose sessions closed are lingering already and do not depend on it.
     public func deregisterNode() async throws(PresenceError) {
-        try await evaluate(ReleaseLease(node: configuration.nodeID))
+        let released = try await evaluate(ReleaseLease(node: configuration.nodeID))
+        try await list(configuration.nodeID, until: released)
     }
 
     /// How many devices this node's sessions hold.
@@ -164,24 +190,36 @@ extension PresenceEngine {
         if !recovering {
             let nodes = try await claim(keys.nodes, limit: 16)
             try await forEachClaimed(keys.nodes, nodes) { node, leaseEnded throws(PresenceError) in
-                if let changed = try await reapNode(node, leaseEnded: Int64(leaseEnded)) {
+                switch try await reapNode(node, leaseEnded: Int64(leaseEnded)) {
+                case .reaped(let changed):
                     report.changedUsers += changed
                     report.nodes.append(node)
+                    _ = try await evaluate(ResolveClaim(key: keys.nodes, member: node, score: nodes.retry))
+                case .live(let until):
+                    _ = try await evaluate(ResolveClaim(key: keys.nodes, member: node, score: nodes.retry, next: until))
                 }
-                _ = try await evaluate(RemoveIfScore(key: keys.nodes, member: node, score: nodes.retry))
             }
         }
-        let due = try await claim(keys.deadlines, limit: limit)
-        try await forEachClaimed(keys.deadlines, due) { member, _ throws(PresenceError) in
-            guard let (user, device) = keys.splitDeviceMember(member) else {
-                _ = try await run { try await self.redis.send("ZREM", RedisArgument(keys.deadlines), RedisArgument(member)) }
-                return
-            }
-            // The script keeps the device's entry in `deadlines` right whatever it finds.
-            if case .removed(let change) = try await evaluate(RemoveDevice(user: user, device: device, mode: .expire)) {
-                report.expiredDevices += 1
-                if change.changed || change.shownChanged { report.changedUsers += 1 }
-                await settle(change)
+        for (key, due) in try await claim(keys.allDeadlines, limit: limit) {
+            try await forEachClaimed(key, due) { member, _ throws(PresenceError) in
+                guard let (user, device) = keys.splitDeviceMember(member) else {
+                    _ = try await run { try await self.redis.send("ZREM", RedisArgument(key), RedisArgument(member)) }
+                    return
+                }
+                var next: Int64?
+                switch try await evaluate(RemoveDevice(user: user, device: device, mode: .expire)) {
+                case .removed(let change):
+                    report.expiredDevices += 1
+                    if change.changed || change.shownChanged { report.changedUsers += 1 }
+                    await settle(change)
+                case .live(let deadline):
+                    // Not due yet (the index was early, or the device was written again): looked
+                    // at again at its deadline. Held by a session: no deadline, out of the index.
+                    next = deadline
+                case .heldByAnother, .staleStatus:
+                    break
+                }
+                _ = try await evaluate(ResolveClaim(key: key, member: member, score: due.retry, next: next))
             }
         }
         report.typingEnded = try await reapTyping(limit: limit)
@@ -191,20 +229,25 @@ extension PresenceEngine {
         return report
     }
 
-    /// Takes offline every device a dead node held; returns how many users' aggregates changed,
-    /// or `nil` when the node id holds a lease again (a restarted process took it back).
+    /// What a reaper found of a node it claimed.
+    private enum NodeReaping {
+        /// Its devices were taken offline; this many users' aggregates changed.
+        case reaped(changedUsers: Int)
+        /// It holds its lease (again: a restarted process took it back), until then.
+        case live(until: Int64)
+    }
+
+    /// Takes offline every device a dead node held (see ``NodeReaping``).
     ///
     /// - Important: A node id may be reused by the next process (fixed ids in a compose file or
     ///   a local cluster). Devices written after `leaseEnded` are that process's and are kept, and
     ///   its lease and index are never deleted.
     ///   With `predecessor`, this process reaps what the previous one under its own id left:
     ///   the lease is not checked and the index is kept (this process may have added to it).
-    private func reapNode(_ node: String, leaseEnded: Int64, predecessor: Bool = false) async throws(PresenceError) -> Int? {
-        if !predecessor {
-            guard try await !evaluate(LeaseLive(node: node)) else {
-                logger.info("a node claimed as lapsed holds its lease; not reaped", metadata: ["presence.node_id": "\(node)"])
-                return nil
-            }
+    private func reapNode(_ node: String, leaseEnded: Int64, predecessor: Bool = false) async throws(PresenceError) -> NodeReaping {
+        if !predecessor, case .live(let until) = try await evaluate(LeaseLive(node: node)) {
+            logger.info("a node claimed as lapsed holds its lease; not reaped", metadata: ["presence.node_id": "\(node)"])
+            return .live(until: until)
         }
         let info = try await run { try await self.redis.send("HMGET", RedisArgument(keys.nodeInfo(node)), "renewed_at", "sessions") }.array ?? []
         // Without its info (lost with Redis data), the best known moment is a lease before the
@@ -212,30 +255,42 @@ extension PresenceEngine {
         let renewed = info.first.flatMap(ScriptLua.timestamp) ?? (leaseEnded - configuration.leaseTTL.milliseconds)
         let sessions = info.count == 2 ? info[1].int ?? 0 : 0
         var cursor = "0"
-        var byUser: [String: Int] = [:]
+        var byUser: [String: [String]] = [:]
         repeat {
             let page = try await run { try await self.redis.send("SSCAN", RedisArgument(keys.nodeDevices(node)), RedisArgument(cursor), "COUNT", "1000") }
             guard let parts = page.array, parts.count == 2, let next = parts[0].string else { break }
             cursor = next
             for member in parts[1].strings {
-                if let (user, _) = keys.splitDeviceMember(member) { byUser[user, default: 0] += 1 }
+                if let (user, device) = keys.splitDeviceMember(member) { byUser[user, default: []].append(device) }
             }
         } while cursor != "0"
         // An index smaller than the sessions the node last reported lost entries (a partial data
         // loss its audit had not repaired yet): every user's devices are looked at, or devices of
         // the dead node could stay live for good. Rare, and a scan of every user.
-        if byUser.values.reduce(0, +) < sessions {
+        if byUser.values.reduce(0, { $0 + $1.count }) < sessions {
             logger.warning("a dead node's device index is short of its sessions; scanning every user", metadata: ["presence.node_id": "\(node)"])
-            for user in try await allDeviceHolders() { byUser[user, default: 0] += 0 }
+            for user in try await allDeviceHolders() { byUser[user, default: []] += [] }
         }
         var changed = 0
         let users = Array(byUser.keys)
+        let linger = predecessor ? configuration.linger : .zero
         for start in stride(from: 0, to: users.count, by: 200) {
-            let calls = users[start..<min(start + 200, users.count)].map { user in
-                ReapNode(user: user, node: node, renewed: renewed, leaseEnded: leaseEnded, linger: predecessor ? configuration.linger : .zero)
+            let batch = users[start..<min(start + 200, users.count)]
+            if linger > .zero {
+                for user in batch { try await indexDeadline(of: user, devices: byUser[user] ?? [], after: linger) }
             }
-            for result in try await evaluate(calls) {
-                if case .success(.reaped(let change)) = result, change.changed || change.shownChanged {
+            let calls = batch.map { user in
+                ReapNode(user: user, node: node, renewed: renewed, leaseEnded: leaseEnded, linger: linger)
+            }
+            for (user, result) in zip(batch, try await evaluate(calls)) {
+                guard case .success(.reaped(let change, let lingering, let until)) = result else { continue }
+                // Devices the index did not name linger too: indexed now, at their deadline.
+                let unindexed = lingering.filter { !(byUser[user] ?? []).contains($0) }
+                if !unindexed.isEmpty {
+                    let members = unindexed.flatMap { [RedisArgument(Int(until)), RedisArgument(keys.deviceMember(user: user, device: $0))] }
+                    try await run { try await self.redis.send([RedisArgument("ZADD"), RedisArgument(self.keys.deadlines(ofUser: user))] + members) }
+                }
+                if change.changed || change.shownChanged {
                     changed += 1
                     await settle(change)
                 }
@@ -245,23 +300,19 @@ extension PresenceEngine {
             _ = try await evaluate(DropNode(node: node))
         }
         logger.info("reaped a dead node", metadata: ["presence.node_id": "\(node)", "presence.users": "\(byUser.count)", "presence.last_renewal": "\(renewed)"])
-        return changed
+        return .reaped(changedUsers: changed)
     }
 
-    /// Every user with a devices hash, by a SCAN of the key space.
+    /// Every user with a devices hash, by a SCAN of the key space (every primary of a cluster).
     private func allDeviceHolders() async throws(PresenceError) -> Set<String> {
         var users = Set<String>()
-        var cursor = "0"
-        repeat {
-            let page = try await run {
-                try await self.redis.send("SCAN", RedisArgument(cursor), "MATCH", RedisArgument(keys.devices("*")), "COUNT", "1000")
+        try await run {
+            try await self.redis.scanKeys(matching: self.keys.allDevicesPattern, count: 1000) { page in
+                for key in page {
+                    if let user = self.keys.user(fromKey: key, suffix: "devices") { users.insert(user) }
+                }
             }
-            guard let parts = page.array, parts.count == 2, let next = parts[0].string else { break }
-            cursor = next
-            for key in parts[1].strings {
-                if let user = keys.user(fromKey: key, suffix: "devices") { users.insert(user) }
-            }
-        } while cursor != "0"
+        }
         return users
     }
 
@@ -285,5 +336,26 @@ extension PresenceEngine {
     /// Claims up to `limit` due entries of a deadline sorted set (see ``ClaimDue``).
     func claim(_ key: String, limit: Int) async throws(PresenceError) -> ClaimDue.Claim {
         try await evaluate(ClaimDue(key: key, claimFor: .milliseconds(Self.claimMilliseconds), limit: limit))
+    }
+
+    /// Claims up to `limit` due entries of each of several sets, in one pipeline (the buckets of a
+    /// deadline set, each in its own slot); the sets with something claimed, with their claims.
+    /// A set Redis refused to claim from (its primary failing over) is left for the next pass.
+    func claim(_ sets: [String], limit: Int) async throws(PresenceError) -> [(key: String, claim: ClaimDue.Claim)] {
+        let calls = sets.map { ClaimDue(key: $0, claimFor: .milliseconds(Self.claimMilliseconds), limit: limit) }
+        var claimed: [(key: String, claim: ClaimDue.Claim)] = []
+        var failure: PresenceError?
+        for (key, result) in zip(sets, try await evaluate(calls)) {
+            switch result {
+            case .success(let claim) where !claim.entries.isEmpty: claimed.append((key, claim))
+            case .success: break
+            case .failure(let error): failure = error
+            }
+        }
+        if let failure {
+            if claimed.isEmpty { throw failure }
+            logger.warning("cannot claim from a deadline set; it is tried again on the next pass", metadata: ["error": "\(failure)"])
+        }
+        return claimed
     }
 }

@@ -37,12 +37,42 @@ extension PresenceEngine {
     /// Sets whether `user` is typing in `conversation`. Only members may; a user who is offline
     /// or hidden is never shown typing (a start is ignored: it would show them active). Returns
     /// whether watchers were told.
+    ///
+    /// A start is checked against the user's state (in the user's slot) before it is written and
+    /// again after: a change to offline or hidden ends the user's typing after it is stored
+    /// (``settle(_:)``), so whichever of the two comes second sees the other, and a start racing it
+    /// is ended at once rather than at its expiry.
     @discardableResult
     public func setTyping(user: String, conversation: String, isTyping: Bool) async throws(PresenceError) -> Bool {
-        switch try await evaluate(SetTyping(conversation: conversation, user: user, isTyping: isTyping, checked: true)) {
+        // A start from a user who may not be shown typing is taken as a stop: checked the same
+        // way (a non-member is refused), and ending a state that raced the change.
+        var starting = false
+        if isTyping { starting = try await mayShowTyping(user) }
+        if starting { try await indexTyping(conversation, user: user) }
+        switch try await evaluate(SetTyping(conversation: conversation, user: user, isTyping: starting, checked: true)) {
         case .notMember: throw PresenceError(.forbidden, "you are not a member of this conversation")
-        case .published: return true
         case .quiet: return false
+        case .published:
+            if starting, try await !mayShowTyping(user) {
+                _ = try await evaluate(SetTyping(conversation: conversation, user: user, isTyping: false, checked: false))
+            }
+            return true
+        }
+    }
+
+    /// Whether `user` may be shown typing: online or away, and not hidden.
+    private func mayShowTyping(_ user: String) async throws(PresenceError) -> Bool {
+        let state = try await run { try await self.redis.send("HMGET", RedisArgument(keys.state(user)), "status", "hidden") }.array ?? []
+        guard state.count == 2, let status = state[0].string, status != PresenceStatus.offline.rawValue else { return false }
+        return state[1].string != "1"
+    }
+
+    /// Indexes a typing state in its conversation's bucket before a start writes it (see
+    /// ``indexDeadline(of:devices:after:)``).
+    private func indexTyping(_ conversation: String, user: String) async throws(PresenceError) {
+        let score = RedisArgument(Int(indexScore(after: configuration.typingTTL)))
+        try await run {
+            try await self.redis.send("ZADD", RedisArgument(self.keys.typingDeadlines(ofConversation: conversation)), score, RedisArgument("\(conversation)|\(user)"))
         }
     }
 
@@ -96,22 +126,20 @@ extension PresenceEngine {
 
     /// Ends typing states whose expiry passed; part of every reaper pass.
     func reapTyping(limit: Int) async throws(PresenceError) -> Int {
-        let due = try await claim(keys.typingDeadlines, limit: limit)
-        let retry = due.retry
         var ended = 0
-        try await forEachClaimed(keys.typingDeadlines, due) { member, _ throws(PresenceError) in
-            let parts = member.split(separator: "|", maxSplits: 1).map(String.init)
-            var outcome = ExpireTyping.Outcome.none
-            if parts.count == 2 {
-                outcome = try await evaluate(ExpireTyping(conversation: parts[0], user: parts[1]))
+        for (key, due) in try await claim(keys.allTypingDeadlines, limit: limit) {
+            try await forEachClaimed(key, due) { member, _ throws(PresenceError) in
+                let parts = member.split(separator: "|", maxSplits: 1).map(String.init)
+                var outcome = ExpireTyping.Outcome.none
+                if parts.count == 2 {
+                    outcome = try await evaluate(ExpireTyping(conversation: parts[0], user: parts[1]))
+                }
+                // Refreshed since it was indexed, or indexed early: looked at again at its real expiry.
+                var next: Int64?
+                if case .running(let expiry) = outcome { next = expiry }
+                _ = try await evaluate(ResolveClaim(key: key, member: member, score: due.retry, next: next))
+                if outcome == .ended { ended += 1 }
             }
-            if case .running(let expiry) = outcome {
-                // Refreshed since it was indexed: keep it at its real expiry.
-                _ = try await run { try await self.redis.send("ZADD", RedisArgument(keys.typingDeadlines), RedisArgument(Int(expiry)), RedisArgument(member)) }
-                return
-            }
-            _ = try await evaluate(RemoveIfScore(key: keys.typingDeadlines, member: member, score: retry))
-            if outcome == .ended { ended += 1 }
         }
         return ended
     }

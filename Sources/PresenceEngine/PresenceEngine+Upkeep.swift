@@ -157,6 +157,40 @@ extension PresenceEngine {
     /// last one checked, round the node's devices in turn: the idle cost stays one script per
     /// ``PresenceConfiguration/auditInterval`` however many devices the node holds, and every
     /// device is checked once per interval per 500 devices.
+    /// What Redis holds of each device, read in two steps each on one slot: the node's index
+    /// (one `SMISMEMBER`), then one script per user over that user's devices (one pipeline).
+    /// `nil` for a device whose user's script Redis refused (checked on the next audit).
+    private func auditFindings(_ devices: [(key: String, value: LocalDevice)]) async throws(PresenceError) -> [AuditDevices.Finding?] {
+        guard !devices.isEmpty else { return [] }
+        let index = try await run {
+            try await self.redis.send([RedisArgument("SMISMEMBER"), RedisArgument(self.keys.nodeDevices(self.configuration.nodeID))] + devices.map { RedisArgument($0.key) })
+        }.array ?? []
+        var positions: [String: [Int]] = [:]
+        var users: [String] = []
+        for (position, (_, device)) in devices.enumerated() {
+            if positions[device.user] == nil { users.append(device.user) }
+            positions[device.user, default: []].append(position)
+        }
+        let calls = users.map { user in
+            AuditDevices(user: user, devices: (positions[user] ?? []).map { position in
+                let device = devices[position].value
+                return AuditDevices.Device(device: device.device, session: device.session, status: device.status, indexed: position < index.count && index[position].int == 1)
+            })
+        }
+        var findings = [AuditDevices.Finding?](repeating: nil, count: devices.count)
+        for (user, result) in zip(users, try await evaluate(calls)) {
+            switch result {
+            case .success(let found):
+                for (position, finding) in zip(positions[user] ?? [], found) { findings[position] = finding }
+            case .failure(let error) where error.code == .unavailable:
+                throw error
+            case .failure(let error):
+                logger.warning("cannot audit a user's devices", metadata: ["presence.user_id": "\(user)", "error": "\(error)"])
+            }
+        }
+        return findings
+    }
+
     @discardableResult
     public func audit(all: Bool = true) async throws(PresenceError) -> AuditReport {
         let devices: [(key: String, value: LocalDevice)] = local.withLockedValue { local in
@@ -174,12 +208,11 @@ extension PresenceEngine {
         var stale: [(member: String, session: String)] = []
         let node = configuration.nodeID
         for start in stride(from: 0, to: devices.count, by: Self.auditBatch) {
-            let slice = devices[start..<min(start + Self.auditBatch, devices.count)]
-            let findings = try await evaluate(AuditDevices(node: node, devices: slice.map {
-                AuditDevices.Device(user: $0.value.user, device: $0.value.device, session: $0.value.session, status: $0.value.status)
-            }))
-            report.checked += slice.count
+            let slice = Array(devices[start..<min(start + Self.auditBatch, devices.count)])
+            let findings = try await auditFindings(slice)
+            report.checked += findings.count
             for ((member, device), finding) in zip(slice, findings) {
+                guard let finding else { continue }
                 switch finding {
                 case .lost, .unindexed: lost.append(member)
                 case .heldByAnother:

@@ -14,8 +14,8 @@ public final class PresenceEngine: Sendable {
     public let configuration: PresenceConfiguration
     /// The key layout.
     public let keys: PresenceKeys
-    /// The store.
-    public let redis: RedisClient
+    /// The store: one Redis server, or a cluster.
+    public let redis: any RedisCommands
     /// Where time comes from.
     public let clock: any PresenceClock
     let logger: Logger
@@ -35,6 +35,8 @@ public final class PresenceEngine: Sendable {
     let unrestored = NIOLockedValueBox(Set<String>())
     /// Redis's clock minus this process's (ms), as the last lease renewal measured it.
     let storeClockOffset = NIOLockedValueBox<Int64>(0)
+    /// When this node last refreshed the safety TTL of the deadline sets (``renewLease()``).
+    let sharedKeysKept = NIOLockedValueBox<ContinuousClock.Instant?>(nil)
     /// The last device the scheduled audit checked: the next one goes on after it.
     let auditCursor = NIOLockedValueBox("")
     /// An audit asked for outside the schedule (``requestAudit()``).
@@ -62,7 +64,7 @@ public final class PresenceEngine: Sendable {
     }
 
     /// Makes an engine; `configuration` must pass ``PresenceConfiguration/validate()``.
-    public init(redis: RedisClient, configuration: PresenceConfiguration, clock: any PresenceClock = SystemPresenceClock(), logger: Logger) {
+    public init(redis: any RedisCommands, configuration: PresenceConfiguration, clock: any PresenceClock = SystemPresenceClock(), logger: Logger) {
         self.redis = redis
         self.configuration = configuration
         self.keys = PresenceKeys(prefix: configuration.keyPrefix)
@@ -208,6 +210,7 @@ public final class PresenceEngine: Sendable {
 
     private func release(user: String, device: String, session: String, clean: Bool) async throws(PresenceError) -> PresenceChange? {
         let member = keys.deviceMember(user: user, device: device)
+        if !clean { try await indexDeadline(of: user, devices: [device], after: configuration.linger) }
         let outcome = try await evaluate(RemoveDevice(user: user, device: device, session: session, mode: clean ? .clean : .linger))
         // This session no longer holds the device: out of the node's index, unless a session of
         // this node holds it again (a new one, or the one that took it over). A device taken
@@ -233,6 +236,7 @@ public final class PresenceEngine: Sendable {
             }
             return PresenceChange(changed: false, shownChanged: false, views: try await views(of: user))
         }
+        try await indexDeadline(of: user, devices: [device], after: configuration.heartbeatTTL)
         guard case .written(let change, _) = try await evaluate(UpsertDevice(user: user, device: device, status: status, mode: .rest)) else {
             throw PresenceError(.internal, "unexpected reply from the device script")
         }
@@ -310,6 +314,28 @@ public final class PresenceEngine: Sendable {
     /// `at`): a node whose own clock is off would otherwise record its skew as latency.
     public func estimatedStoreNow() -> Int64 {
         clock.nowMilliseconds() + storeClockOffset.withLockedValue { $0 }
+    }
+
+    /// How much earlier than a deadline's estimate its index entry is scored: the error allowed
+    /// for ``estimatedStoreNow()`` (a round trip, drift since the last renewal, a primary whose
+    /// clock is a little ahead of the one the lease measured).
+    static let indexSlackMilliseconds: Int64 = 1000
+
+    /// Indexes devices of `user` in their bucket of the deadline sets, before a script gives them
+    /// a deadline `after` from now: scored at that deadline as estimated here, less
+    /// ``indexSlackMilliseconds``, so that the reaper looks no later than the deadline (if early,
+    /// it finds the device not due and scores it at its real deadline).
+    func indexDeadline(of user: String, devices: [String], after duration: Duration) async throws(PresenceError) {
+        guard !devices.isEmpty else { return }
+        let score = RedisArgument(Int(indexScore(after: duration)))
+        let members = devices.flatMap { [score, RedisArgument(keys.deviceMember(user: user, device: $0))] }
+        try await run { try await self.redis.send([RedisArgument("ZADD"), RedisArgument(self.keys.deadlines(ofUser: user))] + members) }
+    }
+
+    /// The score of an index entry for a deadline `after` from now (see ``indexDeadline(of:devices:after:)``).
+    func indexScore(after duration: Duration) -> Int64 {
+        if let fixed = clock.scriptTime { return fixed + duration.milliseconds }
+        return estimatedStoreNow() + duration.milliseconds - Self.indexSlackMilliseconds
     }
 
     /// Now by the clock the scripts use: Redis's (one `TIME`), or a test clock's.

@@ -1,7 +1,12 @@
+import RedisClient
+
 /// The key layout: the one place that knows how keys and channels are named.
 ///
 /// Keys of one user share the hash tag `{u:ID}`, keys of one conversation `{c:ID}`, keys of one
-/// node `{n:ID}`, so each script touches one hash slot.
+/// node `{n:ID}`, so each script touches one hash slot, on one server or on a Redis Cluster. The
+/// reapers' deadline sets are split into ``deadlineBuckets`` buckets whose tags sit one in each
+/// sixteenth of the slot space, so that a cluster spreads them over its primaries; the node
+/// registry and the conversation list are one key each.
 public struct PresenceKeys: Sendable {
     /// The prefix of every key and channel.
     public let prefix: String
@@ -38,10 +43,34 @@ public struct PresenceKeys: Sendable {
 
     /// Sorted set: node id scored by lease deadline (ms).
     public var nodes: String { "\(prefix):nodes" }
-    /// Sorted set: `user|device` scored by deadline (linger, REST heartbeat).
-    public var deadlines: String { "\(prefix):deadlines" }
-    /// Sorted set: `conversation|user` scored by typing expiry (ms).
-    public var typingDeadlines: String { "\(prefix):typing_deadlines" }
+    /// How many buckets the deadline sets are split into.
+    public static let deadlineBuckets = 16
+    /// The buckets' hash tags: bucket `i`'s slot lies in the middle of the `i`th sixteenth of the
+    /// 16,384 slots (checked by a test), so that 2, 4, 8 or 16 primaries with even slot ranges
+    /// each hold the same number of buckets.
+    static let bucketTags = [
+        "d:0.1181", "d:1.4948", "d:2.2714", "d:3.3255", "d:4.4295", "d:5.3287", "d:6.2372", "d:7.3633",
+        "d:8.261", "d:9.4769", "d:10.295", "d:11.4595", "d:12.1208", "d:13.3568", "d:14.2256", "d:15.1681",
+    ]
+
+    /// The bucket of a user's or a conversation's deadlines: always the same one.
+    public static func bucket(of id: String) -> Int { Int(HashSlot.crc16(id.utf8)) % deadlineBuckets }
+
+    /// Sorted set: `user|device` scored by the moment the reaper looks at the device (its linger
+    /// or REST heartbeat deadline, or earlier), for the users of one bucket.
+    public func deadlines(bucket: Int) -> String { "\(prefix):{\(Self.bucketTags[bucket])}:deadlines" }
+    /// The deadline set a user's devices are indexed in.
+    public func deadlines(ofUser user: String) -> String { deadlines(bucket: Self.bucket(of: user)) }
+    /// Sorted set: `conversation|user` scored by typing expiry (ms), for the conversations of one bucket.
+    public func typingDeadlines(bucket: Int) -> String { "\(prefix):{\(Self.bucketTags[bucket])}:typing_deadlines" }
+    /// The typing deadline set of a conversation.
+    public func typingDeadlines(ofConversation conversation: String) -> String { typingDeadlines(bucket: Self.bucket(of: conversation)) }
+    /// Every deadline set the reapers claim from: the buckets, and the single sets of the layout
+    /// before buckets (`prefix:deadlines`, `prefix:typing_deadlines`), which nodes of an older
+    /// version may still write during a rolling upgrade.
+    public var allDeadlines: [String] { (0..<Self.deadlineBuckets).map(deadlines(bucket:)) + ["\(prefix):deadlines"] }
+    /// Every typing deadline set, with the older layout's, as ``allDeadlines``.
+    public var allTypingDeadlines: [String] { (0..<Self.deadlineBuckets).map(typingDeadlines(bucket:)) + ["\(prefix):typing_deadlines"] }
     /// Set: every conversation id, for listing.
     public var conversations: String { "\(prefix):conversations" }
 

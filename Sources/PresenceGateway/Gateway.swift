@@ -43,7 +43,7 @@ public final class Gateway: Sendable {
         redisConfiguration.clientName = "presence-gateway:\(configuration.nodeID)"
         // REST answers 503 within a second while Redis is unreachable: wait little for a connection.
         redisConfiguration.waitForConnection = .milliseconds(300)
-        let redis = RedisClient(configuration: redisConfiguration, logger: logger)
+        let redis = try makeRedisCommands(configuration: redisConfiguration, logger: logger)
         let subscriber = RedisSubscriber(configuration: redisConfiguration, logger: logger)
         engine = PresenceEngine(redis: redis, configuration: configuration.engineConfiguration, logger: logger)
         frames = FrameCoder(ids: configuration.idFormat)

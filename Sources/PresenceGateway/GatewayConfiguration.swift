@@ -134,9 +134,7 @@ public struct GatewayConfiguration: Sendable {
             throw GatewayConfigurationError("PRESENCE_JWT_SECRET must be at least 32 bytes long (it is \(secret.utf8.count))")
         }
         do {
-            if case .cluster = try RedisConfiguration(url: redisURL).topology {
-                throw GatewayConfigurationError("PRESENCE_REDIS_URL: Redis Cluster (redis+cluster://) is not supported by the gateway yet; use redis:// or redis+sentinel://")
-            }
+            _ = try RedisConfiguration(url: redisURL)
             try engineConfiguration.validate()
         } catch let error as RedisError {
             throw GatewayConfigurationError("PRESENCE_REDIS_URL: \(error.message)")

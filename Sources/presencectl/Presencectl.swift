@@ -49,7 +49,7 @@ struct GlobalOptions: ParsableArguments {
             var configuration = try RedisConfiguration(url: redisURL)
             configuration.clientName = "presencectl"
             configuration.connectTimeout = .seconds(3)
-            try await RedisClient.withClient(configuration: configuration, logger: logger) { redis in
+            try await withRedisCommands(configuration: configuration, logger: logger) { redis in
                 let engine = PresenceEngine(redis: redis, configuration: PresenceConfiguration(keyPrefix: keyPrefix, nodeID: "presencectl"), logger: logger)
                 try await body(engine)
             }

@@ -26,7 +26,7 @@ struct OffsetClock: PresenceClock {
 
 /// Engines for several simulated nodes sharing one Redis client and one key prefix.
 struct EngineCluster {
-    let redis: RedisClient
+    let redis: any RedisCommands
     let clock = ManualClock()
     let prefix = TestRedis.uniquePrefix("engine")
     var prefixKeys: PresenceKeys { PresenceKeys(prefix: prefix) }
@@ -44,13 +44,9 @@ struct EngineCluster {
 
     /// Deletes every key under the prefix, as a Redis that lost its data would.
     func wipe() async throws {
-        var cursor = "0"
-        repeat {
-            let page = try await redis.send("SCAN", RedisArgument(cursor), "MATCH", RedisArgument(prefix + ":*"), "COUNT", "1000")
-            cursor = page.array?[0].string ?? "0"
-            let keys = page.array?[1].strings ?? []
-            if !keys.isEmpty { try await redis.send([RedisArgument("DEL")] + keys.map { RedisArgument($0) }) }
-        } while cursor != "0"
+        try await redis.scanKeys(matching: prefix + ":*", count: 1000) { keys in
+            _ = try await redis.pipeline(keys.map { ["DEL", RedisArgument($0)] })
+        }
     }
 
     /// A cluster on a redis-server of its own that keeps its data across a stop and a start (an
@@ -65,11 +61,17 @@ struct EngineCluster {
         }
     }
 
+    /// On the shared test server, or the cluster `PRESENCE_TEST_REDIS_URL` names.
     static func with(_ body: (EngineCluster) async throws -> Void) async throws {
-        try await RedisClient.withClient(configuration: TestRedis.configuration(), logger: TestRedis.logger()) { redis in
+        try await withRedisCommands(configuration: TestRedis.configuration(), logger: TestRedis.logger()) { redis in
             let cluster = EngineCluster(redis: redis)
-            defer { Task { try? await cluster.wipe() } }
-            try await body(cluster)
+            do {
+                try await body(cluster)
+            } catch {
+                try? await cluster.wipe()
+                throw error
+            }
+            try? await cluster.wipe()
         }
     }
 }

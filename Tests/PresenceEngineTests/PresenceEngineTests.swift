@@ -96,7 +96,10 @@ struct PresenceEngineTests {
             }
             // Whatever each race left, a device that is there has its heartbeat deadline indexed.
             let online = try await engine.views(of: users).filter { $0.real.status != .offline }.map(\.real.userID)
-            let indexed = try await cluster.redis.send("ZRANGE", RedisArgument(cluster.prefixKeys.deadlines), "0", "-1").strings
+            var indexed = Set<String>()
+            for bucket in cluster.prefixKeys.allDeadlines {
+                indexed.formUnion(try await cluster.redis.send("ZRANGE", RedisArgument(bucket), "0", "-1").strings)
+            }
             let unindexed = online.filter { !indexed.contains("\($0)|web") }
             #expect(unindexed.isEmpty, "devices with no deadline entry: \(unindexed)")
             cluster.clock.advance(.seconds(61))

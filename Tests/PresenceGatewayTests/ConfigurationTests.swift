@@ -64,12 +64,14 @@ struct ConfigurationTests {
         sentinel.redisURL = "redis+sentinel://127.0.0.1:26379,127.0.0.1:26380/mymaster/0"
         try sentinel.validate()
         var cluster = badURL
-        cluster.redisURL = "redis+cluster://127.0.0.1:7000"
+        cluster.redisURL = "redis+cluster://127.0.0.1:7000,127.0.0.1:7001"
+        try cluster.validate()
+        cluster.redisURL = "redis+cluster://127.0.0.1:7000/1"
         do {
             try cluster.validate()
-            Issue.record("a cluster URL must be refused until the gateway supports it")
+            Issue.record("a cluster has database 0 only")
         } catch {
-            #expect(error.description.contains("not supported by the gateway yet"), "\(error.description)")
+            #expect(error.description.contains("PRESENCE_REDIS_URL"), "\(error.description)")
         }
     }
 

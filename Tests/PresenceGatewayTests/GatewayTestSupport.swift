@@ -39,7 +39,9 @@ func token(_ user: String, expiresIn: TimeInterval = 3600, secret: String = test
     return try await keys.sign(ClientClaims(sub: .string(user), exp: .init(value: Date(timeIntervalSinceNow: expiresIn)), nbf: nil))
 }
 
-/// Runs `body` with live gateway nodes sharing one Redis and one key prefix.
+/// Runs `body` with live gateway nodes sharing one Redis and one key prefix, once each node's
+/// `/readyz` says it reaches Redis (as a balancer would wait; on a Redis Cluster a node first
+/// learns the slot map and connects to every primary), or after 10 s.
 func withNodes(
     _ count: Int,
     prefix: String = TestRedis.uniquePrefix("gw"),
@@ -52,7 +54,12 @@ func withNodes(
         configure(&configuration)
         apps.append(try await buildApplication(configuration: configuration, logger: TestRedis.logger()))
     }
-    try await nest(apps, ports: [], body)
+    try await nest(apps, ports: []) { ports in
+        for port in ports {
+            _ = await eventually(timeout: .seconds(10)) { (try? await call(port, "GET", "/readyz").status) == 200 }
+        }
+        try await body(ports)
+    }
 }
 
 private func nest<App: ApplicationProtocol>(_ apps: [App], ports: [Int], _ body: @escaping @Sendable ([Int]) async throws -> Void) async throws {

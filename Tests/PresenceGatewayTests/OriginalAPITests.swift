@@ -14,7 +14,7 @@ import Testing
 struct OriginalAPITests {
     /// The device ids Redis holds for `user`.
     private func deviceIDs(_ user: String, prefix: String) async throws -> Set<String> {
-        try await RedisClient.withClient(configuration: TestRedis.configuration(), logger: TestRedis.logger()) { redis in
+        try await withRedisCommands(configuration: TestRedis.configuration(), logger: TestRedis.logger()) { redis in
             let reply = try await redis.send("HKEYS", RedisArgument("\(prefix):{u:\(user)}:devices"))
             guard case .array(let items) = reply else { return [] }
             return Set(items.compactMap { item -> String? in

@@ -1,12 +1,17 @@
 import PresenceProtocol
 import RedisClient
 
-// The scripts that change a user's devices. Each touches the keys of one user (one hash slot,
-// `{u:ID}`), works the aggregate out again and publishes on the user's channel only when the
-// aggregate, or the view others have of it, changed.
+// The scripts that change a user's devices. Each touches the keys of one user and nothing else
+// (one hash slot, `{u:ID}`), works the aggregate out again and publishes on the user's channel
+// only when the aggregate, or the view others have of it, changed.
+//
+// A device with a deadline (lingering, or kept by REST heartbeats) is found by the reaper through
+// its bucket of the deadline sets, which lives in another slot. The engine indexes it there
+// before the script gives it the deadline, at a moment no later than the deadline, so that no
+// device is ever left with a deadline nobody looks at; an entry for a device that has no deadline
+// (any more) costs the reaper one look, after which it drops the entry.
 
-/// Adds or updates a device, and indexes a REST device's deadline in the same step (a device a
-/// session holds is taken out of the index), so no device is left with a deadline nobody reaps.
+/// Adds or updates a device.
 struct UpsertDevice: ScriptCall {
     enum Mode: String {
         /// A session opens.
@@ -35,7 +40,7 @@ struct UpsertDevice: ScriptCall {
     var mode: Mode
 
     func keys(_ context: ScriptContext) -> [String] {
-        [context.keys.devices(user), context.keys.state(user), context.keys.deadlines]
+        [context.keys.devices(user), context.keys.state(user)]
     }
 
     func arguments(_ context: ScriptContext) -> [RedisArgument] {
@@ -82,11 +87,6 @@ struct UpsertDevice: ScriptCall {
       return redis.error_reply('TOO_MANY_DEVICES the user has ' .. maxDevices .. ' devices already')
     end
     redis.call('HSET', KEYS[1], device, encode({status = status, node = node, session = session, since = since, deadline = deadline, alive = now}))
-    if deadline > 0 then
-      redis.call('ZADD', KEYS[3], deadline, user .. '|' .. device)
-    else
-      redis.call('ZREM', KEYS[3], user .. '|' .. device)
-    end
     -- A device that says offline was alive until now: that is the user's last_seen if it was the last.
     local result = finish(KEYS[2], KEYS[1], channel, now, wentOffline, user, ttl)
     table.insert(result, prevSession)
@@ -95,15 +95,16 @@ struct UpsertDevice: ScriptCall {
     """)
 }
 
-/// Checks devices this node's sessions hold against what Redis has, reading only.
+/// Checks devices of one user that this node's sessions hold against what Redis has, reading only.
 struct AuditDevices: ScriptCall {
     struct Device {
-        var user: String
         var device: String
         /// The session holding it here.
         var session: String
         /// The status this node's session set.
         var status: PresenceStatus
+        /// Whether the node's device index has it (read just before, in the index's own slot).
+        var indexed: Bool
     }
 
     enum Finding: Equatable {
@@ -120,17 +121,13 @@ struct AuditDevices: ScriptCall {
         case staleStatus
     }
 
-    var node: String
+    var user: String
     var devices: [Device]
 
-    func keys(_ context: ScriptContext) -> [String] {
-        [context.keys.nodeDevices(node)] + devices.map { context.keys.devices($0.user) }
-    }
+    func keys(_ context: ScriptContext) -> [String] { [context.keys.devices(user)] }
 
     func arguments(_ context: ScriptContext) -> [RedisArgument] {
-        devices.flatMap {
-            [RedisArgument(context.keys.deviceMember(user: $0.user, device: $0.device)), RedisArgument($0.device), RedisArgument($0.session), RedisArgument($0.status.rawValue)]
-        }
+        devices.flatMap { [RedisArgument($0.device), RedisArgument($0.session), RedisArgument($0.status.rawValue), $0.indexed ? "1" : "0"] }
     }
 
     /// One finding per device, in order.
@@ -150,10 +147,9 @@ struct AuditDevices: ScriptCall {
 
     static let script = RedisScript(ScriptLua.devices + """
     local codes = {}
-    for i = 2, #KEYS do
-      local base = (i - 2) * 4
-      local member, device, session, status = ARGV[base + 1], ARGV[base + 2], ARGV[base + 3], ARGV[base + 4]
-      local raw = redis.call('HGET', KEYS[i], device)
+    for base = 0, #ARGV - 4, 4 do
+      local device, session, status, indexed = ARGV[base + 1], ARGV[base + 2], ARGV[base + 3], ARGV[base + 4]
+      local raw = redis.call('HGET', KEYS[1], device)
       local code = 0
       if not raw then
         code = 1
@@ -163,7 +159,7 @@ struct AuditDevices: ScriptCall {
           code = 1
         elseif held.session ~= session then
           code = 3
-        elseif redis.call('SISMEMBER', KEYS[1], member) == 0 then
+        elseif indexed ~= '1' then
           code = 2
         elseif held.status ~= status then
           code = 4
@@ -175,8 +171,7 @@ struct AuditDevices: ScriptCall {
     """)
 }
 
-/// Takes a device away; its entry in `deadlines` follows in the same step (set to its deadline
-/// while it has one, removed otherwise).
+/// Takes a device away, or lets it linger (the engine indexes the linger's deadline first).
 struct RemoveDevice: ScriptCall {
     enum Mode: String {
         /// Removes at once.
@@ -190,7 +185,8 @@ struct RemoveDevice: ScriptCall {
     enum Outcome {
         /// Removed, or there was no such device; the aggregate was worked out again either way.
         case removed(PresenceChange)
-        /// The device stays live: lingering, or not due yet (the deadline, if it has one).
+        /// The device stays live: lingering, or not due yet (the deadline, if it has one), or held
+        /// by a session (no deadline).
         case live(deadline: Int64?)
         /// Another session holds it now.
         case heldByAnother
@@ -206,7 +202,7 @@ struct RemoveDevice: ScriptCall {
     var mode: Mode
 
     func keys(_ context: ScriptContext) -> [String] {
-        [context.keys.devices(user), context.keys.state(user), context.keys.deadlines]
+        [context.keys.devices(user), context.keys.state(user)]
     }
 
     func arguments(_ context: ScriptContext) -> [RedisArgument] {
@@ -228,13 +224,11 @@ struct RemoveDevice: ScriptCall {
     local now = clock(ARGV[1])
     local user, device, session, mode, linger, channel = ARGV[2], ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6]), ARGV[7]
     local ttl = ARGV[8]
-    local member = user .. '|' .. device
     local raw = redis.call('HGET', KEYS[1], device)
     if not raw then
       -- Gone already, or lost with Redis data: the user's state is worked out again from the
       -- devices that are left, so a state the lost devices made stale is set right, and watchers
       -- are told.
-      redis.call('ZREM', KEYS[3], member)
       return finish(KEYS[2], KEYS[1], channel, now, 0, user, ttl)
     end
     local d = parse(raw)
@@ -242,25 +236,17 @@ struct RemoveDevice: ScriptCall {
     if mode == 'linger' then
       d.node, d.session, d.deadline, d.alive = '', '', now + linger, now
       redis.call('HSET', KEYS[1], device, encode(d))
-      redis.call('ZADD', KEYS[3], d.deadline, member)
       return {-1, tostring(d.deadline)}
     end
     -- A device that already said offline was last alive when it said so.
     local alive = now
     if d.status == 'offline' then alive = d.alive end
     if mode == 'expire' then
-      if d.deadline == 0 then
-        redis.call('ZREM', KEYS[3], member)
-        return {-1, '0'}
-      end
-      if d.deadline > now then
-        redis.call('ZADD', KEYS[3], d.deadline, member)
-        return {-1, tostring(d.deadline)}
-      end
+      if d.deadline == 0 then return {-1, '0'} end
+      if d.deadline > now then return {-1, tostring(d.deadline)} end
       alive = d.alive
     end
     redis.call('HDEL', KEYS[1], device)
-    redis.call('ZREM', KEYS[3], member)
     return finish(KEYS[2], KEYS[1], channel, now, alive, user, ttl)
     """)
 }
@@ -273,7 +259,9 @@ struct RemoveDevice: ScriptCall {
 /// node's last renewal.
 struct ReapNode: ScriptCall {
     enum Outcome {
-        case reaped(PresenceChange)
+        /// Taken offline, or lingering: then with the lingering devices and their deadline, which
+        /// the engine indexes.
+        case reaped(PresenceChange, lingering: [String], until: Int64)
         /// The node held none of this user's devices.
         case noDevices
     }
@@ -288,7 +276,7 @@ struct ReapNode: ScriptCall {
     var linger: Duration = .zero
 
     func keys(_ context: ScriptContext) -> [String] {
-        [context.keys.devices(user), context.keys.state(user), context.keys.deadlines]
+        [context.keys.devices(user), context.keys.state(user)]
     }
 
     func arguments(_ context: ScriptContext) -> [RedisArgument] {
@@ -299,7 +287,9 @@ struct ReapNode: ScriptCall {
     func decode(_ reply: RESPValue) throws(PresenceError) -> Outcome {
         let values = reply.array ?? []
         if values.first?.int == -2 { return .noDevices }
-        return .reaped(try ScriptLua.change(values, user: user))
+        let until = values.count > 6 ? values[6].int.map(Int64.init) ?? 0 : 0
+        let lingering = values.count > 7 ? values[7...].compactMap(\.string) : []
+        return .reaped(try ScriptLua.change(values, user: user), lingering: lingering, until: until)
     }
 
     static let script = RedisScript(ScriptLua.devices + """
@@ -309,6 +299,7 @@ struct ReapNode: ScriptCall {
     local all = redis.call('HGETALL', KEYS[1])
     local removed = 0
     local alive = 0
+    local lingering = {}
     for i = 1, #all, 2 do
       local d = parse(all[i + 1])
       if d.node == node and d.deadline == 0 and d.alive <= ended then
@@ -318,7 +309,7 @@ struct ReapNode: ScriptCall {
         if linger > 0 then
           d.node, d.session, d.deadline, d.alive = '', '', now + linger, last
           redis.call('HSET', KEYS[1], all[i], encode(d))
-          redis.call('ZADD', KEYS[3], d.deadline, user .. '|' .. all[i])
+          lingering[#lingering + 1] = all[i]
         else
           redis.call('HDEL', KEYS[1], all[i])
           if last > alive then alive = last end
@@ -326,7 +317,10 @@ struct ReapNode: ScriptCall {
       end
     end
     if removed == 0 then return {-2} end
-    return finish(KEYS[2], KEYS[1], channel, now, alive, user, ttl)
+    local result = finish(KEYS[2], KEYS[1], channel, now, alive, user, ttl)
+    result[7] = now + linger
+    for _, device in ipairs(lingering) do result[#result + 1] = device end
+    return result
     """)
 }
 

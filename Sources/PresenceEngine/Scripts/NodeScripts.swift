@@ -1,16 +1,20 @@
 import PresenceProtocol
 import RedisClient
 
-// The scripts of node leases and of the reapers' deadline sets.
+// The scripts of node leases and of the reapers' deadline sets. A node's keys share the tag
+// `{n:ID}`; the registry (`prefix:nodes`) is a key of its own, which the engine writes beside
+// these scripts: a registry score is when a reaper looks at the node, and it is never later than
+// the node's lease end (written before a lease is taken, moved on after each renewal), so a
+// registry write that fails costs a reaper an early look, never a node left unreaped.
 
 /// Renews a node's lease, or with `register` takes it whether or not it exists. The lease's
-/// value and the node's score in the registry become the new lease end, and the node's info
-/// records the renewal (the last moment the node was known alive).
+/// value becomes the new lease end, and the node's info records the renewal (the last moment the
+/// node was known alive).
 struct RenewLease: ScriptCall {
     enum Outcome {
-        /// Renewed at this moment; the node's device index holds this many devices. An index
-        /// smaller than the node's sessions says Redis lost some of it: the caller audits.
-        case renewed(at: Int64, indexed: Int)
+        /// Renewed at this moment, until `ends`; the node's device index holds this many devices.
+        /// An index smaller than the node's sessions says Redis lost some of it: the caller audits.
+        case renewed(at: Int64, ends: Int64, indexed: Int)
         /// A renewal found the lease gone (reaped, or Redis lost its data): the caller registers again.
         case gone
     }
@@ -21,7 +25,7 @@ struct RenewLease: ScriptCall {
     var sessions: Int
 
     func keys(_ context: ScriptContext) -> [String] {
-        [context.keys.lease(node), context.keys.nodes, context.keys.nodeInfo(node), context.keys.nodeDevices(node)]
+        [context.keys.lease(node), context.keys.nodeInfo(node), context.keys.nodeDevices(node)]
     }
 
     func arguments(_ context: ScriptContext) -> [RedisArgument] {
@@ -33,55 +37,66 @@ struct RenewLease: ScriptCall {
         let values = reply.array ?? []
         guard let at = values.first?.int else { throw PresenceError(.internal, "unexpected reply from the lease script") }
         guard at > 0 else { return .gone }
-        return .renewed(at: Int64(at), indexed: values.count == 2 ? values[1].int ?? 0 : 0)
+        guard values.count == 3, let ends = values[1].int, let indexed = values[2].int else {
+            throw PresenceError(.internal, "unexpected reply from the lease script")
+        }
+        return .renewed(at: Int64(at), ends: Int64(ends), indexed: indexed)
     }
 
-    /// Returns {the renewal's moment, how many devices the index holds}, or {0} when gone.
+    /// Returns {the renewal's moment, the lease's end, how many devices the index holds}, or {0}
+    /// when gone.
     static let script = RedisScript(ScriptLua.clock + """
     local now = clock(ARGV[1])
     local lease, node, sessions, ttl, mode = tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5], ARGV[6]
     local ends = now + lease
     if mode ~= 'register' and not leaseLeft(KEYS[1], ARGV[1]) then return {0} end
     redis.call('SET', KEYS[1], ends, 'PX', lease)
-    redis.call('ZADD', KEYS[2], ends, node)
-    redis.call('HSET', KEYS[3], 'renewed_at', now, 'sessions', sessions)
-    redis.call('PEXPIRE', KEYS[3], ttl)
+    redis.call('HSET', KEYS[2], 'renewed_at', now, 'sessions', sessions)
     redis.call('PEXPIRE', KEYS[2], ttl)
-    return {now, redis.call('SCARD', KEYS[4])}
+    return {now, ends, redis.call('SCARD', KEYS[3])}
     """)
 }
 
-/// Gives up a node's lease on a graceful shutdown: the node stays in the registry, lapsed now,
-/// so that a reaper takes any device it still held.
+/// Gives up a node's lease on a graceful shutdown; returns the moment, which the engine makes
+/// the node's registry score, so that a reaper takes any device it still held.
 struct ReleaseLease: ScriptCall {
     var node: String
 
-    func keys(_ context: ScriptContext) -> [String] { [context.keys.lease(node), context.keys.nodes] }
-    func arguments(_ context: ScriptContext) -> [RedisArgument] { [context.now, RedisArgument(node)] }
-    func decode(_ reply: RESPValue) throws(PresenceError) {}
+    func keys(_ context: ScriptContext) -> [String] { [context.keys.lease(node)] }
+    func arguments(_ context: ScriptContext) -> [RedisArgument] { [context.now] }
+    func decode(_ reply: RESPValue) throws(PresenceError) -> Int64 { Int64(reply.int ?? 0) }
 
     static let script = RedisScript(ScriptLua.clock + """
     redis.call('DEL', KEYS[1])
-    redis.call('ZADD', KEYS[2], clock(ARGV[1]), ARGV[2])
-    return 1
+    return clock(ARGV[1])
     """)
 }
 
 /// Whether a node's lease key still exists: that, and nothing a clock says, is whether the node
-/// is alive. A live node claimed by a reaper (its score passed a moment before its key expired,
-/// or it was renewed meanwhile) is put back in the registry at its lease's real end.
+/// is alive. For a live node, also when its lease ends, for the engine to put it back in the
+/// registry at that moment (a reaper claimed it a moment before its key expired, or it was
+/// renewed meanwhile).
 struct LeaseLive: ScriptCall {
+    enum Outcome: Equatable {
+        case live(until: Int64)
+        case lapsed
+    }
+
     var node: String
 
-    func keys(_ context: ScriptContext) -> [String] { [context.keys.lease(node), context.keys.nodes] }
-    func arguments(_ context: ScriptContext) -> [RedisArgument] { [context.now, RedisArgument(node)] }
-    func decode(_ reply: RESPValue) throws(PresenceError) -> Bool { reply.int == 1 }
+    func keys(_ context: ScriptContext) -> [String] { [context.keys.lease(node)] }
+    func arguments(_ context: ScriptContext) -> [RedisArgument] { [context.now] }
 
+    func decode(_ reply: RESPValue) throws(PresenceError) -> Outcome {
+        guard let until = reply.int, until > 0 else { return .lapsed }
+        return .live(until: Int64(until))
+    }
+
+    /// Returns the lease's end, or 0 when it has none.
     static let script = RedisScript(ScriptLua.clock + """
     local left = leaseLeft(KEYS[1], ARGV[1])
     if not left then return 0 end
-    if left > 0 then redis.call('ZADD', KEYS[2], clock(ARGV[1]) + left, ARGV[2]) end
-    return 1
+    return clock(ARGV[1]) + math.max(left, 0)
     """)
 }
 
@@ -149,23 +164,27 @@ struct ClaimDue: ScriptCall {
     """)
 }
 
-/// Removes a member of a sorted set only if its score is still the one given (the claim's).
-/// Returns whether it removed it.
-struct RemoveIfScore: ScriptCall {
+/// Settles a claimed entry of a sorted set, only if its score is still the claim's (nobody wrote
+/// it again since): removes it, or with `next` scores it for the next look. Returns whether it
+/// changed it.
+struct ResolveClaim: ScriptCall {
     var key: String
     var member: String
     var score: RedisArgument
+    var next: Int64?
 
     func keys(_ context: ScriptContext) -> [String] { [key] }
-    func arguments(_ context: ScriptContext) -> [RedisArgument] { [context.now, RedisArgument(member), score] }
+    func arguments(_ context: ScriptContext) -> [RedisArgument] { [context.now, RedisArgument(member), score, RedisArgument(Int(next ?? 0))] }
     func decode(_ reply: RESPValue) throws(PresenceError) -> Bool { reply.int == 1 }
 
     static let script = RedisScript("""
     local score = redis.call('ZSCORE', KEYS[1], ARGV[2])
-    if score and tonumber(score) == tonumber(ARGV[3]) then
-      return redis.call('ZREM', KEYS[1], ARGV[2])
+    if not score or tonumber(score) ~= tonumber(ARGV[3]) then return 0 end
+    if tonumber(ARGV[4]) > 0 then
+      redis.call('ZADD', KEYS[1], ARGV[4], ARGV[2])
+      return 1
     end
-    return 0
+    return redis.call('ZREM', KEYS[1], ARGV[2])
     """)
 }
 

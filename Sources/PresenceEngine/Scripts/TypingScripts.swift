@@ -1,20 +1,22 @@
 import PresenceProtocol
 import RedisClient
 
-// The scripts of typing states. A conversation's typing hash holds user → `expiry|forwarded`.
+// The scripts of typing states. A conversation's typing hash holds user → `expiry|forwarded`;
+// the scripts touch the conversation's keys only (`{c:ID}`). The engine indexes the expiry in the
+// conversation's bucket of the typing deadline sets before a start (as the device scripts' callers
+// do), and checks the user's own state, in the user's slot, before and after it.
 
 /// Sets or clears a user's typing state in a conversation. A start, or a refresh at least a
 /// coalescing window after the last one forwarded, is published; other refreshes only extend
-/// the expiry. A stop is published only if the user was typing. The expiry is indexed for the
-/// reaper in the same step. A checked request (a client's) from a non-member is refused, and a
-/// start from a user who is offline or hidden is ignored, checked in the same step as the
-/// write, so that one racing a removal, an offline or a privacy change cannot outlive it.
+/// the expiry. A stop is published only if the user was typing. A checked request (a client's)
+/// from a non-member is refused in the same step as the write, so that one racing a removal
+/// cannot outlive it; a start the engine found the user may not make (offline or hidden) is not
+/// sent at all.
 struct SetTyping: ScriptCall {
     enum Outcome {
         /// Watchers were told.
         case published
-        /// Nothing to tell: a refresh within the window, a stop with nothing typing, or a start
-        /// from a user who is offline or hidden.
+        /// Nothing to tell: a refresh within the window, or a stop with nothing typing.
         case quiet
         /// A checked request from a user who is not a member.
         case notMember
@@ -27,7 +29,7 @@ struct SetTyping: ScriptCall {
     var checked: Bool
 
     func keys(_ context: ScriptContext) -> [String] {
-        [context.keys.typing(conversation), context.keys.typingDeadlines, context.keys.members(conversation), context.keys.state(user)]
+        [context.keys.typing(conversation), context.keys.members(conversation)]
     }
 
     func arguments(_ context: ScriptContext) -> [RedisArgument] {
@@ -47,13 +49,7 @@ struct SetTyping: ScriptCall {
     static let script = RedisScript(ScriptLua.clock + """
     local now, conversation, user, typing = clock(ARGV[1]), ARGV[2], ARGV[3], ARGV[4] == '1'
     local ttl, window, channel, checked = tonumber(ARGV[5]), tonumber(ARGV[6]), ARGV[7], ARGV[8] == 'check'
-    if checked then
-      if redis.call('SISMEMBER', KEYS[3], user) == 0 then return -1 end
-      if typing then
-        local state = redis.call('HMGET', KEYS[4], 'status', 'hidden')
-        if not state[1] or state[1] == 'offline' or state[2] == '1' then return 0 end
-      end
-    end
+    if checked and redis.call('SISMEMBER', KEYS[2], user) == 0 then return -1 end
     local raw = redis.call('HGET', KEYS[1], user)
     local expiry, forwarded = 0, 0
     if raw then
@@ -66,7 +62,6 @@ struct SetTyping: ScriptCall {
       if publish then forwarded = now end
       redis.call('HSET', KEYS[1], user, (now + ttl) .. '|' .. forwarded)
       redis.call('PEXPIRE', KEYS[1], ttl * 10)
-      redis.call('ZADD', KEYS[2], now + ttl, conversation .. '|' .. user)
       if publish then
         publishTyping(channel, conversation, user, true, now)
         return 1
@@ -77,7 +72,6 @@ struct SetTyping: ScriptCall {
     -- one), even if its expiry has just passed: publish it now.
     if raw then
       redis.call('HDEL', KEYS[1], user)
-      redis.call('ZREM', KEYS[2], conversation .. '|' .. user)
       publishTyping(channel, conversation, user, false, now)
       return 1
     end

@@ -1,0 +1,143 @@
+import Logging
+import NIOCore
+import NIOPosix
+import ServiceLifecycle
+
+/// What a user of Redis needs, whether one server (a `redis://` or `redis+sentinel://` URL, a
+/// ``RedisClient``) or a cluster (`redis+cluster://`, a ``RedisClusterClient``) answers: commands,
+/// pipelines and scripts routed to the server that holds their keys, connection events, and a
+/// walk of the whole key space.
+///
+/// A pipeline or a batch of script calls may name keys of several hash slots: a cluster client
+/// sends each command to its slot's primary, and each result still comes back in order. A single
+/// command or script must keep its keys in one slot.
+public protocol RedisCommands: AnyObject, Sendable, Service {
+    /// Where the client connects (for a cluster: the template of every node connection).
+    var configuration: RedisConfiguration { get }
+    /// Whether the client can reach every server it needs right now.
+    var isConnected: Bool { get }
+    /// Sends one command and returns its reply; an error reply throws ``RedisError/Code/server``.
+    @discardableResult
+    func send(_ arguments: [RedisArgument]) async throws(RedisError) -> RESPValue
+    /// Sends several commands; each result is that command's reply or error, in order.
+    func pipeline(_ commands: [[RedisArgument]]) async throws(RedisError) -> [Result<RESPValue, RedisError>]
+    /// Runs `script` by SHA, loading it where the server does not know it.
+    @discardableResult
+    func evaluate(_ script: RedisScript, keys: [String], arguments: [RedisArgument]) async throws(RedisError) -> RESPValue
+    /// Runs `script` once per call; each result in order.
+    func evaluate(_ script: RedisScript, calls: [(keys: [String], arguments: [RedisArgument])]) async throws(RedisError) -> [Result<RESPValue, RedisError>]
+    /// One page of the keys matching `pattern` on every server that holds keys, by `SCAN` with
+    /// `count` as its hint: the one server, or each primary of a cluster in turn. Start with the
+    /// cursor "0" and pass each returned cursor back until it is "0" again. A key may come twice,
+    /// as SCAN may return it twice; on a cluster whose primaries change meanwhile, keys of a
+    /// moved slot may be missed or repeated.
+    func scanPage(cursor: String, matching pattern: String, count: Int) async throws(RedisError) -> (cursor: String, keys: [String])
+    /// Publishes `payload` on `channel`; returns how many subscribers received it (on a cluster:
+    /// those connected to a primary, counted on every primary after the message).
+    func publish(_ payload: [UInt8], on channel: String) async throws(RedisError) -> Int
+    /// Registers `observer` for connection events; keep the token to remove it.
+    @discardableResult
+    func addConnectionObserver(_ observer: @escaping @Sendable (RedisConnectionEvent) -> Void) -> Int
+    /// Removes an observer added with ``addConnectionObserver(_:)``.
+    func removeConnectionObserver(_ token: Int)
+}
+
+extension RedisCommands {
+    /// Sends one command given as words.
+    @discardableResult
+    public func send(_ arguments: RedisArgument...) async throws(RedisError) -> RESPValue {
+        try await send(arguments)
+    }
+}
+
+/// Makes the client a URL names: a ``RedisClusterClient`` for `redis+cluster://`, else a
+/// ``RedisClient``. It connects once `run()` starts.
+public func makeRedisCommands(
+    configuration: RedisConfiguration,
+    eventLoopGroup: any EventLoopGroup = MultiThreadedEventLoopGroup.singleton,
+    logger: Logger
+) throws(RedisError) -> any RedisCommands {
+    if case .cluster(let seeds) = configuration.topology {
+        return try RedisClusterClient(seeds: seeds.map { ($0.host, $0.port) }, configuration: configuration, eventLoopGroup: eventLoopGroup, logger: logger)
+    }
+    return RedisClient(configuration: configuration, eventLoopGroup: eventLoopGroup, logger: logger)
+}
+
+extension RedisCommands {
+    /// Calls `body` with each page of the keys matching `pattern` (see ``scanPage(cursor:matching:count:)``).
+    public func scanKeys(matching pattern: String, count: Int = 1000, _ body: ([String]) async throws -> Void) async throws {
+        var cursor = "0"
+        repeat {
+            let page = try await scanPage(cursor: cursor, matching: pattern, count: count)
+            cursor = page.cursor
+            try await body(page.keys)
+        } while cursor != "0"
+    }
+}
+
+/// Reads a SCAN reply: the next cursor and the keys.
+private func scanReply(_ reply: RESPValue, pattern: String) throws(RedisError) -> (cursor: String, keys: [String]) {
+    guard let parts = reply.array, parts.count == 2, let next = parts[0].string else {
+        throw RedisError(.protocolViolation, "unexpected reply to SCAN MATCH \(pattern)")
+    }
+    return (next, parts[1].strings)
+}
+
+extension RedisClient: RedisCommands {
+    public func scanPage(cursor: String, matching pattern: String, count: Int) async throws(RedisError) -> (cursor: String, keys: [String]) {
+        try scanReply(try await send("SCAN", RedisArgument(cursor), "MATCH", RedisArgument(pattern), "COUNT", RedisArgument(count)), pattern: pattern)
+    }
+
+    public func publish(_ payload: [UInt8], on channel: String) async throws(RedisError) -> Int {
+        try await send("PUBLISH", RedisArgument(channel), RedisArgument(bytes: payload)).int ?? 0
+    }
+}
+
+extension RedisClusterClient: RedisCommands {
+    /// The cursor is `primary:cursor`: the index of a primary in ``primaries`` and SCAN's cursor there.
+    public func scanPage(cursor: String, matching pattern: String, count: Int) async throws(RedisError) -> (cursor: String, keys: [String]) {
+        try await waitForMap(until: commandDeadline())
+        let nodes = primaries
+        var index = 0
+        var nodeCursor = "0"
+        if cursor != "0" {
+            let parts = cursor.split(separator: ":", maxSplits: 1)
+            guard parts.count == 2, let number = Int(parts[0]), number >= 0 else {
+                throw RedisError(.server, "ERR invalid cursor '\(cursor)': a cluster's cursors read primary:cursor")
+            }
+            index = number
+            nodeCursor = String(parts[1])
+        }
+        guard index < nodes.count else { return ("0", []) }
+        let reply = try await execute(["SCAN", RedisArgument(nodeCursor), "MATCH", RedisArgument(pattern), "COUNT", RedisArgument(count)], slot: nil, deadline: commandDeadline(), target: .pinned(nodes[index])).result.get()
+        let page = try scanReply(reply, pattern: pattern)
+        if page.cursor != "0" { return ("\(index):\(page.cursor)", page.keys) }
+        return (index + 1 < nodes.count ? "\(index + 1):0" : "0", page.keys)
+    }
+
+    public func publish(_ payload: [UInt8], on channel: String) async throws(RedisError) -> Int {
+        try await send("PUBLISH", RedisArgument(channel), RedisArgument(bytes: payload))
+        // PUBLISH counts the subscribers of the node that took it; a cluster passes the message to
+        // every node, and the gateway's subscribers sit on primaries.
+        var total = 0
+        for (_, result) in try await sendToEachPrimary(["PUBSUB", "NUMSUB", RedisArgument(channel)]) {
+            if let reply = try? result.get().array, reply.count == 2 { total += reply[1].int ?? 0 }
+        }
+        return total
+    }
+}
+
+/// Runs the client a URL names (see ``makeRedisCommands(configuration:eventLoopGroup:logger:)``)
+/// for the duration of `body`, connected before `body` starts; throws if it cannot connect, so
+/// that a command line tool can report it and exit.
+public func withRedisCommands<Result: Sendable>(
+    configuration: RedisConfiguration,
+    eventLoopGroup: any EventLoopGroup = MultiThreadedEventLoopGroup.singleton,
+    logger: Logger,
+    _ body: (any RedisCommands) async throws -> Result
+) async throws -> Result {
+    if case .cluster(let seeds) = configuration.topology {
+        return try await RedisClusterClient.withClient(seeds: seeds.map { ($0.host, $0.port) }, configuration: configuration, eventLoopGroup: eventLoopGroup, logger: logger, body)
+    }
+    return try await RedisClient.withClient(configuration: configuration, eventLoopGroup: eventLoopGroup, logger: logger, body)
+}
