@@ -81,6 +81,61 @@ struct PresenceEngineTests {
         }
     }
 
+    @Test("the deadline buckets' tags sit one in each sixteenth of the slot space, and an id always falls in the same bucket")
+    func bucketTags() {
+        let keys = PresenceKeys(prefix: "p")
+        for bucket in 0..<PresenceKeys.deadlineBuckets {
+            let slot = HashSlot(of: keys.deadlines(bucket: bucket)).value
+            #expect((bucket * 1024..<(bucket + 1) * 1024).contains(Int(slot)), "bucket \(bucket) is in slot \(slot)")
+            #expect(HashSlot(of: keys.typingDeadlines(bucket: bucket)) == HashSlot(of: keys.deadlines(bucket: bucket)))
+        }
+        let spread = Set((0..<200).map { PresenceKeys.bucket(of: "user\($0)") })
+        #expect(spread == Set(0..<16), "200 ids use every bucket")
+        #expect(keys.deadlines(ofUser: "alice") == keys.deadlines(ofUser: "alice"))
+    }
+
+    @Test("a device an older node indexed in the single deadline set of the layout before buckets is still reaped")
+    func legacyDeadlines() async throws {
+        try await EngineCluster.with { cluster in
+            let engine = cluster.engine(node: "n1")
+            _ = try await engine.post(user: "olga", device: "web", status: .online)
+            // As an older node leaves it: the device in the old set, not in its bucket.
+            let member = RedisArgument("olga|web")
+            try await cluster.redis.send("ZREM", RedisArgument(cluster.prefixKeys.deadlines(ofUser: "olga")), member)
+            let deadline = cluster.clock.nowMilliseconds() + 60_000
+            try await cluster.redis.send("ZADD", RedisArgument("\(cluster.prefix):deadlines"), RedisArgument(Int(deadline)), member)
+            cluster.clock.advance(.seconds(61))
+            #expect(try await engine.reapOnce().expiredDevices == 1)
+            #expect(try await engine.views(of: "olga").real.status == .offline)
+            #expect(try await cluster.redis.send("EXISTS", RedisArgument("\(cluster.prefix):deadlines")).int == 0, "the old set empties")
+        }
+    }
+
+    @Test("an index entry comes no later than its device's deadline: one written early is looked at again at the deadline, one for a device a session took is dropped")
+    func deadlineIndex() async throws {
+        try await EngineCluster.with { cluster in
+            let engine = cluster.engine(node: "n1")
+            let bucket = RedisArgument(cluster.prefixKeys.deadlines(ofUser: "dora"))
+            _ = try await engine.post(user: "dora", device: "web", status: .online)
+            let deadline = cluster.clock.nowMilliseconds() + 60_000
+            #expect(try await cluster.redis.send("ZSCORE", bucket, "dora|web").double == Double(deadline))
+            // Scored early (a node whose estimate of Redis's clock ran ahead): looked at, kept.
+            try await cluster.redis.send("ZADD", bucket, RedisArgument(Int(deadline - 30_000)), "dora|web")
+            cluster.clock.advance(.seconds(31))
+            #expect(try await engine.reapOnce().expiredDevices == 0)
+            #expect(try await cluster.redis.send("ZSCORE", bucket, "dora|web").double == Double(deadline), "scored again at the real deadline")
+            cluster.clock.advance(.seconds(30))
+            #expect(try await engine.reapOnce().expiredDevices == 1)
+            // A session takes a REST device: its entry stays until its score, then goes.
+            _ = try await engine.post(user: "dora", device: "phone", status: .online)
+            _ = try await engine.connect(user: "dora", device: "phone", session: "s1")
+            cluster.clock.advance(.seconds(61))
+            #expect(try await engine.reapOnce().expiredDevices == 0)
+            #expect(try await cluster.redis.send("ZSCORE", bucket, "dora|phone").isNull, "no entry for a device without a deadline")
+            #expect(try await engine.views(of: "dora").real.status == .online)
+        }
+    }
+
     @Test("an online and an offline post of one REST device at the same time leave nothing that never expires")
     func concurrentPosts() async throws {
         try await EngineCluster.with { cluster in
