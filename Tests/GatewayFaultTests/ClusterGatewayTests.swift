@@ -1,0 +1,122 @@
+import ClientTestSupport
+import Foundation
+import NIOConcurrencyHelpers
+import PresenceClient
+import PresenceEngine
+import RedisClient
+import RedisTestSupport
+import Testing
+
+/// Three gateway processes on the throwaway Redis Cluster of `scripts/with-redis-cluster`, with
+/// users changing status throughout, through a `CLUSTER FAILOVER` and a kill -9 of the primary
+/// that holds the node registry. Skipped without a cluster (`make test` starts one for it).
+@Suite("Gateway nodes on a Redis Cluster", .serialized, .enabled(if: TestRedisCluster.isAvailable))
+struct ClusterGatewayTests {
+    /// The replica of the primary on `primary`, by asking each non-primary node for its role.
+    static func replica(of primary: Int) throws -> Int? {
+        for port in TestRedisCluster.ports where port != primary {
+            let role = try TestRedisCluster.cli(port: port, "ROLE").split(whereSeparator: \.isNewline)
+            if role.first == "slave", role.count > 2, Int(role[2]) == primary { return port }
+        }
+        return nil
+    }
+
+    /// Whether the cluster says ok on `port` and every slot has a primary that is not failed.
+    static func healthy(askingPort port: Int) -> Bool {
+        guard let info = try? TestRedisCluster.cli(port: port, "CLUSTER", "INFO"), info.contains("cluster_state:ok") else { return false }
+        return info.contains("cluster_slots_fail:0") && info.contains("cluster_slots_pfail:0")
+    }
+
+    @Test("120 users on three nodes, 40 of them changing status throughout, through CLUSTER FAILOVER and a kill -9 of the registry's primary: nobody is shown offline, changes flow again after each, none is lost, and no node is reaped")
+    func failovers() async throws {
+        let url = try #require(TestRedisCluster.url)
+        let prefix = TestRedis.uniquePrefix("cluster-gw")
+        // A lease longer than a promotion (about 4 s with cluster-node-timeout 2000), as README
+        // asks of an operator.
+        let lease = 8
+        let environment = nodeEnvironment(prefix: prefix, redisURL: url, extra: ["PRESENCE_VISIBILITY": "open", "PRESENCE_LEASE_TTL": "\(lease)"])
+        let nodes = [
+            try await GatewayProcess(nodeID: "a", environment: environment),
+            try await GatewayProcess(nodeID: "b", environment: environment),
+            try await GatewayProcess(nodeID: "c", environment: environment),
+        ]
+        let users = (0..<120).map { "user\($0)" }
+        var clients: [LiveClient] = []
+        for (index, user) in users.enumerated() {
+            clients.append(try await LiveClient(user, device: "phone", nodes: [nodes[index % 3]]))
+        }
+        let watcher = try await LiveClient("watcher", device: "laptop", nodes: [nodes[2]])
+        for client in clients + [watcher] { #expect(await client.connected(), "\(client.user) is connected") }
+        try await watcher.client.watch(users)
+        for user in users { #expect(await watcher.sees(user, .online, within: .seconds(10)), "the watcher sees \(user) online") }
+        let start = ContinuousClock.now
+
+        // Load through both faults: users 80… change status in turn, 40 changes a second.
+        let churning = Array(clients[80...])
+        let lastSet = NIOLockedValueBox<[String: PresenceStatus]>([:])
+        let churn = Task {
+            var round = 0
+            while !Task.isCancelled {
+                let client = churning[round % churning.count]
+                let status: PresenceStatus = (round / churning.count).isMultiple(of: 2) ? .away : .online
+                await client.client.setStatus(status)
+                lastSet.withLockedValue { $0[client.user] = status }
+                round += 1
+                try? await Task.sleep(for: .milliseconds(25))
+            }
+        }
+
+        /// A change made now reaches the watcher: writes and events flow.
+        func changesFlow(_ index: Int, _ label: String) async {
+            let changed = ContinuousClock.now
+            await clients[index].client.setStatus(.away)
+            let seen = await watcher.sees(users[index], .away, within: .seconds(10))
+            #expect(seen, "after \(label): the watcher sees \(users[index]) away within 10 s: \(watcher.timeline(since: start, peer: users[index]))")
+            print("cluster gateway, \(label): \(users[index]) → away seen after \(ContinuousClock.now - changed)")
+        }
+
+        let anyPort = TestRedisCluster.ports[0]
+        // A planned failover of the primary that holds the first user's keys.
+        let firstSlot = Int(HashSlot(of: PresenceKeys(prefix: prefix).devices(users[0])).value)
+        let planned = try #require(try TestRedisCluster.owner(of: firstSlot, askingPort: anyPort))
+        let plannedReplica = try #require(try Self.replica(of: planned.port))
+        let failedOver = ContinuousClock.now
+        #expect(try TestRedisCluster.cli(port: plannedReplica, "CLUSTER", "FAILOVER").contains("OK"))
+        #expect(await eventually(timeout: .seconds(10)) { (try? TestRedisCluster.owner(of: firstSlot, askingPort: plannedReplica))?.port == plannedReplica },
+                "the replica takes over")
+        print("cluster gateway: CLUSTER FAILOVER took \(ContinuousClock.now - failedOver)")
+        await changesFlow(0, "CLUSTER FAILOVER")
+
+        // kill -9 of the primary that holds the node registry: leases of nodes on the other
+        // primaries renew, their registry entries cannot move until the replica takes over.
+        let registrySlot = Int(HashSlot(of: PresenceKeys(prefix: prefix).nodes).value)
+        let victim = try #require(try TestRedisCluster.owner(of: registrySlot, askingPort: anyPort))
+        let survivor = try #require(TestRedisCluster.ports.first { $0 != victim.port && $0 != (try? Self.replica(of: victim.port)) })
+        #expect(await eventually(timeout: .seconds(10)) { ((try? Self.replica(of: victim.port)) ?? nil) != nil }, "the registry's primary has a replica in sync")
+        let killed = ContinuousClock.now
+        try TestRedisCluster.kill9(port: victim.port)
+        #expect(await eventually(timeout: .seconds(20)) { (try? TestRedisCluster.owner(of: registrySlot, askingPort: survivor)).map { $0?.port != victim.port } ?? false },
+                "the replica is promoted")
+        print("cluster gateway: kill -9 of the registry's primary, promotion after \(ContinuousClock.now - killed)")
+        // A user whose keys were on the killed primary (one of the first 80, not churning).
+        let moved = (1..<80).first { victim.serves(Int(HashSlot(of: PresenceKeys(prefix: prefix).devices(users[$0])).value)) } ?? 1
+        await changesFlow(moved, "kill -9 of the registry's primary")
+
+        // Past a lease and the grace after it, when a lost lease would have turned users offline.
+        churn.cancel()
+        _ = await churn.value
+        try await Task.sleep(for: .seconds(lease + 3))
+        for client in churning {
+            let wanted = lastSet.withLockedValue { $0[client.user] } ?? .online
+            #expect(await watcher.sees(client.user, wanted, within: .seconds(3)), "\(client.user) ends \(wanted): \(watcher.timeline(since: start, peer: client.user).suffix(6))")
+        }
+        for user in users {
+            #expect(!watcher.statusesSinceOnline(of: user).contains(.offline), "\(user) was never shown offline: \(watcher.timeline(since: start, peer: user))")
+        }
+        for node in nodes { #expect(GatewayProcess.httpStatus(port: node.port, path: "/readyz") == 200, "node \(node.nodeID) is ready") }
+        let listed = admin(nodes[0], "GET", "/api/admin/nodes")
+        #expect(listed?.status == 200 && ["\"a\"", "\"b\"", "\"c\""].allSatisfy { listed?.body.contains($0) ?? false }, "every node still holds its lease: \(String(describing: listed))")
+        let sessions = clients.reduce(0) { $0 + $1.connections }
+        print("cluster gateway: \(sessions) session opens for \(clients.count) clients over the run")
+    }
+}
