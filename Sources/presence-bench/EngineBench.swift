@@ -27,7 +27,8 @@ struct EngineBench: AsyncParsableCommand {
         logger.logLevel = .warning
         let prefix = "bench-\(UUID().uuidString.prefix(8).lowercased())"
         let redisConfiguration = try RedisConfiguration(url: common.redisURL)
-        try await RedisClient.withClient(configuration: redisConfiguration, logger: logger) { redis in
+        try await withRedisCommands(configuration: redisConfiguration, logger: logger) { redis in
+            let before = try await commandsPerServer(redis)
             let live = PresenceEngine(redis: redis, configuration: PresenceConfiguration(keyPrefix: prefix, nodeID: "live"), logger: logger)
             try await live.registerNode()
             let ids = (0..<devices).map { "user\($0)" }
@@ -38,6 +39,7 @@ struct EngineBench: AsyncParsableCommand {
             let disconnectTime = try await timed("disconnect") { index in
                 _ = try await live.disconnect(user: ids[index], device: "phone", session: "s\(index)", clean: true)
             }
+            let after = try await commandsPerServer(redis)
 
             // A node whose clock is a minute behind registered its lease a minute ago: lapsed.
             let dead = PresenceEngine(redis: redis, configuration: PresenceConfiguration(keyPrefix: prefix, nodeID: "dead"), clock: OffsetClock(offset: 60_000), logger: logger)
@@ -59,11 +61,13 @@ struct EngineBench: AsyncParsableCommand {
             }
 
             print("")
-            print("presence engine, \(devices) devices, \(concurrency) concurrent calls on one Redis connection")
+            print("presence engine, \(devices) devices, \(concurrency) concurrent calls on one Redis connection per primary (\(redisConfiguration.redactedURL))")
             print(String(format: "  connect                 %10.0f devices/s", Double(devices) / seconds(connectTime)))
             print(String(format: "  disconnect (clean)      %10.0f devices/s", Double(devices) / seconds(disconnectTime)))
             print(String(format: "  reap a dead node        %10.3f s for %d devices, %d users changed, %d still online afterwards",
                          seconds(reapTime), devices, report.changedUsers, stillOnline))
+            let spread = after.keys.sorted().map { "\($0) \((after[$0] ?? 0) - (before[$0] ?? 0))" }.joined(separator: ", ")
+            print("  commands per primary during connect and disconnect: \(spread)")
             if let idleRate {
                 print(String(format: "  idle Redis cost         %10.4f commands per device per minute (%d s observed)", idleRate, idleSeconds))
             }
@@ -92,7 +96,7 @@ struct EngineBench: AsyncParsableCommand {
     }
 
     /// Commands Redis ran per idle device per minute while only the lease service ran.
-    private func idleCost(redis: RedisClient, engine: PresenceEngine) async throws -> Double {
+    private func idleCost(redis: any RedisCommands, engine: PresenceEngine) async throws -> Double {
         let lease = PresenceLeaseService(engine: engine)
         let before = try await totalCommands(redis)
         let task = Task { try await lease.run() }
@@ -103,26 +107,35 @@ struct EngineBench: AsyncParsableCommand {
         task.cancel()
         endProgress()
         // Our own INFO calls are 2 commands; the rest is the lease (and anything else on this Redis).
-        let after = try await totalCommands(redis) - 2
+        let servers = try await commandsPerServer(redis).count
+        let after = try await totalCommands(redis) - 2 * servers
         return Double(after - before) / Double(devices) / (Double(idleSeconds) / 60)
     }
 
-    private func totalCommands(_ redis: RedisClient) async throws -> Int {
-        let info = try await redis.send("INFO", "stats").string ?? ""
-        for line in info.split(whereSeparator: \.isNewline) where line.hasPrefix("total_commands_processed:") {
-            return Int(line.split(separator: ":")[1]) ?? 0
-        }
-        return 0
+    private func totalCommands(_ redis: any RedisCommands) async throws -> Int {
+        try await commandsPerServer(redis).values.reduce(0, +)
     }
 
-    private func cleanup(redis: RedisClient, prefix: String) async throws {
-        var cursor = "0"
-        repeat {
-            let page = try await redis.send("SCAN", RedisArgument(cursor), "MATCH", RedisArgument(prefix + ":*"), "COUNT", "1000")
-            cursor = page.array?[0].string ?? "0"
-            let keys = page.array?[1].strings ?? []
-            if !keys.isEmpty { try await redis.send([RedisArgument("UNLINK")] + keys.map { RedisArgument($0) }) }
-        } while cursor != "0"
+    /// `total_commands_processed` of each server: the one, or each primary of a cluster.
+    private func commandsPerServer(_ redis: any RedisCommands) async throws -> [String: Int] {
+        func processed(_ reply: RESPValue) -> Int {
+            for line in (reply.string ?? "").split(whereSeparator: \.isNewline) where line.hasPrefix("total_commands_processed:") {
+                return Int(line.split(separator: ":")[1]) ?? 0
+            }
+            return 0
+        }
+        guard let cluster = redis as? RedisClusterClient else {
+            return ["\(redis.configuration.host):\(redis.configuration.port)": processed(try await redis.send("INFO", "stats"))]
+        }
+        var counts: [String: Int] = [:]
+        for (node, result) in try await cluster.sendToEachPrimary(["INFO", "stats"]) { counts[node.description] = processed(try result.get()) }
+        return counts
+    }
+
+    private func cleanup(redis: any RedisCommands, prefix: String) async throws {
+        try await redis.scanKeys(matching: prefix + ":*", count: 1000) { keys in
+            _ = try await redis.pipeline(keys.map { ["UNLINK", RedisArgument($0)] })
+        }
     }
 }
 
