@@ -119,4 +119,106 @@ struct ClusterGatewayTests {
         let sessions = clients.reduce(0) { $0 + $1.connections }
         print("cluster gateway: \(sessions) session opens for \(clients.count) clients over the run")
     }
+
+    /// Runs `redis-cli arguments...` (not against one port: `--cluster` commands); its output.
+    static func redisCLI(_ arguments: [String]) throws -> String {
+        let process = Process()
+        process.executableURL = URL(fileURLWithPath: "/usr/bin/env")
+        process.arguments = ["redis-cli"] + arguments
+        let output = Pipe()
+        process.standardOutput = output
+        process.standardError = output
+        try process.run()
+        let data = output.fileHandleForReading.readDataToEndOfFile()
+        process.waitUntilExit()
+        return String(decoding: data, as: UTF8.self)
+    }
+
+    @Test("a slot of watched users moved by hand under load (ASK and TRYAGAIN while its keys are half moved), then 1,200 slots resharded under load: watchers see every change, nobody is shown offline, no node is reaped")
+    func slotMoves() async throws {
+        let url = try #require(TestRedisCluster.url)
+        let prefix = TestRedis.uniquePrefix("cluster-move")
+        let keys = PresenceKeys(prefix: prefix)
+        let environment = nodeEnvironment(prefix: prefix, redisURL: url, extra: ["PRESENCE_VISIBILITY": "open", "PRESENCE_LEASE_TTL": "8"])
+        let nodes = [
+            try await GatewayProcess(nodeID: "a", environment: environment),
+            try await GatewayProcess(nodeID: "b", environment: environment),
+            try await GatewayProcess(nodeID: "c", environment: environment),
+        ]
+        let users = (0..<60).map { "mover\($0)" }
+        var clients: [LiveClient] = []
+        for (index, user) in users.enumerated() {
+            clients.append(try await LiveClient(user, device: "phone", nodes: [nodes[index % 3]]))
+        }
+        let watcher = try await LiveClient("watcher", device: "laptop", nodes: [nodes[2]])
+        for client in clients + [watcher] { #expect(await client.connected(), "\(client.user) is connected") }
+        try await watcher.client.watch(users)
+        for user in users { #expect(await watcher.sees(user, .online, within: .seconds(10)), "the watcher sees \(user) online") }
+        let start = ContinuousClock.now
+
+        // Users 20… change status in turn, 40 changes a second, throughout.
+        let churning = Array(clients[20...])
+        let lastSet = NIOLockedValueBox<[String: PresenceStatus]>([:])
+        let churn = Task {
+            var round = 0
+            while !Task.isCancelled {
+                let client = churning[round % churning.count]
+                let status: PresenceStatus = (round / churning.count).isMultiple(of: 2) ? .away : .online
+                await client.client.setStatus(status)
+                lastSet.withLockedValue { $0[client.user] = status }
+                round += 1
+                try? await Task.sleep(for: .milliseconds(25))
+            }
+        }
+
+        // By hand: the slot of mover0's keys, from its primary to another one.
+        let anyPort = TestRedisCluster.ports[0]
+        let slot = Int(HashSlot(of: keys.devices(users[0])).value)
+        let source = try #require(try TestRedisCluster.owner(of: slot, askingPort: anyPort))
+        let target = try #require(try TestRedisCluster.nodes(askingPort: anyPort).first { $0.isPrimary && !$0.isFailed && $0.port != source.port })
+        #expect(try TestRedisCluster.cli(port: target.port, "CLUSTER", "SETSLOT", "\(slot)", "IMPORTING", source.id) == "OK")
+        #expect(try TestRedisCluster.cli(port: source.port, "CLUSTER", "SETSLOT", "\(slot)", "MIGRATING", target.id) == "OK")
+        let inSlot = try TestRedisCluster.cli(port: source.port, "CLUSTER", "GETKEYSINSLOT", "\(slot)", "100").split(whereSeparator: \.isNewline).map(String.init)
+        #expect(inSlot.contains(keys.devices(users[0])), "the slot holds mover0's devices: \(inSlot)")
+        // Half of the keys moved: mover0's scripts now find their keys split (TRYAGAIN) or gone (ASK).
+        let half = inSlot.filter { $0 == keys.devices(users[0]) }
+        _ = try TestRedisCluster.cli(port: source.port, ["MIGRATE", "127.0.0.1", "\(target.port)", "", "0", "5000", "KEYS"] + half)
+        await clients[0].client.setStatus(.away)
+        try await Task.sleep(for: .milliseconds(300))
+        let rest = try TestRedisCluster.cli(port: source.port, "CLUSTER", "GETKEYSINSLOT", "\(slot)", "100").split(whereSeparator: \.isNewline).map(String.init)
+        if !rest.isEmpty { _ = try TestRedisCluster.cli(port: source.port, ["MIGRATE", "127.0.0.1", "\(target.port)", "", "0", "5000", "KEYS"] + rest) }
+        for port in TestRedisCluster.ports {
+            _ = try? TestRedisCluster.cli(port: port, "CLUSTER", "SETSLOT", "\(slot)", "NODE", target.id)
+        }
+        let redirected = try TestRedisCluster.cli(port: source.port, "INFO", "errorstats").split(whereSeparator: \.isNewline).filter { $0.contains("TRYAGAIN") || $0.contains("ASK") }
+        print("cluster gateway: the source of the hand-moved slot answered \(redirected)")
+        #expect(!redirected.isEmpty, "the node's commands met the half-moved slot (TRYAGAIN or ASK)")
+        #expect(await watcher.sees(users[0], .away, within: .seconds(10)), "the change made while the slot was half moved reaches the watcher: \(watcher.timeline(since: start, peer: users[0]))")
+        await clients[0].client.setStatus(.online)
+        #expect(await watcher.sees(users[0], .online, within: .seconds(10)), "a change after the move reaches the watcher")
+
+        // redis-cli moves 1,200 slots from one primary to another, key by key, under the load.
+        let from = try #require(try TestRedisCluster.nodes(askingPort: anyPort).first { $0.isPrimary && !$0.isFailed && $0.port != target.port })
+        let moved = ContinuousClock.now
+        let output = try Self.redisCLI(["--cluster", "reshard", "127.0.0.1:\(anyPort)", "--cluster-from", from.id, "--cluster-to", target.id,
+                                         "--cluster-slots", "1200", "--cluster-yes"])
+        #expect(!output.contains("ERR"), "redis-cli reshard: \(output.suffix(400))")
+        print("cluster gateway: 1,200 slots resharded under load in \(ContinuousClock.now - moved)")
+        let sample = (1..<20).first { from.serves(Int(HashSlot(of: keys.devices(users[$0])).value)) } ?? 1
+        await clients[sample].client.setStatus(.away)
+        #expect(await watcher.sees(users[sample], .away, within: .seconds(10)), "a change after the reshard reaches the watcher")
+
+        churn.cancel()
+        _ = await churn.value
+        try await Task.sleep(for: .seconds(2))
+        for client in churning {
+            let wanted = lastSet.withLockedValue { $0[client.user] } ?? .online
+            #expect(await watcher.sees(client.user, wanted, within: .seconds(3)), "\(client.user) ends \(wanted): \(watcher.timeline(since: start, peer: client.user).suffix(6))")
+        }
+        for user in users {
+            #expect(!watcher.statusesSinceOnline(of: user).contains(.offline), "\(user) was never shown offline: \(watcher.timeline(since: start, peer: user))")
+        }
+        let listed = admin(nodes[0], "GET", "/api/admin/nodes")
+        #expect(listed?.status == 200 && ["\"a\"", "\"b\"", "\"c\""].allSatisfy { listed?.body.contains($0) ?? false }, "every node still holds its lease: \(String(describing: listed))")
+    }
 }
