@@ -282,6 +282,7 @@ extension PresenceEngine {
             let calls = batch.map { user in
                 ReapNode(user: user, node: node, renewed: renewed, leaseEnded: leaseEnded, linger: linger)
             }
+            var settling: [PresenceChange] = []
             for (user, result) in zip(batch, try await evaluate(calls)) {
                 guard case .success(.reaped(let change, let lingering, let until)) = result else { continue }
                 // Devices the index did not name linger too: indexed now, at their deadline.
@@ -292,9 +293,10 @@ extension PresenceEngine {
                 }
                 if change.changed || change.shownChanged {
                     changed += 1
-                    await settle(change)
+                    settling.append(change)
                 }
             }
+            await settle(settling)
         }
         if !predecessor {
             _ = try await evaluate(DropNode(node: node))

@@ -152,9 +152,23 @@ extension PresenceEngine {
     /// After a change: a user who went offline, or whom others now see offline (privacy), stops
     /// typing everywhere.
     func settle(_ change: PresenceChange) async {
-        let wentOffline = change.changed && change.views.real.status == .offline
-        let hidden = change.shownChanged && change.views.hidden
-        guard wentOffline || hidden else { return }
-        try? await clearTyping(user: change.views.real.userID)
+        await settle([change])
+    }
+
+    /// ``settle(_:)`` for many changes in two round trips (every such user's conversations, then
+    /// every stop), as a reaper taking a dead node's users offline needs.
+    func settle(_ changes: [PresenceChange]) async {
+        let users = changes.filter { change in
+            (change.changed && change.views.real.status == .offline) || (change.shownChanged && change.views.hidden)
+        }.map(\.views.real.userID)
+        guard !users.isEmpty else { return }
+        guard let lists = try? await run({ try await self.redis.pipeline(users.map { ["SMEMBERS", RedisArgument(self.keys.conversationsOf($0))] }) }) else { return }
+        var stops: [SetTyping] = []
+        for (user, list) in zip(users, lists) {
+            for conversation in (try? list.get())?.strings ?? [] {
+                stops.append(SetTyping(conversation: conversation, user: user, isTyping: false, checked: false))
+            }
+        }
+        _ = try? await evaluate(stops)
     }
 }
