@@ -56,7 +56,13 @@ extension PresenceEngine {
             guard case .renewed(let storeNow, let ends, let indexed) = outcome else { return false }
             let local = (sent + clock.nowMilliseconds()) / 2
             storeClockOffset.withLockedValue { $0 = storeNow - local }
-            try await list(node, until: ends)
+            do {
+                try await list(node, until: ends)
+            } catch {
+                // The lease is renewed; the registry (on another primary of a cluster) keeps the
+                // earlier end, where a reaper finds the node alive and moves it on.
+                logger.warning("renewed the lease but cannot move the node's registry entry", metadata: ["presence.node_id": "\(node)", "error": "\(error)"])
+            }
             if indexed < sessions { requestAudit() }
             return true
         } catch where error.code == .unavailable {
@@ -277,7 +283,7 @@ extension PresenceEngine {
         for start in stride(from: 0, to: users.count, by: 200) {
             let batch = users[start..<min(start + 200, users.count)]
             if linger > .zero {
-                for user in batch { try await indexDeadline(of: user, devices: byUser[user] ?? [], after: linger) }
+                try await indexDeadlines(batch.map { ($0, byUser[$0] ?? []) }, after: linger)
             }
             let calls = batch.map { user in
                 ReapNode(user: user, node: node, renewed: renewed, leaseEnded: leaseEnded, linger: linger)

@@ -326,10 +326,19 @@ public final class PresenceEngine: Sendable {
     /// ``indexSlackMilliseconds``, so that the reaper looks no later than the deadline (if early,
     /// it finds the device not due and scores it at its real deadline).
     func indexDeadline(of user: String, devices: [String], after duration: Duration) async throws(PresenceError) {
-        guard !devices.isEmpty else { return }
+        try await indexDeadlines([(user, devices)], after: duration)
+    }
+
+    /// ``indexDeadline(of:devices:after:)`` for several users, in one pipeline.
+    func indexDeadlines(_ entries: [(user: String, devices: [String])], after duration: Duration) async throws(PresenceError) {
         let score = RedisArgument(Int(indexScore(after: duration)))
-        let members = devices.flatMap { [score, RedisArgument(keys.deviceMember(user: user, device: $0))] }
-        try await run { try await self.redis.send([RedisArgument("ZADD"), RedisArgument(self.keys.deadlines(ofUser: user))] + members) }
+        let commands: [[RedisArgument]] = entries.filter { !$0.devices.isEmpty }.map { entry in
+            [RedisArgument("ZADD"), RedisArgument(keys.deadlines(ofUser: entry.user))] + entry.devices.flatMap { [score, RedisArgument(keys.deviceMember(user: entry.user, device: $0))] }
+        }
+        guard !commands.isEmpty else { return }
+        for result in try await run({ try await self.redis.pipeline(commands) }) {
+            if case .failure(let error) = result { throw Self.presenceError(error) }
+        }
     }
 
     /// The score of an index entry for a deadline `after` from now (see ``indexDeadline(of:devices:after:)``).
