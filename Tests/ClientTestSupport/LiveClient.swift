@@ -151,3 +151,37 @@ public final class LiveClient: Sendable {
     }
 }
 
+
+/// Clients changing status in turn until stopped, one change every `interval`: each client away,
+/// then each online, and so on. Remembers the status each was last set to, which a watcher must
+/// end up seeing whatever faults came meanwhile.
+public final class StatusChurn: Sendable {
+    private let lastSet = NIOLockedValueBox<[String: PresenceStatus]>([:])
+    private let task: Task<Void, Never>
+
+    public init(_ clients: [LiveClient], every interval: Duration) {
+        let lastSet = lastSet
+        task = Task {
+            var round = 0
+            while !Task.isCancelled {
+                let client = clients[round % clients.count]
+                let status: PresenceStatus = (round / clients.count).isMultiple(of: 2) ? .away : .online
+                await client.client.setStatus(status)
+                lastSet.withLockedValue { $0[client.user] = status }
+                round += 1
+                try? await Task.sleep(for: interval)
+            }
+        }
+    }
+
+    /// Stops, once the change under way is made.
+    public func stop() async {
+        task.cancel()
+        _ = await task.value
+    }
+
+    /// The status `user` was last set to; `nil` before their first change.
+    public func lastStatus(of user: String) -> PresenceStatus? {
+        lastSet.withLockedValue { $0[user] }
+    }
+}

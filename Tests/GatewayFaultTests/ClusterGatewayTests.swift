@@ -1,6 +1,5 @@
 import ClientTestSupport
 import Foundation
-import NIOConcurrencyHelpers
 import PresenceClient
 import PresenceEngine
 import RedisClient
@@ -21,26 +20,18 @@ struct ClusterGatewayTests {
         return nil
     }
 
-    /// Whether the cluster says ok on `port` and every slot has a primary that is not failed.
-    static func healthy(askingPort port: Int) -> Bool {
-        guard let info = try? TestRedisCluster.cli(port: port, "CLUSTER", "INFO"), info.contains("cluster_state:ok") else { return false }
-        return info.contains("cluster_slots_fail:0") && info.contains("cluster_slots_pfail:0")
+    /// A node of the cluster that answers (an earlier test may have killed one).
+    static func livePort() -> Int? {
+        TestRedisCluster.ports.first { (try? TestRedisCluster.cli(port: $0, "PING")) == "PONG" }
     }
 
-    @Test("120 users on three nodes, 40 of them changing status throughout, through CLUSTER FAILOVER and a kill -9 of the registry's primary: nobody is shown offline, changes flow again after each, none is lost, and no node is reaped")
-    func failovers() async throws {
+    /// Three gateway processes on the cluster under `prefix`, a client of each user (spread over
+    /// them), and a watcher on the third node that sees every user online.
+    static func start(prefix: String, users: [String], lease: Int) async throws -> (nodes: [GatewayProcess], clients: [LiveClient], watcher: LiveClient) {
         let url = try #require(TestRedisCluster.url)
-        let prefix = TestRedis.uniquePrefix("cluster-gw")
-        // A lease longer than a promotion (about 4 s with cluster-node-timeout 2000), as README
-        // asks of an operator.
-        let lease = 8
         let environment = nodeEnvironment(prefix: prefix, redisURL: url, extra: ["PRESENCE_VISIBILITY": "open", "PRESENCE_LEASE_TTL": "\(lease)"])
-        let nodes = [
-            try await GatewayProcess(nodeID: "a", environment: environment),
-            try await GatewayProcess(nodeID: "b", environment: environment),
-            try await GatewayProcess(nodeID: "c", environment: environment),
-        ]
-        let users = (0..<120).map { "user\($0)" }
+        var nodes: [GatewayProcess] = []
+        for id in ["a", "b", "c"] { nodes.append(try await GatewayProcess(nodeID: id, environment: environment)) }
         var clients: [LiveClient] = []
         for (index, user) in users.enumerated() {
             clients.append(try await LiveClient(user, device: "phone", nodes: [nodes[index % 3]]))
@@ -49,22 +40,36 @@ struct ClusterGatewayTests {
         for client in clients + [watcher] { #expect(await client.connected(), "\(client.user) is connected") }
         try await watcher.client.watch(users)
         for user in users { #expect(await watcher.sees(user, .online, within: .seconds(10)), "the watcher sees \(user) online") }
-        let start = ContinuousClock.now
+        return (nodes, clients, watcher)
+    }
 
+    /// After the faults: each churning user ends as last set, nobody was ever shown offline, and
+    /// every node still holds its lease.
+    static func checkAfterwards(_ churn: StatusChurn, churning: [LiveClient], users: [String], watcher: LiveClient, nodes: [GatewayProcess], since start: ContinuousClock.Instant) async {
+        for client in churning {
+            let wanted = churn.lastStatus(of: client.user) ?? .online
+            #expect(await watcher.sees(client.user, wanted, within: .seconds(3)), "\(client.user) ends \(wanted): \(watcher.timeline(since: start, peer: client.user).suffix(6))")
+        }
+        for user in users {
+            #expect(!watcher.statusesSinceOnline(of: user).contains(.offline), "\(user) was never shown offline: \(watcher.timeline(since: start, peer: user))")
+        }
+        for node in nodes { #expect(GatewayProcess.httpStatus(port: node.port, path: "/readyz") == 200, "node \(node.nodeID) is ready") }
+        let listed = admin(nodes[0], "GET", "/api/admin/nodes")
+        #expect(listed?.status == 200 && ["\"a\"", "\"b\"", "\"c\""].allSatisfy { listed?.body.contains($0) ?? false }, "every node still holds its lease: \(String(describing: listed))")
+    }
+
+    @Test("120 users on three nodes, 40 of them changing status throughout, through CLUSTER FAILOVER and a kill -9 of the registry's primary: nobody is shown offline, changes flow again after each, none is lost, and no node is reaped")
+    func failovers() async throws {
+        let prefix = TestRedis.uniquePrefix("cluster-gw")
+        // A lease longer than a promotion (about 4 s with cluster-node-timeout 2000), as README
+        // asks of an operator.
+        let lease = 8
+        let users = (0..<120).map { "user\($0)" }
+        let (nodes, clients, watcher) = try await Self.start(prefix: prefix, users: users, lease: lease)
+        let start = ContinuousClock.now
         // Load through both faults: users 80… change status in turn, 40 changes a second.
         let churning = Array(clients[80...])
-        let lastSet = NIOLockedValueBox<[String: PresenceStatus]>([:])
-        let churn = Task {
-            var round = 0
-            while !Task.isCancelled {
-                let client = churning[round % churning.count]
-                let status: PresenceStatus = (round / churning.count).isMultiple(of: 2) ? .away : .online
-                await client.client.setStatus(status)
-                lastSet.withLockedValue { $0[client.user] = status }
-                round += 1
-                try? await Task.sleep(for: .milliseconds(25))
-            }
-        }
+        let churn = StatusChurn(churning, every: .milliseconds(25))
 
         /// A change made now reaches the watcher: writes and events flow.
         func changesFlow(_ index: Int, _ label: String) async {
@@ -75,7 +80,7 @@ struct ClusterGatewayTests {
             print("cluster gateway, \(label): \(users[index]) → away seen after \(ContinuousClock.now - changed)")
         }
 
-        let anyPort = TestRedisCluster.ports[0]
+        let anyPort = try #require(Self.livePort())
         // A planned failover of the primary that holds the first user's keys.
         let firstSlot = Int(HashSlot(of: PresenceKeys(prefix: prefix).devices(users[0])).value)
         let planned = try #require(try TestRedisCluster.owner(of: firstSlot, askingPort: anyPort))
@@ -92,7 +97,7 @@ struct ClusterGatewayTests {
         let registrySlot = Int(HashSlot(of: PresenceKeys(prefix: prefix).nodes).value)
         let victim = try #require(try TestRedisCluster.owner(of: registrySlot, askingPort: anyPort))
         let survivor = try #require(TestRedisCluster.ports.first { $0 != victim.port && $0 != (try? Self.replica(of: victim.port)) })
-        #expect(await eventually(timeout: .seconds(10)) { ((try? Self.replica(of: victim.port)) ?? nil) != nil }, "the registry's primary has a replica in sync")
+        #expect(await eventually(timeout: .seconds(10)) { ((try? Self.replica(of: victim.port)) ?? nil) != nil }, "the registry's primary has a replica")
         let killed = ContinuousClock.now
         try TestRedisCluster.kill9(port: victim.port)
         #expect(await eventually(timeout: .seconds(20)) { (try? TestRedisCluster.owner(of: registrySlot, askingPort: survivor)).map { $0?.port != victim.port } ?? false },
@@ -103,19 +108,9 @@ struct ClusterGatewayTests {
         await changesFlow(moved, "kill -9 of the registry's primary")
 
         // Past a lease and the grace after it, when a lost lease would have turned users offline.
-        churn.cancel()
-        _ = await churn.value
+        await churn.stop()
         try await Task.sleep(for: .seconds(lease + 3))
-        for client in churning {
-            let wanted = lastSet.withLockedValue { $0[client.user] } ?? .online
-            #expect(await watcher.sees(client.user, wanted, within: .seconds(3)), "\(client.user) ends \(wanted): \(watcher.timeline(since: start, peer: client.user).suffix(6))")
-        }
-        for user in users {
-            #expect(!watcher.statusesSinceOnline(of: user).contains(.offline), "\(user) was never shown offline: \(watcher.timeline(since: start, peer: user))")
-        }
-        for node in nodes { #expect(GatewayProcess.httpStatus(port: node.port, path: "/readyz") == 200, "node \(node.nodeID) is ready") }
-        let listed = admin(nodes[0], "GET", "/api/admin/nodes")
-        #expect(listed?.status == 200 && ["\"a\"", "\"b\"", "\"c\""].allSatisfy { listed?.body.contains($0) ?? false }, "every node still holds its lease: \(String(describing: listed))")
+        await Self.checkAfterwards(churn, churning: churning, users: users, watcher: watcher, nodes: nodes, since: start)
         let sessions = clients.reduce(0) { $0 + $1.connections }
         print("cluster gateway: \(sessions) session opens for \(clients.count) clients over the run")
     }
@@ -136,43 +131,17 @@ struct ClusterGatewayTests {
 
     @Test("a slot of watched users moved by hand under load (ASK and TRYAGAIN while its keys are half moved), then 1,200 slots resharded under load: watchers see every change, nobody is shown offline, no node is reaped")
     func slotMoves() async throws {
-        let url = try #require(TestRedisCluster.url)
         let prefix = TestRedis.uniquePrefix("cluster-move")
         let keys = PresenceKeys(prefix: prefix)
-        let environment = nodeEnvironment(prefix: prefix, redisURL: url, extra: ["PRESENCE_VISIBILITY": "open", "PRESENCE_LEASE_TTL": "8"])
-        let nodes = [
-            try await GatewayProcess(nodeID: "a", environment: environment),
-            try await GatewayProcess(nodeID: "b", environment: environment),
-            try await GatewayProcess(nodeID: "c", environment: environment),
-        ]
         let users = (0..<60).map { "mover\($0)" }
-        var clients: [LiveClient] = []
-        for (index, user) in users.enumerated() {
-            clients.append(try await LiveClient(user, device: "phone", nodes: [nodes[index % 3]]))
-        }
-        let watcher = try await LiveClient("watcher", device: "laptop", nodes: [nodes[2]])
-        for client in clients + [watcher] { #expect(await client.connected(), "\(client.user) is connected") }
-        try await watcher.client.watch(users)
-        for user in users { #expect(await watcher.sees(user, .online, within: .seconds(10)), "the watcher sees \(user) online") }
+        let (nodes, clients, watcher) = try await Self.start(prefix: prefix, users: users, lease: 8)
         let start = ContinuousClock.now
-
         // Users 20… change status in turn, 40 changes a second, throughout.
         let churning = Array(clients[20...])
-        let lastSet = NIOLockedValueBox<[String: PresenceStatus]>([:])
-        let churn = Task {
-            var round = 0
-            while !Task.isCancelled {
-                let client = churning[round % churning.count]
-                let status: PresenceStatus = (round / churning.count).isMultiple(of: 2) ? .away : .online
-                await client.client.setStatus(status)
-                lastSet.withLockedValue { $0[client.user] = status }
-                round += 1
-                try? await Task.sleep(for: .milliseconds(25))
-            }
-        }
+        let churn = StatusChurn(churning, every: .milliseconds(25))
 
         // By hand: the slot of mover0's keys, from its primary to another one.
-        let anyPort = TestRedisCluster.ports[0]
+        let anyPort = try #require(Self.livePort())
         let slot = Int(HashSlot(of: keys.devices(users[0])).value)
         let source = try #require(try TestRedisCluster.owner(of: slot, askingPort: anyPort))
         let target = try #require(try TestRedisCluster.nodes(askingPort: anyPort).first { $0.isPrimary && !$0.isFailed && $0.port != source.port })
@@ -208,17 +177,8 @@ struct ClusterGatewayTests {
         await clients[sample].client.setStatus(.away)
         #expect(await watcher.sees(users[sample], .away, within: .seconds(10)), "a change after the reshard reaches the watcher")
 
-        churn.cancel()
-        _ = await churn.value
+        await churn.stop()
         try await Task.sleep(for: .seconds(2))
-        for client in churning {
-            let wanted = lastSet.withLockedValue { $0[client.user] } ?? .online
-            #expect(await watcher.sees(client.user, wanted, within: .seconds(3)), "\(client.user) ends \(wanted): \(watcher.timeline(since: start, peer: client.user).suffix(6))")
-        }
-        for user in users {
-            #expect(!watcher.statusesSinceOnline(of: user).contains(.offline), "\(user) was never shown offline: \(watcher.timeline(since: start, peer: user))")
-        }
-        let listed = admin(nodes[0], "GET", "/api/admin/nodes")
-        #expect(listed?.status == 200 && ["\"a\"", "\"b\"", "\"c\""].allSatisfy { listed?.body.contains($0) ?? false }, "every node still holds its lease: \(String(describing: listed))")
+        await Self.checkAfterwards(churn, churning: churning, users: users, watcher: watcher, nodes: nodes, since: start)
     }
 }

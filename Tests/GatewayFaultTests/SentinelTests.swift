@@ -233,18 +233,7 @@ struct SentinelTests {
         let start = ContinuousClock.now
         // Load through both failovers: users 4… change status every 50 ms, in turn.
         let churning = Array(clients[4...])
-        let lastSet = NIOLockedValueBox<[String: PresenceStatus]>([:])
-        let churn = Task {
-            var round = 0
-            while !Task.isCancelled {
-                let client = churning[round % churning.count]
-                let status: PresenceStatus = (round / churning.count).isMultiple(of: 2) ? .away : .online
-                await client.client.setStatus(status)
-                lastSet.withLockedValue { $0[client.user] = status }
-                round += 1
-                try? await Task.sleep(for: .milliseconds(50))
-            }
-        }
+        let churn = StatusChurn(churning, every: .milliseconds(50))
 
         /// A change made now on node a reaches the watcher on node b: writes and events flow.
         func changesFlow(_ index: Int, _ label: String) async {
@@ -269,12 +258,11 @@ struct SentinelTests {
         await changesFlow(2, "kill -9 of the primary")
 
         // Past a lease and the grace after it, when a lost lease would have turned users offline.
-        churn.cancel()
-        _ = await churn.value
+        await churn.stop()
         try await Task.sleep(for: .seconds(lease + 3))
         // Nothing the churn set was lost for good: each user ends as last set.
         for client in churning {
-            let wanted = lastSet.withLockedValue { $0[client.user] }
+            let wanted = churn.lastStatus(of: client.user)
             #expect(await watcher.sees(client.user, wanted ?? .online, within: .seconds(1)), "\(client.user) ends \(String(describing: wanted)): \(watcher.timeline(since: start, peer: client.user).suffix(6))")
         }
         for user in users {
