@@ -313,15 +313,8 @@ extension PresenceEngine {
 
     /// Every user with a devices hash, by a SCAN of the key space (every primary of a cluster).
     private func allDeviceHolders() async throws(PresenceError) -> Set<String> {
-        var users = Set<String>()
-        try await run {
-            try await self.redis.scanKeys(matching: self.keys.allDevicesPattern, count: 1000) { page in
-                for key in page {
-                    if let user = self.keys.user(fromKey: key, suffix: "devices") { users.insert(user) }
-                }
-            }
-        }
-        return users
+        let found = try await run { try await self.redis.allKeys(matching: self.keys.allDevicesPattern) }
+        return Set(found.compactMap { keys.user(fromKey: $0, suffix: "devices") })
     }
 
     /// Runs `body` on each claimed entry. An entry whose work Redis refuses (a script error) stays

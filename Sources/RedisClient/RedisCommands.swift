@@ -16,6 +16,10 @@ public protocol RedisCommands: AnyObject, Sendable, Service {
     var configuration: RedisConfiguration { get }
     /// Whether the client can reach every server it needs right now.
     var isConnected: Bool { get }
+    /// Whether commands can be served now: the one server is connected; on a cluster, the slot
+    /// map is known and a primary is connected (commands to the slots of a primary that is
+    /// missing fail on their own, until its replica takes over). What a node's readiness asks.
+    var isAvailable: Bool { get }
     /// Sends one command and returns its reply; an error reply throws ``RedisError/Code/server``.
     @discardableResult
     func send(_ arguments: [RedisArgument]) async throws(RedisError) -> RESPValue
@@ -64,14 +68,17 @@ public func makeRedisCommands(
 }
 
 extension RedisCommands {
-    /// Calls `body` with each page of the keys matching `pattern` (see ``scanPage(cursor:matching:count:)``).
-    public func scanKeys(matching pattern: String, count: Int = 1000, _ body: ([String]) async throws -> Void) async throws {
+    /// Every key matching `pattern` (see ``scanPage(cursor:matching:count:)``), each once: for
+    /// admin walks and tests, whose key sets fit in memory.
+    public func allKeys(matching pattern: String, count: Int = 1000) async throws(RedisError) -> Set<String> {
+        var keys = Set<String>()
         var cursor = "0"
         repeat {
             let page = try await scanPage(cursor: cursor, matching: pattern, count: count)
             cursor = page.cursor
-            try await body(page.keys)
+            keys.formUnion(page.keys)
         } while cursor != "0"
+        return keys
     }
 }
 
@@ -84,6 +91,8 @@ private func scanReply(_ reply: RESPValue, pattern: String) throws(RedisError) -
 }
 
 extension RedisClient: RedisCommands {
+    public var isAvailable: Bool { isConnected }
+
     public func scanPage(cursor: String, matching pattern: String, count: Int) async throws(RedisError) -> (cursor: String, keys: [String]) {
         try scanReply(try await send("SCAN", RedisArgument(cursor), "MATCH", RedisArgument(pattern), "COUNT", RedisArgument(count)), pattern: pattern)
     }
@@ -137,7 +146,11 @@ public func withRedisCommands<Result: Sendable>(
     _ body: (any RedisCommands) async throws -> Result
 ) async throws -> Result {
     if case .cluster(let seeds) = configuration.topology {
-        return try await RedisClusterClient.withClient(seeds: seeds.map { ($0.host, $0.port) }, configuration: configuration, eventLoopGroup: eventLoopGroup, logger: logger, body)
+        return try await RedisClusterClient.withClient(seeds: seeds.map { ($0.host, $0.port) }, configuration: configuration, eventLoopGroup: eventLoopGroup, logger: logger) { client in
+            try await body(client)
+        }
     }
-    return try await RedisClient.withClient(configuration: configuration, eventLoopGroup: eventLoopGroup, logger: logger, body)
+    return try await RedisClient.withClient(configuration: configuration, eventLoopGroup: eventLoopGroup, logger: logger) { client in
+        try await body(client)
+    }
 }

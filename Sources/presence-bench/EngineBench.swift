@@ -136,9 +136,7 @@ struct EngineBench: AsyncParsableCommand {
     }
 
     private func cleanup(redis: any RedisCommands, prefix: String) async throws {
-        try await redis.scanKeys(matching: prefix + ":*", count: 1000) { keys in
-            _ = try await redis.pipeline(keys.map { ["UNLINK", RedisArgument($0)] })
-        }
+        _ = try await redis.pipeline(redis.allKeys(matching: prefix + ":*").map { ["UNLINK", RedisArgument($0)] })
     }
 }
 

@@ -44,9 +44,7 @@ struct EngineCluster {
 
     /// Deletes every key under the prefix, as a Redis that lost its data would.
     func wipe() async throws {
-        try await redis.scanKeys(matching: prefix + ":*", count: 1000) { keys in
-            _ = try await redis.pipeline(keys.map { ["DEL", RedisArgument($0)] })
-        }
+        _ = try await redis.pipeline(redis.allKeys(matching: prefix + ":*").map { ["DEL", RedisArgument($0)] })
     }
 
     /// A cluster on a redis-server of its own that keeps its data across a stop and a start (an

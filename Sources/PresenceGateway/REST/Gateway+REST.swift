@@ -11,7 +11,9 @@ extension Gateway {
         router.get("/healthz") { _, _ in RESTBody.Status(status: "ok") }
         router.get("/readyz") { _, _ in
             guard !self.hub.isDraining else { throw APIError.unavailable("this node is shutting down") }
-            guard self.engine.redis.isConnected, self.hub.subscriber.isConnected else { throw APIError.unavailable() }
+            // On a cluster, ready while some primary answers: a primary failing over makes only its
+            // own slots' commands fail, on every node alike, so leaving the balancer helps nobody.
+            guard self.engine.redis.isAvailable, self.hub.subscriber.isConnected else { throw APIError.unavailable() }
             return RESTBody.Status(status: "ready")
         }
         router.get("/metrics") { _, _ in

@@ -158,6 +158,15 @@ public final class RedisClusterClient: Service, Sendable {
         }
     }
 
+    /// Whether the slot map is known and at least one primary's connection is open: some slots
+    /// can be served.
+    public var isAvailable: Bool {
+        state.withLockedValue { state in
+            guard let map = state.map else { return false }
+            return map.primaries.contains { state.nodes[$0]?.connection?.isActive ?? false }
+        }
+    }
+
     /// Registers `observer` for connection events; keep the token to remove it.
     ///
     /// `connected(reconnect: false)` comes with the first node connection; `disconnected` when a
