@@ -162,9 +162,7 @@ extension PresenceEngine {
     /// `nil` for a device whose user's script Redis refused (checked on the next audit).
     private func auditFindings(_ devices: [(key: String, value: LocalDevice)]) async throws(PresenceError) -> [AuditDevices.Finding?] {
         guard !devices.isEmpty else { return [] }
-        let index = try await run {
-            try await self.redis.send([RedisArgument("SMISMEMBER"), RedisArgument(self.keys.nodeDevices(self.configuration.nodeID))] + devices.map { RedisArgument($0.key) })
-        }.array ?? []
+        let index = try await indexed(devices.map(\.key))
         var positions: [String: [Int]] = [:]
         var users: [String] = []
         for (position, (_, device)) in devices.enumerated() {
@@ -188,7 +186,21 @@ extension PresenceEngine {
                 logger.warning("cannot audit a user's devices", metadata: ["presence.user_id": "\(user)", "error": "\(error)"])
             }
         }
+        // A session opening meanwhile writes the index, then the device: one found held but not
+        // indexed may have been indexed just after the index was read. Read again, those alone.
+        let unindexed = findings.indices.filter { findings[$0] == .unindexed }
+        if !unindexed.isEmpty {
+            let again = try await indexed(unindexed.map { devices[$0].key })
+            for (position, flag) in zip(unindexed, again) where flag.int == 1 { findings[position] = .held }
+        }
         return findings
+    }
+
+    /// Which of `members` the node's device index holds (one `SMISMEMBER`), a reply per member.
+    private func indexed(_ members: [String]) async throws(PresenceError) -> [RESPValue] {
+        try await run {
+            try await self.redis.send([RedisArgument("SMISMEMBER"), RedisArgument(self.keys.nodeDevices(self.configuration.nodeID))] + members.map { RedisArgument($0) })
+        }.array ?? []
     }
 
     @discardableResult
@@ -214,7 +226,9 @@ extension PresenceEngine {
             for ((member, device), finding) in zip(slice, findings) {
                 guard let finding else { continue }
                 switch finding {
-                case .lost, .unindexed: lost.append(member)
+                case .lost, .unindexed:
+                    // A session that closed since the audit listed it is not lost.
+                    if local.withLockedValue({ $0[member]?.session == device.session }) { lost.append(member) }
                 case .heldByAnother:
                     report.takenOver += 1
                     await takenOver(member, session: device.session)
