@@ -78,9 +78,21 @@ extension PresenceEngine {
 
     /// Ends every typing state of `user`, as when they go offline.
     public func clearTyping(user: String) async throws(PresenceError) {
-        for conversation in try await conversations(of: user) {
-            _ = try await evaluate(SetTyping(conversation: conversation, user: user, isTyping: false, checked: false))
+        try await clearTyping(users: [user])
+    }
+
+    /// Ends every typing state of `users` in two round trips (every user's conversations, then
+    /// every stop), as a reaper taking a dead node's users offline needs.
+    func clearTyping(users: [String]) async throws(PresenceError) {
+        guard !users.isEmpty else { return }
+        let lists = try await run { try await self.redis.pipeline(users.map { ["SMEMBERS", RedisArgument(self.keys.conversationsOf($0))] }) }
+        var stops: [SetTyping] = []
+        for (user, list) in zip(users, lists) {
+            for conversation in (try? list.get())?.strings ?? [] {
+                stops.append(SetTyping(conversation: conversation, user: user, isTyping: false, checked: false))
+            }
         }
+        _ = try await evaluate(stops)
     }
 
     /// Who is typing in a conversation now.
@@ -155,20 +167,11 @@ extension PresenceEngine {
         await settle([change])
     }
 
-    /// ``settle(_:)`` for many changes in two round trips (every such user's conversations, then
-    /// every stop), as a reaper taking a dead node's users offline needs.
+    /// ``settle(_:)`` for many changes at once (see ``clearTyping(users:)``).
     func settle(_ changes: [PresenceChange]) async {
         let users = changes.filter { change in
             (change.changed && change.views.real.status == .offline) || (change.shownChanged && change.views.hidden)
         }.map(\.views.real.userID)
-        guard !users.isEmpty else { return }
-        guard let lists = try? await run({ try await self.redis.pipeline(users.map { ["SMEMBERS", RedisArgument(self.keys.conversationsOf($0))] }) }) else { return }
-        var stops: [SetTyping] = []
-        for (user, list) in zip(users, lists) {
-            for conversation in (try? list.get())?.strings ?? [] {
-                stops.append(SetTyping(conversation: conversation, user: user, isTyping: false, checked: false))
-            }
-        }
-        _ = try? await evaluate(stops)
+        try? await clearTyping(users: users)
     }
 }
