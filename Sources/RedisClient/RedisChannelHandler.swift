@@ -6,18 +6,49 @@ package struct RedisRequest: Sendable {
     /// SUBSCRIBE with N channels answers with N replies; everything else with one.
     var expectedReplies: Int
     var promise: EventLoopPromise<RESPValue>
+    /// How the replies are counted; see ``Counting``.
+    var counting: Counting
+
+    /// How a request's replies are told apart from the next request's.
+    enum Counting: Sendable {
+        /// Exactly `expectedReplies` replies, errors included.
+        case replies
+        /// `expectedReplies` confirmations, or one error reply that ends the request early:
+        /// SSUBSCRIBE answers a refused command (`MOVED`, `CROSSSLOT`) once, not per channel.
+        case confirmationsOrError
+        /// No reply of its own on a subscriber connection: SUNSUBSCRIBE's per-channel answers are
+        /// delivered as pushes (Redis sends the same array unasked when a slot moves). It
+        /// completes with its error reply (`MOVED`), or with `.null` when the reply of the request
+        /// written after it arrives; so the sender must always write one after it (a PING).
+        case pushesOnly
+    }
 
     package init(encoded: ByteBuffer, expectedReplies: Int, promise: EventLoopPromise<RESPValue>) {
+        self.init(encoded: encoded, expectedReplies: expectedReplies, promise: promise, counting: .replies)
+    }
+
+    init(encoded: ByteBuffer, expectedReplies: Int, promise: EventLoopPromise<RESPValue>, counting: Counting) {
         self.encoded = encoded
         self.expectedReplies = expectedReplies
         self.promise = promise
+        self.counting = counting
     }
 }
 
 /// A message pushed by Redis on a subscribed connection.
 struct RedisPush: Sendable {
+    /// What Redis pushed.
+    enum Kind: Sendable, Equatable {
+        /// A published message (`message`, `smessage`, `pmessage`).
+        case message
+        /// A `sunsubscribe` array: the answer to our SUNSUBSCRIBE, or Redis dropping a shard
+        /// channel by itself after its slot moved to another primary (no payload).
+        case shardUnsubscribed
+    }
+
     var channel: String
     var payload: [UInt8]
+    var kind: Kind = .message
 }
 
 /// Matches replies to requests in FIFO order, and on a subscriber connection sets pushes aside.
@@ -33,6 +64,7 @@ final class RedisChannelHandler: ChannelDuplexHandler {
     private struct Pending {
         var promise: EventLoopPromise<RESPValue>
         var remaining: Int
+        var counting: RedisRequest.Counting
         var collected: [RESPValue]
         var deadline: NIODeadline
     }
@@ -77,7 +109,7 @@ final class RedisChannelHandler: ChannelDuplexHandler {
             return
         }
         let deadline = NIODeadline.now() + commandTimeout
-        pending.append(Pending(promise: request.promise, remaining: request.expectedReplies, collected: [], deadline: deadline))
+        pending.append(Pending(promise: request.promise, remaining: request.expectedReplies, counting: request.counting, collected: [], deadline: deadline))
         context.write(wrapOutboundOut(request.encoded), promise: promise)
     }
 
@@ -102,8 +134,24 @@ final class RedisChannelHandler: ChannelDuplexHandler {
             onPush(push)
             return
         }
+        let isError = if case .error = reply { true } else { false }
+        // A SUNSUBSCRIBE whose answers all went by as pushes: this reply is its error, or the
+        // next request's, which means the SUNSUBSCRIBE is done.
+        while let front = pending.first, front.counting == .pushesOnly {
+            pending.removeFirst()
+            guard !isError else {
+                front.promise.succeed(reply)
+                return
+            }
+            front.promise.succeed(.null)
+        }
         guard var front = pending.first else {
             throw RedisError(.protocolViolation, "Redis sent a reply that no command was waiting for")
+        }
+        if isError, front.counting == .confirmationsOrError {
+            pending.removeFirst()
+            front.promise.succeed(reply)
+            return
         }
         front.remaining -= 1
         if front.remaining == 0 {
@@ -120,10 +168,14 @@ final class RedisChannelHandler: ChannelDuplexHandler {
         }
     }
 
-    /// `message` and `smessage` pushes carry (kind, channel, payload); `pmessage` adds the pattern.
+    /// `message` and `smessage` pushes carry (kind, channel, payload); `pmessage` adds the pattern;
+    /// `sunsubscribe` carries (kind, channel, count).
     private static func push(from reply: RESPValue) -> RedisPush? {
         guard case .array(let parts) = reply, let kind = parts.first?.string else { return nil }
         switch (kind, parts.count) {
+        case ("sunsubscribe", 3):
+            guard let channel = parts[1].string else { return nil }
+            return RedisPush(channel: channel, payload: [], kind: .shardUnsubscribed)
         case ("message", 3), ("smessage", 3):
             guard let channel = parts[1].string, case .bulkString(let payload) = parts[2] else { return nil }
             return RedisPush(channel: channel, payload: payload)

@@ -214,6 +214,7 @@ struct HashSlotTests {
 @Suite(
     "Redis Cluster router against a live cluster",
     .serialized,
+    .liveClusterExclusive,
     .enabled(if: TestRedisCluster.isAvailable, "no Redis Cluster: run with scripts/with-redis-cluster to set PRESENCE_TEST_REDIS_CLUSTER_URL")
 )
 struct ClusterRouterTests {
