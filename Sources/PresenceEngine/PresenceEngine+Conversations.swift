@@ -172,8 +172,9 @@ extension PresenceEngine {
         for user in event.removed { commands.append(["SREM", RedisArgument(keys.conversationsOf(user)), RedisArgument(conversation)]) }
         if !adding.isEmpty || !removing.isEmpty, let payload = try? JSONEncoder().encode(event) {
             let message = RedisArgument(bytes: Array(payload))
-            commands.append(["PUBLISH", RedisArgument(keys.conversationChannel(conversation)), message])
-            for user in notifying.sorted() { commands.append(["PUBLISH", RedisArgument(keys.userChannel(user)), message]) }
+            let publish = redis.pubSub.publishCommand
+            commands.append([publish, RedisArgument(keys.conversationChannel(conversation)), message])
+            for user in notifying.sorted() { commands.append([publish, RedisArgument(keys.userChannel(user)), message]) }
         }
         for start in stride(from: 0, to: commands.count, by: 1000) {
             let results = try await run { try await self.redis.pipeline(Array(commands[start..<min(start + 1000, commands.count)])) }

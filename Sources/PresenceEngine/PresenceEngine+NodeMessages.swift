@@ -1,12 +1,39 @@
 import Foundation
+import Logging
 import PresenceProtocol
 import RedisClient
 
 extension PresenceEngine {
-    /// Publishes `message` on the channel every node listens to; returns how many nodes heard it.
+    /// Publishes `message` to every node; returns how many nodes heard it. With classic pub/sub
+    /// that is one message on the channel every node listens to. Sharded pub/sub has no such
+    /// channel (a cluster would pass it to every shard): one message goes to each registered
+    /// node's own channel, on that channel's shard alone.
     @discardableResult
     public func tell(_ message: NodeMessage) async throws(PresenceError) -> Int {
-        try await publish(message, on: keys.broadcastChannel)
+        guard redis.pubSub == .sharded else { return try await publish(message, on: keys.broadcastChannel) }
+        let registered = try await run { try await self.redis.send("ZRANGE", RedisArgument(keys.nodes), "0", "-1") }.strings
+        let payload = RedisArgument(bytes: Array(nodeMessageCoder.data(message)))
+        let command = redis.pubSub.publishCommand
+        let results = try await run {
+            try await self.redis.pipeline(registered.map { [command, RedisArgument(self.keys.nodeChannel($0)), payload] })
+        }
+        // A node whose channel's primary is failing over misses the message; the others still
+        // have it, so it fails only when no node could be told.
+        var heard = 0
+        var failures: [RedisError] = []
+        for result in results {
+            switch result {
+            case .success(let reply): heard += reply.int ?? 0
+            case .failure(let error): failures.append(error)
+            }
+        }
+        if let failure = failures.first {
+            guard failures.count < results.count else { throw Self.presenceError(failure) }
+            logger.warning("a node message reached some nodes only", metadata: [
+                "presence.message": "\(message)", "presence.missed": "\(failures.count)", "error": "\(failure)",
+            ])
+        }
+        return heard
     }
 
     /// Publishes `message` on the channel of the node `node` alone.

@@ -44,7 +44,7 @@ public final class Gateway: Sendable {
         // REST answers 503 within a second while Redis is unreachable: wait little for a connection.
         redisConfiguration.waitForConnection = .milliseconds(300)
         let redis = try makeRedisCommands(configuration: redisConfiguration, logger: logger)
-        let subscriber = RedisSubscriber(configuration: redisConfiguration, logger: logger)
+        let subscriber = makeRedisSubscriber(for: redis, logger: logger)
         engine = PresenceEngine(redis: redis, configuration: configuration.engineConfiguration, logger: logger)
         frames = FrameCoder(ids: configuration.idFormat)
         bodies = FrameCoder(ids: configuration.idFormat, snakeCaseKeys: true)

@@ -36,14 +36,33 @@ public protocol RedisCommands: AnyObject, Sendable, Service {
     /// as SCAN may return it twice; on a cluster whose primaries change meanwhile, keys of a
     /// moved slot may be missed or repeated.
     func scanPage(cursor: String, matching pattern: String, count: Int) async throws(RedisError) -> (cursor: String, keys: [String])
-    /// Publishes `payload` on `channel`; returns how many subscribers received it (on a cluster:
-    /// those connected to a primary, counted on every primary after the message).
+    /// How messages reach subscribers: classic pub/sub on one server, sharded on a cluster.
+    var pubSub: RedisPubSub { get }
+    /// Publishes `payload` on `channel` with ``pubSub``'s command; returns how many subscribers
+    /// received it (on a cluster: those on the primary of the channel's slot).
     func publish(_ payload: [UInt8], on channel: String) async throws(RedisError) -> Int
     /// Registers `observer` for connection events; keep the token to remove it.
     @discardableResult
     func addConnectionObserver(_ observer: @escaping @Sendable (RedisConnectionEvent) -> Void) -> Int
     /// Removes an observer added with ``addConnectionObserver(_:)``.
     func removeConnectionObserver(_ token: Int)
+}
+
+/// How a client's messages reach subscribers.
+public enum RedisPubSub: Sendable {
+    /// `PUBLISH` and `SUBSCRIBE`: one server hears every channel; patterns work.
+    case classic
+    /// `SPUBLISH` and `SSUBSCRIBE`: a channel lives on the shard of its hash slot, so a cluster
+    /// passes a message to that shard alone, not to every node. No patterns.
+    case sharded
+
+    /// The command that publishes a message.
+    public var publishCommand: RedisArgument {
+        switch self {
+        case .classic: "PUBLISH"
+        case .sharded: "SPUBLISH"
+        }
+    }
 }
 
 extension RedisCommands {
@@ -93,12 +112,14 @@ private func scanReply(_ reply: RESPValue, pattern: String) throws(RedisError) -
 extension RedisClient: RedisCommands {
     public var isAvailable: Bool { isConnected }
 
+    public var pubSub: RedisPubSub { .classic }
+
     public func scanPage(cursor: String, matching pattern: String, count: Int) async throws(RedisError) -> (cursor: String, keys: [String]) {
         try scanReply(try await send("SCAN", RedisArgument(cursor), "MATCH", RedisArgument(pattern), "COUNT", RedisArgument(count)), pattern: pattern)
     }
 
     public func publish(_ payload: [UInt8], on channel: String) async throws(RedisError) -> Int {
-        try await send("PUBLISH", RedisArgument(channel), RedisArgument(bytes: payload)).int ?? 0
+        try await send(pubSub.publishCommand, RedisArgument(channel), RedisArgument(bytes: payload)).int ?? 0
     }
 }
 
@@ -124,15 +145,10 @@ extension RedisClusterClient: RedisCommands {
         return (index + 1 < nodes.count ? "\(index + 1):0" : "0", page.keys)
     }
 
+    public var pubSub: RedisPubSub { .sharded }
+
     public func publish(_ payload: [UInt8], on channel: String) async throws(RedisError) -> Int {
-        try await send("PUBLISH", RedisArgument(channel), RedisArgument(bytes: payload))
-        // PUBLISH counts the subscribers of the node that took it; a cluster passes the message to
-        // every node, and the gateway's subscribers sit on primaries.
-        var total = 0
-        for (_, result) in try await sendToEachPrimary(["PUBSUB", "NUMSUB", RedisArgument(channel)]) {
-            if let reply = try? result.get().array, reply.count == 2 { total += reply[1].int ?? 0 }
-        }
-        return total
+        try await send("SPUBLISH", RedisArgument(channel), RedisArgument(bytes: payload)).int ?? 0
     }
 }
 

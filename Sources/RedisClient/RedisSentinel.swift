@@ -9,8 +9,8 @@ import NIOCore
 /// a demoted primary, which goes on taking writes for seconds after a failover before it turns
 /// read-only (11 s in one measurement), and which are lost.
 enum RedisSentinel {
-    /// A connection to what `configuration` names: the server of a standalone URL, the primary
-    /// the Sentinels name right now, or for a subscriber, the first reachable node of a cluster.
+    /// A connection to what `configuration` names: the server of a standalone URL, or the primary
+    /// the Sentinels name right now.
     static func connect(
         configuration: RedisConfiguration,
         eventLoopGroup: any EventLoopGroup,
@@ -60,36 +60,8 @@ enum RedisSentinel {
                 return connection
             }
             throw RedisError(.unavailable, "no Sentinel named a reachable primary '\(name)': \(reasons.joined(separator: "; "))")
-        case .cluster(let seeds):
-            // A subscriber (the one kind of connection given `onPush`) may listen on any node:
-            // a cluster passes every PUBLISH to all of its nodes. It takes the first seed that is
-            // a primary (where a publisher counts its receivers), else the first that answers.
-            // Commands need RedisClusterClient.
-            guard onPush != nil else {
-                throw RedisError(.invalidURL, "a redis+cluster:// URL is for RedisClusterClient; this client reaches one server (redis://, rediss://) or a Sentinel-named primary (redis+sentinel://)")
-            }
-            var reasons: [String] = []
-            var fallback: RedisConnection?
-            for seed in seeds {
-                let connection: RedisConnection
-                do {
-                    connection = try await RedisConnection.connect(configuration: configuration.standalone(at: seed), eventLoopGroup: eventLoopGroup, logger: logger, onPush: onPush)
-                } catch where error.code == .authentication {
-                    if let fallback { await fallback.close() }
-                    throw error
-                } catch {
-                    reasons.append("\(seed): \(error.message)")
-                    continue
-                }
-                let role = try? await connection.send(["ROLE"]).array?.first?.string
-                if role == "master" || role == nil {
-                    if let fallback { await fallback.close() }
-                    return connection
-                }
-                if fallback == nil { fallback = connection } else { await connection.close() }
-            }
-            if let fallback { return fallback }
-            throw RedisError(.unavailable, "no node of the cluster could be reached: \(reasons.joined(separator: "; "))")
+        case .cluster:
+            throw RedisError(.invalidURL, "a redis+cluster:// URL is for RedisClusterClient and RedisClusterSubscriber; this client reaches one server (redis://, rediss://) or a Sentinel-named primary (redis+sentinel://)")
         }
     }
 

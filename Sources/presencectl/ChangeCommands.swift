@@ -107,7 +107,7 @@ struct WatchCommand: AsyncParsableCommand {
     static let configuration = CommandConfiguration(
         commandName: "watch",
         abstract: "A live tail of presence and membership events, until Ctrl-C.",
-        discussion: "Without --user or --conversation, every user's events. Example: presencectl watch --user alice --user bob"
+        discussion: "Without --user or --conversation, every user's events (not on a Redis Cluster, whose sharded channels cannot be watched by pattern). Example: presencectl watch --user alice --user bob"
     )
     @OptionGroup var options: GlobalOptions
     @Option(help: "Only this user's events (repeatable).") var user: [String] = []
@@ -122,11 +122,12 @@ struct WatchCommand: AsyncParsableCommand {
                 }
                 users += members
             }
-            var configuration = engine.redis.configuration
-            configuration.clientName = "presencectl-watch"
-            try await RedisSubscriber.withSubscriber(configuration: configuration, logger: .init(label: "presencectl")) { subscriber in
-                if users.isEmpty {
-                    try await subscriber.subscribe(pattern: engine.keys.allUserChannelsPattern)
+            if users.isEmpty, engine.redis.pubSub == .sharded {
+                throw CLIError("on a Redis Cluster, watch needs --user or --conversation: events go out on sharded channels, which cannot be subscribed by pattern")
+            }
+            try await withRedisSubscriber(for: engine.redis, clientName: "presencectl-watch", logger: .init(label: "presencectl")) { subscriber in
+                if users.isEmpty, let classic = subscriber as? RedisSubscriber {
+                    try await classic.subscribe(pattern: engine.keys.allUserChannelsPattern)
                 } else {
                     try await subscriber.subscribe(users.map { engine.keys.userChannel($0) })
                 }

@@ -40,7 +40,24 @@ struct ClusterGatewayTests {
         for client in clients + [watcher] { #expect(await client.connected(), "\(client.user) is connected") }
         try await watcher.client.watch(users)
         for user in users { #expect(await watcher.sees(user, .online, within: .seconds(10)), "the watcher sees \(user) online") }
+        try checkShardedChannels(prefix: prefix, users: users)
         return (nodes, clients, watcher)
+    }
+
+    /// Events go out on sharded channels: each watched user's channel is subscribed on the
+    /// primary of its slot, and no node has a classic subscription of this run (a classic
+    /// PUBLISH on a cluster goes to every node).
+    static func checkShardedChannels(prefix: String, users: [String]) throws {
+        let keys = PresenceKeys(prefix: prefix)
+        var sharded = Set<String>()
+        for port in TestRedisCluster.ports {
+            guard (try? TestRedisCluster.cli(port: port, "PING")) == "PONG" else { continue }
+            sharded.formUnion(try TestRedisCluster.cli(port: port, "PUBSUB", "SHARDCHANNELS", "\(prefix):*").split(whereSeparator: \.isNewline).map(String.init))
+            let classic = try TestRedisCluster.cli(port: port, "PUBSUB", "CHANNELS", "\(prefix):*").trimmingCharacters(in: .whitespacesAndNewlines)
+            #expect(classic.isEmpty, "no classic subscription on node \(port): \(classic)")
+        }
+        let missing = users.filter { !sharded.contains(keys.userChannel($0)) }
+        #expect(missing.isEmpty, "every watched user's channel is a shard channel on some primary; missing: \(missing.prefix(5))")
     }
 
     /// After the faults: each churning user ends as last set, nobody was ever shown offline, and

@@ -132,7 +132,7 @@ struct SentinelTests {
                         switch event {
                         case .subscribed(let reconnect): subscribed.withLockedValue { $0.append(reconnect) }
                         case .message(_, let payload): received.withLockedValue { $0.append(String(decoding: payload, as: UTF8.self)) }
-                        case .disconnected: break
+                        case .disconnected, .resubscribed: break
                         }
                     }
                 }

@@ -82,7 +82,7 @@ final class EventRecorder: Sendable {
 }
 
 func withRecorder(_ engine: PresenceEngine, users: [String], _ body: (EventRecorder) async throws -> Void) async throws {
-    try await RedisSubscriber.withSubscriber(configuration: TestRedis.configuration(), logger: TestRedis.logger()) { subscriber in
+    try await withRedisSubscriber(for: engine.redis, logger: TestRedis.logger()) { subscriber in
         try await subscriber.subscribe(users.map { engine.keys.userChannel($0) })
         let recorder = EventRecorder()
         let listener = Task {

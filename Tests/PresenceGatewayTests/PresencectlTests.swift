@@ -105,6 +105,11 @@ struct PresencectlTests {
             let tail = CTL.read(watchOut)
             _ = CTL.read(watchErr)
             #expect(tail.contains("\"away\"") && tail.contains("\"alice\""), "watch saw the gateway's event: \(tail)")
+            if TestRedis.url.hasPrefix("redis+cluster://") {
+                // Sharded channels have no pattern subscription: an unfiltered watch says so.
+                let unfiltered = try CTL.run(["watch"] + common)
+                #expect(unfiltered.status == 1 && unfiltered.err.contains("watch needs --user or --conversation"), "\(unfiltered)")
+            }
 
             let disconnect = try CTL.run(["disconnect", "alice"] + common)
             #expect(disconnect.status == 0 && disconnect.out.contains("asked 1 node(s)"))

@@ -127,10 +127,10 @@ struct ClusterSubscriberTests {
 
     /// What the subscriber delivered, in order.
     private final class Received: Sendable {
-        private let events = NIOLockedValueBox<[RedisClusterSubscriberEvent]>([])
+        private let events = NIOLockedValueBox<[RedisSubscriberEvent]>([])
 
-        func append(_ event: RedisClusterSubscriberEvent) { events.withLockedValue { $0.append(event) } }
-        var all: [RedisClusterSubscriberEvent] { events.withLockedValue { $0 } }
+        func append(_ event: RedisSubscriberEvent) { events.withLockedValue { $0.append(event) } }
+        var all: [RedisSubscriberEvent] { events.withLockedValue { $0 } }
 
         /// Payloads received per channel, as text.
         var messages: [String: [String]] {

@@ -1,3 +1,5 @@
+import Foundation
+import NIOConcurrencyHelpers
 import PresenceProtocol
 import RedisClient
 
@@ -38,7 +40,8 @@ extension PresenceEngine {
     /// Runs one script call.
     func evaluate<Call: ScriptCall>(_ call: Call) async throws(PresenceError) -> Call.Outcome {
         let context = scriptContext
-        let reply = try await run { try await self.redis.evaluate(Call.script, keys: call.keys(context), arguments: call.arguments(context)) }
+        let script = runnable(Call.script)
+        let reply = try await run { try await self.redis.evaluate(script, keys: call.keys(context), arguments: call.arguments(context)) }
         return try call.decode(reply)
     }
 
@@ -47,8 +50,9 @@ extension PresenceEngine {
     func evaluate<Call: ScriptCall>(_ calls: [Call]) async throws(PresenceError) -> [Result<Call.Outcome, PresenceError>] {
         guard !calls.isEmpty else { return [] }
         let context = scriptContext
+        let script = runnable(Call.script)
         let results = try await run {
-            try await self.redis.evaluate(Call.script, calls: calls.map { (keys: $0.keys(context), arguments: $0.arguments(context)) })
+            try await self.redis.evaluate(script, calls: calls.map { (keys: $0.keys(context), arguments: $0.arguments(context)) })
         }
         return zip(calls, results).map { call, result in
             switch result {
@@ -61,8 +65,30 @@ extension PresenceEngine {
     }
 }
 
+extension PresenceEngine {
+    /// `script` as this engine's Redis runs it: on a cluster (sharded pub/sub) its events go out
+    /// with `SPUBLISH`, which keeps each message on the shard of the script's own slot.
+    func runnable(_ script: RedisScript) -> RedisScript {
+        guard redis.pubSub == .sharded else { return script }
+        return shardedScripts.withLockedValue { variants in
+            if let variant = variants[script.sha1] { return variant }
+            let variant = RedisScript(ScriptLua.sharded(script.source))
+            variants[script.sha1] = variant
+            return variant
+        }
+    }
+}
+
+/// Each script's sharded variant, by the classic one's SHA1: made once per process.
+private let shardedScripts = NIOLockedValueBox<[String: RedisScript]>([:])
+
 /// Lua shared by the scripts, and how their common replies read.
 enum ScriptLua {
+    /// `source` publishing with `SPUBLISH`: the scripts publish in ``clock``'s two functions alone.
+    static func sharded(_ source: String) -> String {
+        source.replacingOccurrences(of: "redis.call('PUBLISH',", with: "redis.call('SPUBLISH',")
+    }
+
     /// Now in ms: ARGV[1] when a test drives the time, else Redis's clock. Whether a node's
     /// lease is held: its key exists. Under a test's clock, whose time Redis's key expiry does
     /// not follow, a lease whose end (its value) that clock has passed counts as expired too.

@@ -11,7 +11,7 @@ import ServiceLifecycle
 /// subscriptions to user channels, and the delivery of each event to exactly its local watchers.
 final class SessionHub: Service, Sendable {
     let engine: PresenceEngine
-    let subscriber: RedisSubscriber
+    let subscriber: any RedisChannelSubscriber
     let frames: FrameCoder
     let logger: Logger
     private let state = NIOLockedValueBox(HubState())
@@ -35,7 +35,7 @@ final class SessionHub: Service, Sendable {
         var holdOfflineUntil: ContinuousClock.Instant?
     }
 
-    init(engine: PresenceEngine, subscriber: RedisSubscriber, frames: FrameCoder, logger: Logger) {
+    init(engine: PresenceEngine, subscriber: any RedisChannelSubscriber, frames: FrameCoder, logger: Logger) {
         self.engine = engine
         self.subscriber = subscriber
         self.frames = frames
@@ -254,7 +254,9 @@ final class SessionHub: Service, Sendable {
 
     /// Consumes the subscriber's events until it stops.
     func run() async throws {
-        try? await subscriber.retain([engine.keys.nodeChannel(engine.configuration.nodeID), engine.keys.broadcastChannel])
+        // Sharded pub/sub has no channel for every node: node messages come on the node's own.
+        let control = engine.redis.pubSub == .classic ? [engine.keys.broadcastChannel] : []
+        try? await subscriber.retain([engine.keys.nodeChannel(engine.configuration.nodeID)] + control)
         let upkeep = Task { await self.followUpkeep() }
         defer { upkeep.cancel() }
         for await event in subscriber.events.cancelOnGracefulShutdown() {
@@ -263,6 +265,15 @@ final class SessionHub: Service, Sendable {
                 await deliver(channel: channel, payload: payload)
             case .subscribed(reconnect: true):
                 logger.info("pub/sub reconnected; re-reading the presence every session watches")
+                engine.requestAudit()
+                startResync(grace: engine.configuration.recoveryGrace)
+            case .resubscribed(let channels):
+                // On a cluster: a slot moved or its primary failed over (which may have lost its
+                // last writes, the audit puts this node's back). Every session is read again, as
+                // after a reconnect.
+                logger.info("shard channels subscribed again at their new primary; re-reading the presence every session watches", metadata: [
+                    "redis.channels": "\(channels.count)",
+                ])
                 engine.requestAudit()
                 startResync(grace: engine.configuration.recoveryGrace)
             case .subscribed(reconnect: false), .disconnected:

@@ -75,7 +75,8 @@ extension Gateway {
 
     /// The admin feed: an `overview` event at once and every `AdminFeed.overviewInterval`, and a
     /// `presence` event for each change of any user's aggregate (read from every user's
-    /// channel on a Redis connection of the feed's own). Ends when the client goes away, or
+    /// channel on a Redis connection of the feed's own; not on a cluster, whose sharded channels
+    /// have no pattern subscription: there the overviews alone). Ends when the client goes away, or
     /// when the node shuts down.
     func streamAdminEvents(to writer: inout any ResponseBodyWriter) async throws {
         let (items, sink) = AsyncStream.makeStream(of: AdminFeed.Item.self, bufferingPolicy: .bufferingNewest(AdminFeed.backlog))
@@ -88,6 +89,8 @@ extension Gateway {
         let (subscribed, subscribedSink) = AsyncStream.makeStream(of: Void.self)
         try await withThrowingTaskGroup(of: Void.self) { tasks in
             tasks.addTask {
+                // Sharded channels (a cluster) cannot be watched by pattern: the overviews alone.
+                guard engine.redis.pubSub == .classic else { return subscribedSink.finish() }
                 try await RedisSubscriber.withSubscriber(configuration: redisConfiguration, logger: logger) { subscriber in
                     try await subscriber.subscribe(pattern: engine.keys.allUserChannelsPattern)
                     subscribedSink.finish()

@@ -13,7 +13,7 @@ extension Gateway {
             guard !self.hub.isDraining else { throw APIError.unavailable("this node is shutting down") }
             // On a cluster, ready while some primary answers: a primary failing over makes only its
             // own slots' commands fail, on every node alike, so leaving the balancer helps nobody.
-            guard self.engine.redis.isAvailable, self.hub.subscriber.isConnected else { throw APIError.unavailable() }
+            guard self.engine.redis.isAvailable, self.hub.subscriber.isAvailable else { throw APIError.unavailable() }
             return RESTBody.Status(status: "ready")
         }
         router.get("/metrics") { _, _ in

@@ -4,19 +4,6 @@ import NIOCore
 import NIOPosix
 import ServiceLifecycle
 
-/// What a ``RedisClusterSubscriber`` delivers.
-public enum RedisClusterSubscriberEvent: Sendable, Equatable {
-    /// A message published with SPUBLISH on a subscribed channel.
-    case message(channel: String, payload: [UInt8])
-    /// These channels are subscribed again at the primary serving them now, after Redis dropped
-    /// them (their slot moved: a migration or a failover) or their connection was lost, or after
-    /// a ``RedisClusterSubscriber/retain(_:)`` that threw. Messages published meanwhile may have
-    /// been missed: the owner should re-read the state these channels mirror.
-    case resubscribed(channels: [String])
-    /// A subscriber connection to a primary was lost; its channels are being subscribed again.
-    case disconnected
-}
-
 /// Sharded pub/sub (SSUBSCRIBE) over a Redis Cluster, with one subscriber connection per primary
 /// that serves a wanted channel's slot.
 ///
@@ -30,19 +17,19 @@ public enum RedisClusterSubscriberEvent: Sendable, Equatable {
 /// (``subscribe(_:)``, ``unsubscribe(_:)``). When Redis drops channels by itself (an unasked
 /// `sunsubscribe` after their slot moved) or a connection is lost, their slots are subscribed
 /// again at their current primaries, with backoff until that works, and ``events`` announces
-/// them with ``RedisClusterSubscriberEvent/resubscribed(channels:)``. Each connection is probed
+/// them with ``RedisSubscriberEvent/resubscribed(channels:)``. Each connection is probed
 /// with PING every ``RedisConfiguration/subscriberPingInterval`` of the router's configuration
 /// and closed when neither the answer nor any message came within
 /// ``RedisConfiguration/commandTimeout``.
 ///
 /// Run it as a `Service` (or inside ``withSubscriber(router:eventLoopGroup:logger:_:)``) beside
 /// the router's own `run()`.
-public final class RedisClusterSubscriber: Service, Sendable {
+public final class RedisClusterSubscriber: RedisChannelSubscriber {
     /// The router that says which primary serves a slot.
     public let router: RedisClusterClient
     /// Messages and connection changes, in order; finishes when `run()` returns.
-    public let events: AsyncStream<RedisClusterSubscriberEvent>
-    private let continuation: AsyncStream<RedisClusterSubscriberEvent>.Continuation
+    public let events: AsyncStream<RedisSubscriberEvent>
+    private let continuation: AsyncStream<RedisSubscriberEvent>.Continuation
     private let eventLoopGroup: any EventLoopGroup
     private let logger: Logger
     private let state = NIOLockedValueBox(State())
@@ -102,7 +89,7 @@ public final class RedisClusterSubscriber: Service, Sendable {
         self.router = router
         self.eventLoopGroup = eventLoopGroup
         self.logger = logger
-        (events, continuation) = AsyncStream.makeStream(of: RedisClusterSubscriberEvent.self)
+        (events, continuation) = AsyncStream.makeStream(of: RedisSubscriberEvent.self)
         (work, workContinuation) = AsyncStream.makeStream(of: Link.self)
         (repairs, repairContinuation) = AsyncStream.makeStream(of: Void.self, bufferingPolicy: .bufferingNewest(1))
     }
@@ -134,6 +121,14 @@ public final class RedisClusterSubscriber: Service, Sendable {
         state.withLockedValue { Set($0.references.keys) }
     }
 
+    /// Returns at once: a connection to a primary opens when one of its slots' channels is first
+    /// wanted, and ``subscribe(_:)`` waits for it.
+    public func waitUntilConnected() async throws {}
+
+    /// Whether the router can serve commands: the slots of a primary that is failing over are
+    /// subscribed again on their own once its replica serves them.
+    public var isAvailable: Bool { router.isAvailable }
+
     /// Whether every wanted channel is subscribed on an open connection.
     public var isConnected: Bool {
         state.withLockedValue { state in
@@ -150,7 +145,7 @@ public final class RedisClusterSubscriber: Service, Sendable {
     ///
     /// The channels are wanted from this call on: when their primary cannot be reached this
     /// throws, and they are subscribed as soon as it can, announced by
-    /// ``RedisClusterSubscriberEvent/resubscribed(channels:)``.
+    /// ``RedisSubscriberEvent/resubscribed(channels:)``.
     public func subscribe(_ channels: [String]) async throws(RedisError) {
         try await change(channels, subscribing: true) { state in
             let added = Set(channels).filter { state.references[$0] == nil }
