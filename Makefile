@@ -26,7 +26,8 @@ HEAVY_TESTS = GatewayFaultTests
 # Last, against a throwaway 6-node Redis Cluster (scripts/with-redis-cluster): the cluster router's
 # tests, then the engine and gateway suites again with the cluster as their Redis (one test at a
 # time: on 2 cores, six servers beside the parallel suite starve the 3 s leases; the model test
-# takes 500 steps there, 2000 on one server). Then, on a fresh cluster, three gateway processes
+# takes 500 steps there, 2000 on one server). Then, each on a fresh cluster (each kills a primary):
+# the sharded pub/sub subscriber through slot moves and failovers, and three gateway processes
 # under load through a CLUSTER FAILOVER and a kill -9 of a primary.
 # Both searches run with fixed seeds (printed), so that every run tries the same inputs: a red
 # `make test` means the code changed, not that a random search got lucky. Random, longer
@@ -44,6 +45,7 @@ test: build-tests check-deploy fuzz-build
 	scripts/with-redis-cluster sh -c 'scripts/test-run cluster timeout --kill-after=10 300 $(SWIFT) test --skip-build $(BUILD_FLAGS) --filter ClusterRouterTests \
 	  && PRESENCE_TEST_REDIS_URL="$$PRESENCE_TEST_REDIS_CLUSTER_URL" PRESENCE_MODEL_STEPS=500 scripts/test-run on-cluster \
 	     timeout --kill-after=10 600 $(SWIFT) test --skip-build --no-parallel $(BUILD_FLAGS) --filter "PresenceEngineTests|PresenceGatewayTests"'
+	scripts/with-redis-cluster scripts/test-run cluster-pubsub timeout --kill-after=10 300 $(SWIFT) test --skip-build $(BUILD_FLAGS) --filter ClusterSubscriberTests
 	scripts/with-redis-cluster scripts/test-run cluster-faults timeout --kill-after=10 300 $(SWIFT) test --skip-build $(BUILD_FLAGS) --filter ClusterGatewayTests
 
 # schemathesis against openapi.yaml on a live node: no 5xx, every answer as documented. A short

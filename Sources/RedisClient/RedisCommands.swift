@@ -39,7 +39,9 @@ public protocol RedisCommands: AnyObject, Sendable, Service {
     /// How messages reach subscribers: classic pub/sub on one server, sharded on a cluster.
     var pubSub: RedisPubSub { get }
     /// Publishes `payload` on `channel` with ``pubSub``'s command; returns how many subscribers
-    /// received it (on a cluster: those on the primary of the channel's slot).
+    /// received it. On a cluster that is the count of the node that took it: the primary of the
+    /// channel's slot, or just after a failover the demoted primary, which as a replica of the
+    /// same shard passes the message on and counts none.
     func publish(_ payload: [UInt8], on channel: String) async throws(RedisError) -> Int
     /// Registers `observer` for connection events; keep the token to remove it.
     @discardableResult

@@ -179,6 +179,17 @@ struct ClusterSubscriberTests {
 
     /// SPUBLISH through the router; how many subscribers got it on the receiving node.
     @discardableResult
+    /// Where `channel` is subscribed, by node with its role, and where the router sends its slot:
+    /// what a failed expectation shows.
+    static func whereSubscribed(_ channel: String, _ router: RedisClusterClient) -> String {
+        let nodes = TestRedisCluster.ports.map { port in
+            let role = (try? TestRedisCluster.cli(port: port, "ROLE").split(whereSeparator: \.isNewline).first.map(String.init)) ?? nil
+            let count = (try? TestRedisCluster.cli(port: port, "PUBSUB", "SHARDNUMSUB", channel).split(whereSeparator: \.isNewline).last.map(String.init)) ?? nil
+            return "\(port) \(role ?? "down") \(count ?? "?")"
+        }
+        return "router sends slot \(HashSlot(of: channel)) to \(router.primary(for: HashSlot(of: channel)).map { "\($0)" } ?? "none"); nodes: \(nodes.joined(separator: ", "))"
+    }
+
     private func publish(_ router: RedisClusterClient, _ channel: String, _ payload: String) async throws -> Int {
         try await router.send("SPUBLISH", RedisArgument(channel), RedisArgument(payload)).int ?? -1
     }
@@ -310,8 +321,12 @@ struct ClusterSubscriberTests {
             #expect(received.resubscribed.isDisjoint(with: staying))
             #expect(await eventually { subscriber.isConnected })
 
+            // The router may still send a moved slot's SPUBLISH to the demoted primary: a replica
+            // of the slot's shard takes it, passes it on within the shard and counts only its own
+            // subscribers (none), so the count may be 0; the message must still arrive.
             for channel in moving + staying {
-                #expect(try await publish(router, channel, "after") == 1)
+                let heard = try await publish(router, channel, "after")
+                #expect(heard == 1 || (heard == 0 && moving.contains(channel)), "\(channel) heard by \(heard): \(Self.whereSubscribed(channel, router))")
             }
             #expect(await eventually { (moving + staying).allSatisfy { received.count($0, "after") == 1 } })
             #expect(try TestRedisCluster.cli(port: pair.replica, "PUBSUB", "SHARDNUMSUB", moving[0]).hasSuffix("1"))
