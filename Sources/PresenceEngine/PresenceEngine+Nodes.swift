@@ -53,7 +53,18 @@ extension PresenceEngine {
             if register { try await list(node, until: indexScore(after: configuration.leaseTTL)) }
             let sent = clock.nowMilliseconds()
             let outcome = try await evaluate(RenewLease(node: node, register: register, sessions: sessions))
-            guard case .renewed(let storeNow, let ends, let indexed) = outcome else { return false }
+            guard case .renewed(let storeNow, let ends, let indexed) = outcome else {
+                // The lease lapsed while this node lived: Redis, or the way to it, stopped for a
+                // lease, and other live nodes' leases may have lapsed alike. Unless a failure
+                // already started the grace, it starts now (a command that waited out the
+                // outage, retried until it cleared, returned none).
+                let now = clock.nowMilliseconds()
+                lastRedisFailure.withLockedValue { failure in
+                    if failure.map({ now - $0 >= configuration.recoveryGrace.milliseconds }) ?? true { failure = now }
+                }
+                return false
+            }
+            lastRenewal.withLockedValue { $0 = clock.nowMilliseconds() }
             let local = (sent + clock.nowMilliseconds()) / 2
             storeClockOffset.withLockedValue { $0 = storeNow - local }
             do {
@@ -184,6 +195,16 @@ extension PresenceEngine {
         }
     }
 
+    /// Whether lapsed leases say nothing now: within the recovery grace after this node failed
+    /// for want of Redis (or found its own lease lapsed), or while its own lease has not been
+    /// renewed for two renewal intervals (a third of the lease each).
+    func isRecovering() -> Bool {
+        let now = clock.nowMilliseconds()
+        if let failure = lastRedisFailure.withLockedValue({ $0 }), now - failure < configuration.recoveryGrace.milliseconds { return true }
+        guard let renewed = lastRenewal.withLockedValue({ $0 }) else { return false }
+        return now - renewed > (configuration.leaseTTL * 2 / 3).milliseconds
+    }
+
     /// One pass of the reaper: claims lapsed node leases and due device deadlines and takes those
     /// devices offline, with `last_seen` the last moment each was known alive.
     public func reapOnce(limit: Int = 500) async throws(PresenceError) -> ReapReport {
@@ -191,11 +212,12 @@ extension PresenceEngine {
         // Just after Redis was unreachable, a lapsed lease says nothing: live nodes could not
         // renew either. They get the grace to come back before anyone is reaped. (A local
         // timer: this node's clock measures only its own waiting.)
-        let local = clock.nowMilliseconds()
-        let recovering = lastRedisFailure.withLockedValue { $0 }.map { local - $0 < configuration.recoveryGrace.milliseconds } ?? false
-        if !recovering {
+        if !isRecovering() {
             let nodes = try await claim(keys.nodes, limit: 16)
             try await forEachClaimed(keys.nodes, nodes) { node, leaseEnded throws(PresenceError) in
+                // The claim may have waited out an outage: asked again, and a node left claimed
+                // is looked at again when its claim ends.
+                guard !isRecovering() else { return }
                 switch try await reapNode(node, leaseEnded: Int64(leaseEnded)) {
                 case .reaped(let changed):
                     report.changedUsers += changed

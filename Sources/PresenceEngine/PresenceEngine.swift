@@ -27,6 +27,11 @@ public final class PresenceEngine: Sendable {
     /// one that long fails this node's renewals too; a timeout of some other call now and then
     /// does not stop the reaper.
     let lastRedisFailure = NIOLockedValueBox<Int64?>(nil)
+    /// When this node last renewed or took its lease (local clock, ms). A reaper whose own node
+    /// has not renewed for two renewal intervals has been waiting on Redis, and a command that
+    /// waited out an outage (a cluster's `CLUSTERDOWN`, retried until it cleared) returns no
+    /// failure: the lapsed leases it then reads say nothing either.
+    let lastRenewal = NIOLockedValueBox<Int64?>(nil)
     /// Whether this process has taken its lease: sessions wait for it (``waitUntilRegistered(timeout:)``),
     /// so that none is written before what an earlier process under this node id left is reaped.
     let registered = NIOLockedValueBox(false)

@@ -18,7 +18,7 @@ struct BenchEngine {
     func use<T: Sendable>(_ body: (PresenceEngine) async throws -> T) async throws -> T {
         var logger = Logger(label: "presence-bench")
         logger.logLevel = .warning
-        return try await RedisClient.withClient(configuration: configuration, logger: logger) { redis in
+        return try await withRedisCommands(configuration: configuration, logger: logger) { redis in
             try await body(PresenceEngine(redis: redis, configuration: PresenceConfiguration(keyPrefix: prefix, nodeID: "bench-setup"), logger: logger))
         }
     }

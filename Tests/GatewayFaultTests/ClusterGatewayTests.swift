@@ -157,6 +157,48 @@ struct ClusterGatewayTests {
         print("cluster gateway: \(sessions) session opens for \(clients.count) clients over the run")
     }
 
+    @Test("the shard holding the node registry down (primary and replica stopped) for longer than a lease: the cluster refuses every command meanwhile, and afterwards nobody was shown offline, no node is reaped, changes flow again")
+    func registryShardDown() async throws {
+        let prefix = TestRedis.uniquePrefix("cluster-down")
+        let lease = 8
+        let users = (0..<60).map { "user\($0)" }
+        let (nodes, clients, watcher) = try await Self.start(prefix: prefix, users: users, lease: lease)
+        let start = ContinuousClock.now
+        let anyPort = try #require(Self.livePort())
+        let registrySlot = Int(HashSlot(of: PresenceKeys(prefix: prefix).nodes).value)
+        let owner = try #require(try TestRedisCluster.owner(of: registrySlot, askingPort: anyPort))
+        // An earlier test may have killed this shard's replica's primary: then it has none.
+        let replica = try Self.replica(of: owner.port)
+        let stopped = try ([owner.port] + (replica.map { [$0] } ?? [])).map { try TestRedisCluster.processID(port: $0) }
+        let witness = try #require(TestRedisCluster.ports.first { ![owner.port, replica].contains($0) && (try? TestRedisCluster.cli(port: $0, "PING")) == "PONG" })
+        let churning = Array(clients[40...])
+        let churn = StatusChurn(churning, every: .milliseconds(50))
+
+        // SIGSTOP: the servers hold their data and their sockets, and answer nothing, as a
+        // shard cut off by the network would; past the lease, then back.
+        for pid in stopped { kill(pid, SIGSTOP) }
+        let frozen = ContinuousClock.now
+        #expect(await eventually(timeout: .seconds(10)) { (try? TestRedisCluster.cli(port: witness, "CLUSTER", "INFO"))?.contains("cluster_state:fail") ?? false },
+                "the cluster goes down without the shard (full coverage required)")
+        print("cluster gateway: registry shard stopped; cluster_state:fail after \(ContinuousClock.now - frozen)")
+        try await Task.sleep(until: frozen + .seconds(lease + 2))
+        for pid in stopped { kill(pid, SIGCONT) }
+        let thawed = ContinuousClock.now
+        #expect(await eventually(timeout: .seconds(20)) { (try? TestRedisCluster.cli(port: witness, "CLUSTER", "INFO"))?.contains("cluster_state:ok") ?? false },
+                "the cluster is whole again")
+        print("cluster gateway: registry shard back; cluster_state:ok after \(ContinuousClock.now - thawed)")
+
+        let changed = ContinuousClock.now
+        await clients[0].client.setStatus(.away)
+        #expect(await watcher.sees(users[0], .away, within: .seconds(15)), "a change after the outage reaches the watcher: \(watcher.timeline(since: start, peer: users[0]))")
+        print("cluster gateway: after the shard's return a change was seen after \(ContinuousClock.now - changed)")
+        // Past the recovery grace, when a reaper that took the outage for dead nodes would have
+        // turned their users offline.
+        await churn.stop()
+        try await Task.sleep(for: .seconds(lease + 3))
+        await Self.checkAfterwards(churn, churning: churning, users: users, watcher: watcher, nodes: nodes, since: start)
+    }
+
     /// Runs `redis-cli arguments...` (not against one port: `--cluster` commands); its output.
     static func redisCLI(_ arguments: [String]) throws -> String {
         let process = Process()

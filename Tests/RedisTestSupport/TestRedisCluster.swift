@@ -84,13 +84,18 @@ public enum TestRedisCluster {
         try RedisServerProcess.cli(port: port, arguments).trimmingCharacters(in: .whitespacesAndNewlines)
     }
 
-    /// Kills the server on `port` with SIGKILL, as a crash would; returns once it is gone.
-    public static func kill9(port: Int) throws {
+    /// The process id of the server on `port`, from its `INFO server`.
+    public static func processID(port: Int) throws -> Int32 {
         let info = try cli(port: port, "INFO", "server")
         guard let line = info.split(whereSeparator: \.isNewline).first(where: { $0.hasPrefix("process_id:") }),
               let pid = Int32(line.dropFirst("process_id:".count).trimmingCharacters(in: .whitespaces))
         else { throw RedisError(.unavailable, "no process_id in INFO of the node on port \(port)") }
-        kill(pid, SIGKILL)
+        return pid
+    }
+
+    /// Kills the server on `port` with SIGKILL, as a crash would; returns once it is gone.
+    public static func kill9(port: Int) throws {
+        kill(try processID(port: port), SIGKILL)
         // The server is not our child, so wait for its port rather than for the process.
         for _ in 0..<200 {
             guard let fd = connectLoopback(port: port) else { return }

@@ -237,7 +237,7 @@ extension RedisClusterClient {
                 if failure.code == .unavailable || failure.serverErrorPrefix == "CLUSTERDOWN" { requestRefresh() }
                 let delay = Self.retryBackoff.delay(attempt: attempt)
                 attempt += 1
-                guard ContinuousClock.now + delay < deadline else { return (.failure(failure), node) }
+                guard ContinuousClock.now + delay < deadline else { return (.failure(Self.unserved(failure)), node) }
                 do {
                     try await Task.sleep(for: delay)
                 } catch {
@@ -301,6 +301,15 @@ extension RedisClusterClient {
         default:
             return .fail
         }
+    }
+
+    /// What a command the cluster kept refusing (`CLUSTERDOWN`, `TRYAGAIN`, `LOADING`) past its
+    /// time budget fails with: ``RedisError/Code/unavailable``, as the command never ran, like
+    /// one whose node cannot be reached; its caller then treats it as an outage, not as a
+    /// failed command.
+    static func unserved(_ failure: RedisError) -> RedisError {
+        guard failure.code == .server else { return failure }
+        return RedisError(.unavailable, "the Redis cluster did not serve the command within its time budget", underlying: failure)
     }
 
     /// Writes `ASKING` and `command` as one request, so that no other caller's command comes
