@@ -157,29 +157,37 @@ extension PresenceEngine {
     /// Applies a change and publishes it on the conversation's channel and on the channel of
     /// every user in `notifying` (members before and after): their sessions re-check whom they
     /// may see, so new members become watched and removed ones stop producing events.
+    ///
+    /// Whom a user may see follows their own list of conversations (in their slot) and the
+    /// conversation's member set (in its own): on a cluster no one command writes both. The
+    /// steps are awaited in an order that leaves less visibility, never more, if this node dies
+    /// between two: the removed users' lists first, then the member set, the added users' lists
+    /// last, then the events.
     private func applyMembership(_ conversation: String, adding: Set<String>, removing: Set<String>, notifying: Set<String>, create: Bool) async throws(PresenceError) -> MembershipEvent {
         let event = MembershipEvent(conversationID: conversation, added: adding.sorted(), removed: removing.sorted())
-        var commands: [[RedisArgument]] = []
-        if create { commands.append(["SADD", RedisArgument(keys.conversations), RedisArgument(conversation)]) }
+        let revoke: [[RedisArgument]] = event.removed.map { ["SREM", RedisArgument(keys.conversationsOf($0)), RedisArgument(conversation)] }
+        var members: [[RedisArgument]] = []
+        if create { members.append(["SADD", RedisArgument(keys.conversations), RedisArgument(conversation)]) }
         if !adding.isEmpty {
-            commands.append([RedisArgument("SADD"), RedisArgument(keys.members(conversation))] + event.added.map { RedisArgument($0) })
+            members.append([RedisArgument("SADD"), RedisArgument(keys.members(conversation))] + event.added.map { RedisArgument($0) })
         }
         if !removing.isEmpty {
-            commands.append([RedisArgument("SREM"), RedisArgument(keys.members(conversation))] + event.removed.map { RedisArgument($0) })
+            members.append([RedisArgument("SREM"), RedisArgument(keys.members(conversation))] + event.removed.map { RedisArgument($0) })
         }
-        // A user's own list of conversations lives in their slot; it follows the member set.
-        for user in event.added { commands.append(["SADD", RedisArgument(keys.conversationsOf(user)), RedisArgument(conversation)]) }
-        for user in event.removed { commands.append(["SREM", RedisArgument(keys.conversationsOf(user)), RedisArgument(conversation)]) }
+        let grant: [[RedisArgument]] = event.added.map { ["SADD", RedisArgument(keys.conversationsOf($0)), RedisArgument(conversation)] }
+        var events: [[RedisArgument]] = []
         if !adding.isEmpty || !removing.isEmpty, let payload = try? JSONEncoder().encode(event) {
             let message = RedisArgument(bytes: Array(payload))
             let publish = redis.pubSub.publishCommand
-            commands.append([publish, RedisArgument(keys.conversationChannel(conversation)), message])
-            for user in notifying.sorted() { commands.append([publish, RedisArgument(keys.userChannel(user)), message]) }
+            events.append([publish, RedisArgument(keys.conversationChannel(conversation)), message])
+            for user in notifying.sorted() { events.append([publish, RedisArgument(keys.userChannel(user)), message]) }
         }
-        for start in stride(from: 0, to: commands.count, by: 1000) {
-            let results = try await run { try await self.redis.pipeline(Array(commands[start..<min(start + 1000, commands.count)])) }
-            for result in results {
-                if case .failure(let error) = result { throw Self.presenceError(error) }
+        for step in [revoke, members, grant, events] where !step.isEmpty {
+            for start in stride(from: 0, to: step.count, by: 1000) {
+                let results = try await run { try await self.redis.pipeline(Array(step[start..<min(start + 1000, step.count)])) }
+                for result in results {
+                    if case .failure(let error) = result { throw Self.presenceError(error) }
+                }
             }
         }
         // A removed member stops typing there, once no longer a member: a start that raced the
