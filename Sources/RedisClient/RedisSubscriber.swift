@@ -76,14 +76,22 @@ public func withRedisSubscriber<Result: Sendable>(
     _ body: (any RedisChannelSubscriber) async throws -> Result
 ) async throws -> Result {
     let subscriber = makeRedisSubscriber(for: redis, clientName: clientName, eventLoopGroup: eventLoopGroup, logger: logger)
-    return try await withThrowingTaskGroup(of: Void.self) { group in
-        group.addTask { try await subscriber.run() }
-        defer {
-            subscriber.shutdown()
-            group.cancelAll()
+    return try await subscriber.whileRunning { try await body(subscriber) }
+}
+
+extension RedisChannelSubscriber {
+    /// Runs this subscriber for the duration of `body`, which starts once channels can be
+    /// subscribed (``waitUntilConnected()``); shuts it down after.
+    public func whileRunning<Result: Sendable>(_ body: () async throws -> Result) async throws -> Result {
+        try await withThrowingTaskGroup(of: Void.self) { group in
+            group.addTask { try await self.run() }
+            defer {
+                shutdown()
+                group.cancelAll()
+            }
+            try await waitUntilConnected()
+            return try await body()
         }
-        try await subscriber.waitUntilConnected()
-        return try await body(subscriber)
     }
 }
 
@@ -137,15 +145,7 @@ public final class RedisSubscriber: RedisChannelSubscriber {
         _ body: (RedisSubscriber) async throws -> Result
     ) async throws -> Result {
         let subscriber = RedisSubscriber(configuration: configuration, eventLoopGroup: eventLoopGroup, logger: logger)
-        return try await withThrowingTaskGroup(of: Void.self) { group in
-            group.addTask { try await subscriber.run() }
-            defer {
-                subscriber.shutdown()
-                group.cancelAll()
-            }
-            try await subscriber.waitUntilConnected()
-            return try await body(subscriber)
-        }
+        return try await subscriber.whileRunning { try await body(subscriber) }
     }
 
     /// The channels this subscriber wants, whether or not the connection is up.

@@ -102,14 +102,7 @@ public final class RedisClusterSubscriber: RedisChannelSubscriber {
         _ body: (RedisClusterSubscriber) async throws -> Result
     ) async throws -> Result {
         let subscriber = RedisClusterSubscriber(router: router, eventLoopGroup: eventLoopGroup, logger: logger)
-        return try await withThrowingTaskGroup(of: Void.self) { group in
-            group.addTask { try await subscriber.run() }
-            defer {
-                subscriber.shutdown()
-                group.cancelAll()
-            }
-            return try await body(subscriber)
-        }
+        return try await subscriber.whileRunning { try await body(subscriber) }
     }
 
     private var configuration: RedisConfiguration { router.configuration }
