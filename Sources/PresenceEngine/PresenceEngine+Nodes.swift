@@ -52,21 +52,8 @@ extension PresenceEngine {
         do {
             if register { try await list(node, until: indexScore(after: configuration.leaseTTL)) }
             let sent = clock.nowMilliseconds()
-            renewalSent.withLockedValue { $0 = sent }
-            defer { renewalSent.withLockedValue { $0 = nil } }
             let outcome = try await evaluate(RenewLease(node: node, register: register, sessions: sessions))
-            guard case .renewed(let storeNow, let ends, let indexed) = outcome else {
-                // The lease lapsed while this node lived: Redis, or the way to it, stopped for a
-                // lease, and other live nodes' leases may have lapsed alike. Unless a failure
-                // already started the grace, it starts now (a command that waited out the
-                // outage, retried until it cleared, returned none).
-                let now = clock.nowMilliseconds()
-                lastRedisFailure.withLockedValue { failure in
-                    if failure.map({ now - $0 >= configuration.recoveryGrace.milliseconds }) ?? true { failure = now }
-                }
-                return false
-            }
-            lastRenewal.withLockedValue { $0 = clock.nowMilliseconds() }
+            guard case .renewed(let storeNow, let ends, let indexed) = outcome else { return false }
             let local = (sent + clock.nowMilliseconds()) / 2
             storeClockOffset.withLockedValue { $0 = storeNow - local }
             do {
@@ -198,16 +185,10 @@ extension PresenceEngine {
     }
 
     /// Whether lapsed leases say nothing now: within the recovery grace after this node failed
-    /// for want of Redis (or found its own lease lapsed), while a renewal of its own lease has
-    /// been waiting longer than a renewal interval (a third of the lease), or once its own lease
-    /// has gone unrenewed for a whole lease TTL (its upkeep stuck behind commands to a shard
-    /// that stopped answering).
+    /// for want of Redis.
     func isRecovering() -> Bool {
         let now = clock.nowMilliseconds()
-        if let failure = lastRedisFailure.withLockedValue({ $0 }), now - failure < configuration.recoveryGrace.milliseconds { return true }
-        if let sent = renewalSent.withLockedValue({ $0 }), now - sent > (configuration.leaseTTL / 3).milliseconds { return true }
-        guard let renewed = lastRenewal.withLockedValue({ $0 }) else { return false }
-        return now - renewed >= configuration.leaseTTL.milliseconds
+        return lastRedisFailure.withLockedValue { $0 }.map { now - $0 < configuration.recoveryGrace.milliseconds } ?? false
     }
 
     /// One pass of the reaper: claims lapsed node leases and due device deadlines and takes those
@@ -218,15 +199,12 @@ extension PresenceEngine {
         // renew either. They get the grace to come back before anyone is reaped. (A local
         // timer: this node's clock measures only its own waiting.)
         if !isRecovering() {
-            let asked = ContinuousClock.now
             let nodes = try await claim(keys.nodes, limit: 16)
-            // A claim that waited longer than a renewal interval may have waited out an outage,
-            // as may every step after it: the nodes not looked at are given back at their lease
-            // ends, for a later pass.
-            let waited = { ContinuousClock.now - asked > self.configuration.leaseTTL / 3 }
             try await forEachClaimed(keys.nodes, nodes) { node, leaseEnded throws(PresenceError) in
-                // This node is alive: a lapsed lease of its own is registered again by its renewal.
-                guard node != configuration.nodeID, !isRecovering(), !waited() else {
+                // This node is alive: a lapsed lease of its own is registered again by its
+                // renewal (its upkeep may be stuck behind commands to a shard that stopped
+                // answering, never failing a renewal, while its lease ran out).
+                guard node != configuration.nodeID else {
                     _ = try await evaluate(ResolveClaim(key: keys.nodes, member: node, score: nodes.retry, next: Int64(leaseEnded)))
                     return
                 }

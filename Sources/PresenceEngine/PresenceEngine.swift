@@ -27,13 +27,6 @@ public final class PresenceEngine: Sendable {
     /// one that long fails this node's renewals too; a timeout of some other call now and then
     /// does not stop the reaper.
     let lastRedisFailure = NIOLockedValueBox<Int64?>(nil)
-    /// When the lease renewal under way was sent (local clock, ms); nil between renewals. One
-    /// waiting longer than a renewal interval waits out an outage that returns no failure (a
-    /// cluster's `CLUSTERDOWN`, retried until it clears): meanwhile lapsed leases say nothing.
-    let renewalSent = NIOLockedValueBox<Int64?>(nil)
-    /// When this node last renewed or took its lease (local clock, ms): a lease TTL later its
-    /// own lease has lapsed, and a reaper that could not renew its own judges no other.
-    let lastRenewal = NIOLockedValueBox<Int64?>(nil)
     /// Whether this process has taken its lease: sessions wait for it (``waitUntilRegistered(timeout:)``),
     /// so that none is written before what an earlier process under this node id left is reaped.
     let registered = NIOLockedValueBox(false)
