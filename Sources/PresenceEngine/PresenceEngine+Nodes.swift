@@ -66,8 +66,7 @@ extension PresenceEngine {
             if indexed < sessions { requestAudit() }
             return true
         } catch where error.code == .unavailable {
-            let now = clock.nowMilliseconds()
-            lastRedisFailure.withLockedValue { $0 = now }
+            noteRedisFailure()
             throw error
         }
     }
@@ -185,7 +184,7 @@ extension PresenceEngine {
     }
 
     /// Whether lapsed leases say nothing now: within the recovery grace after this node failed
-    /// for want of Redis.
+    /// for want of Redis, or heard the cluster refuse commands.
     func isRecovering() -> Bool {
         let now = clock.nowMilliseconds()
         return lastRedisFailure.withLockedValue { $0 }.map { now - $0 < configuration.recoveryGrace.milliseconds } ?? false

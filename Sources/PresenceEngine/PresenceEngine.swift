@@ -21,12 +21,17 @@ public final class PresenceEngine: Sendable {
     let logger: Logger
     let local = NIOLockedValueBox([String: LocalDevice]())
     let pendingReleases = NIOLockedValueBox([String: PendingRelease]())
-    /// When this node last failed to renew or take its lease for want of Redis (local clock, ms):
-    /// the start of the reaper's ``PresenceConfiguration/recoveryGrace``. Only an outage that
-    /// stops renewals can let live nodes' leases lapse (three renewals in a row must fail), and
-    /// one that long fails this node's renewals too; a timeout of some other call now and then
-    /// does not stop the reaper.
+    /// When this node last failed to renew or take its lease for want of Redis, or last heard a
+    /// cluster refuse a command (`CLUSTERDOWN`, `LOADING`: ``RedisConnectionEvent/refused``), by
+    /// the local clock in ms: the start of the reaper's ``PresenceConfiguration/recoveryGrace``.
+    /// Only an outage that stops renewals can let live nodes' leases lapse (three renewals in a
+    /// row must fail, or wait): one that long fails this node's renewals too, or on a cluster
+    /// makes it answer `CLUSTERDOWN`, which the client retries until the shard is back, so
+    /// that a renewal may wait the outage out without failing. A timeout of some other call now
+    /// and then does not stop the reaper.
     let lastRedisFailure = NIOLockedValueBox<Int64?>(nil)
+    /// The token of this engine's observer of `redis` (which marks a refusal as a failure).
+    private let refusalObserver = NIOLockedValueBox<Int?>(nil)
     /// Whether this process has taken its lease: sessions wait for it (``waitUntilRegistered(timeout:)``),
     /// so that none is written before what an earlier process under this node id left is reaped.
     let registered = NIOLockedValueBox(false)
@@ -71,6 +76,20 @@ public final class PresenceEngine: Sendable {
         self.clock = clock
         self.logger = logger
         (upkeepEvents, upkeep) = AsyncStream.makeStream(bufferingPolicy: .bufferingNewest(1024))
+        let token = redis.addConnectionObserver { [weak self] event in
+            if event == .refused { self?.noteRedisFailure() }
+        }
+        refusalObserver.withLockedValue { $0 = token }
+    }
+
+    deinit {
+        if let token = refusalObserver.withLockedValue({ $0 }) { redis.removeConnectionObserver(token) }
+    }
+
+    /// Starts the reaper's recovery grace now (see ``lastRedisFailure``).
+    func noteRedisFailure() {
+        let now = clock.nowMilliseconds()
+        lastRedisFailure.withLockedValue { $0 = now }
     }
 
     /// The outcome of opening a session.

@@ -10,6 +10,10 @@ public enum RedisConnectionEvent: Sendable, Equatable {
     case connected(reconnect: Bool)
     /// The connection was lost; commands fail until the next `connected`.
     case disconnected
+    /// A server answered that it cannot serve commands now (a cluster's `CLUSTERDOWN`, a node
+    /// still `LOADING` its data): commands wait for it within their time budget, and may still
+    /// succeed. Whatever had to be renewed meanwhile (a lease) may have lapsed all the same.
+    case refused
 }
 
 /// A Redis client that keeps one pipelined connection open and reconnects with backoff.

@@ -235,6 +235,7 @@ extension RedisClusterClient {
             case .retry:
                 guard !isShutdown else { return (.failure(failure), node) }
                 if failure.code == .unavailable || failure.serverErrorPrefix == "CLUSTERDOWN" { requestRefresh() }
+                if failure.serverErrorPrefix == "CLUSTERDOWN" || failure.serverErrorPrefix == "LOADING" { notify(.refused) }
                 let delay = Self.retryBackoff.delay(attempt: attempt)
                 attempt += 1
                 guard ContinuousClock.now + delay < deadline else { return (.failure(Self.unserved(failure)), node) }

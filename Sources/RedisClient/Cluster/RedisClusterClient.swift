@@ -171,7 +171,8 @@ public final class RedisClusterClient: Service, Sendable {
     ///
     /// `connected(reconnect: false)` comes with the first node connection; `disconnected` when a
     /// primary's connection is lost (writes to its slots may have been missed or may fail for a
-    /// while); `connected(reconnect: true)` with the next connection opened after that.
+    /// while); `connected(reconnect: true)` with the next connection opened after that;
+    /// `refused` each time a node answers `CLUSTERDOWN` or `LOADING` (the command is retried).
     @discardableResult
     public func addConnectionObserver(_ observer: @escaping @Sendable (RedisConnectionEvent) -> Void) -> Int {
         observers.add(observer)
@@ -182,7 +183,7 @@ public final class RedisClusterClient: Service, Sendable {
         observers.remove(token)
     }
 
-    private func notify(_ event: RedisConnectionEvent?) {
+    func notify(_ event: RedisConnectionEvent?) {
         if let event { observers.notify(event) }
     }
 
