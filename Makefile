@@ -13,7 +13,8 @@ build: deps
 build-tests: deps
 	$(SWIFT) build --build-tests $(BUILD_FLAGS)
 
-# Builds once, then runs every test against a throwaway redis-server on a free loopback port.
+# Builds once, then runs every test against a throwaway redis-server on a free loopback port;
+# the light ones twice, the second time with sharded pub/sub (SPUBLISH/SSUBSCRIBE) on that server.
 # Bounded: a run that hangs fails after 15 minutes instead of holding CI.
 # The deployment files are checked first. The end-to-end test (3 nodes behind HAProxy, 300
 # clients) and the benchmark runs load the whole machine, so they run after the others, alone:
@@ -35,6 +36,7 @@ HEAVY_TESTS = GatewayFaultTests
 TEST_SEED = 20261124
 test: build-tests check-deploy fuzz-build
 	scripts/with-redis sh -c 'scripts/test-run light timeout --kill-after=10 900 $(SWIFT) test --skip-build $(BUILD_FLAGS) --skip "$(HEAVY_TESTS)" \
+	  && PRESENCE_TEST_REDIS_PUBSUB=sharded scripts/test-run light-sharded timeout --kill-after=10 900 $(SWIFT) test --skip-build $(BUILD_FLAGS) --skip "$(HEAVY_TESTS)" \
 	  && scripts/test-run heavy timeout --kill-after=10 900 $(SWIFT) test --skip-build --no-parallel $(BUILD_FLAGS) --filter "$(HEAVY_TESTS)" \
 	  && scripts/test-run web timeout --kill-after=10 120 node --test Tests/Web/ \
 	  && scripts/test-run browser timeout --kill-after=10 300 Tests/Browser/e2e.py \

@@ -17,6 +17,20 @@ public struct NodeRecord: Sendable, Equatable, Codable {
     public var lapsed: Bool
 }
 
+/// Live nodes publish with another pub/sub than this one: they would not hear each other's
+/// events.
+public struct PubSubMismatch: Error, CustomStringConvertible {
+    /// This node's pub/sub.
+    public var own: RedisPubSub
+    /// The live nodes that differ, with theirs.
+    public var others: [String: RedisPubSub]
+
+    public var description: String {
+        let nodes = others.sorted { $0.key < $1.key }.map { "\($0.key) (\($0.value.rawValue))" }.joined(separator: ", ")
+        return "live nodes use another pub/sub than this node's \(own.rawValue): \(nodes); they would not hear each other's events. Give every node the same PRESENCE_REDIS_PUBSUB, and stop the others before changing it"
+    }
+}
+
 /// What one pass of the reaper did.
 public struct ReapReport: Sendable, Equatable {
     /// Dead nodes whose devices were taken offline.
@@ -181,6 +195,26 @@ extension PresenceEngine {
                 lapsed: !leaseExists
             )
         }
+    }
+
+    /// The pub/sub of every live node but this one, as its lease renewals record it (a node of
+    /// a version that records none: classic). Nodes that publish differently do not hear each
+    /// other: a classic subscriber gets no `SPUBLISH`, a sharded one no `PUBLISH`.
+    public func otherNodesPubSub() async throws(PresenceError) -> [String: RedisPubSub] {
+        let live = try await nodes().filter { !$0.lapsed && $0.nodeID != configuration.nodeID }.map(\.nodeID)
+        guard !live.isEmpty else { return [:] }
+        let replies = try await run { try await self.redis.pipeline(live.map { ["HGET", RedisArgument(keys.nodeInfo($0)), "pubsub"] }) }
+        var modes: [String: RedisPubSub] = [:]
+        for (node, reply) in zip(live, replies) {
+            modes[node] = (try? reply.get())?.string.flatMap(RedisPubSub.init(rawValue:)) ?? .classic
+        }
+        return modes
+    }
+
+    /// Throws ``PubSubMismatch`` when a live node publishes differently from this one.
+    public func checkPubSubAgreement() async throws {
+        let others = try await otherNodesPubSub().filter { $0.value != redis.pubSub }
+        guard others.isEmpty else { throw PubSubMismatch(own: redis.pubSub, others: others) }
     }
 
     /// Whether lapsed leases say nothing now: within the recovery grace after this node failed

@@ -2,7 +2,8 @@ import Logging
 import RedisClient
 import ServiceLifecycle
 
-/// Keeps this node's lease: renews it every third of the lease TTL, registers every session
+/// Keeps this node's lease: before taking it, refuses to run beside live nodes of another
+/// pub/sub (``PubSubMismatch``); renews it every third of the lease TTL, registers every session
 /// again when it finds the lease gone (resuming on the next tick if that was cut short), audits
 /// the devices its sessions hold every ``PresenceConfiguration/auditInterval`` and after every
 /// reconnect of either Redis connection, and gives the lease up on graceful shutdown.
@@ -26,6 +27,7 @@ public struct PresenceLeaseService: Service {
         while !Task.isShuttingDownGracefully, !Task.isCancelled {
             do {
                 if !registered {
+                    try await engine.checkPubSubAgreement()
                     try await engine.reapPredecessor()
                     try await engine.registerNode()
                     registered = true
@@ -44,6 +46,10 @@ public struct PresenceLeaseService: Service {
                 } else if tick % auditEvery == 0 {
                     try await engine.audit(all: false)
                 }
+            } catch let mismatch as PubSubMismatch {
+                // Not a node that can serve: ends the node's services (and so the process).
+                engine.logger.error("refusing to start", metadata: ["error": "\(mismatch)"])
+                throw mismatch
             } catch {
                 engine.logger.warning("cannot renew the lease", metadata: ["error": "\(error)"])
             }

@@ -39,7 +39,7 @@ public final class Gateway: Sendable {
         try configuration.validate()
         self.configuration = configuration
         self.logger = logger
-        var redisConfiguration = try RedisConfiguration(url: configuration.redisURL)
+        var redisConfiguration = try configuration.redisConfiguration()
         redisConfiguration.clientName = "presence-gateway:\(configuration.nodeID)"
         // REST answers 503 within a second while Redis is unreachable: wait little for a connection.
         redisConfiguration.waitForConnection = .milliseconds(300)

@@ -12,6 +12,9 @@ public struct GatewayConfiguration: Sendable {
     public var port = 8080
     /// The presence store.
     public var redisURL = "redis://127.0.0.1:6379/0"
+    /// Classic or sharded pub/sub on one server or through Sentinel (`PRESENCE_REDIS_PUBSUB`);
+    /// nil: classic there, sharded on a cluster (its only mode).
+    public var redisPubSub: String?
     /// Prefix of every Redis key and channel.
     public var keyPrefix = "presence"
     /// This node's id.
@@ -95,6 +98,7 @@ public struct GatewayConfiguration: Sendable {
         if let value = values["PRESENCE_HOST"] { host = value }
         if let value = try integer("PRESENCE_PORT", 0...65535) { port = value }
         if let value = values["PRESENCE_REDIS_URL"] { redisURL = value }
+        if let value = values["PRESENCE_REDIS_PUBSUB"] { redisPubSub = value }
         if let value = values["PRESENCE_KEY_PREFIX"] { keyPrefix = value }
         if let value = values["PRESENCE_NODE_ID"] { nodeID = value }
         if let value = values["PRESENCE_JWT_SECRET"], !value.isEmpty { jwtSecret = value }
@@ -134,15 +138,23 @@ public struct GatewayConfiguration: Sendable {
             throw GatewayConfigurationError("PRESENCE_JWT_SECRET must be at least 32 bytes long (it is \(secret.utf8.count))")
         }
         do {
-            _ = try RedisConfiguration(url: redisURL)
+            _ = try redisConfiguration()
             try engineConfiguration.validate()
         } catch let error as RedisError {
-            throw GatewayConfigurationError("PRESENCE_REDIS_URL: \(error.message)")
+            let variable = error.code == .invalidURL ? "PRESENCE_REDIS_URL" : "PRESENCE_REDIS_PUBSUB=\(redisPubSub ?? "")"
+            throw GatewayConfigurationError("\(variable): \(error.message)")
         } catch let error as GatewayConfigurationError {
             throw error
         } catch {
             throw GatewayConfigurationError("\(error)")
         }
+    }
+
+    /// The Redis client's part of this configuration: ``redisURL`` with ``redisPubSub``.
+    public func redisConfiguration() throws(RedisError) -> RedisConfiguration {
+        var configuration = try RedisConfiguration(url: redisURL)
+        if let redisPubSub { configuration.pubSub = try RedisPubSub(setting: redisPubSub, topology: configuration.topology) }
+        return configuration
     }
 
     /// The engine's part of this configuration.

@@ -38,11 +38,6 @@ public protocol RedisCommands: AnyObject, Sendable, Service {
     func scanPage(cursor: String, matching pattern: String, count: Int) async throws(RedisError) -> (cursor: String, keys: [String])
     /// How messages reach subscribers: classic pub/sub on one server, sharded on a cluster.
     var pubSub: RedisPubSub { get }
-    /// Publishes `payload` on `channel` with ``pubSub``'s command; returns how many subscribers
-    /// received it. On a cluster that is the count of the node that took it: the primary of the
-    /// channel's slot, or just after a failover the demoted primary, which as a replica of the
-    /// same shard passes the message on and counts none.
-    func publish(_ payload: [UInt8], on channel: String) async throws(RedisError) -> Int
     /// Registers `observer` for connection events; keep the token to remove it.
     @discardableResult
     func addConnectionObserver(_ observer: @escaping @Sendable (RedisConnectionEvent) -> Void) -> Int
@@ -51,7 +46,7 @@ public protocol RedisCommands: AnyObject, Sendable, Service {
 }
 
 /// How a client's messages reach subscribers.
-public enum RedisPubSub: Sendable {
+public enum RedisPubSub: String, Sendable, CaseIterable {
     /// `PUBLISH` and `SUBSCRIBE`: one server hears every channel; patterns work.
     case classic
     /// `SPUBLISH` and `SSUBSCRIBE`: a channel lives on the shard of its hash slot, so a cluster
@@ -65,9 +60,39 @@ public enum RedisPubSub: Sendable {
         case .sharded: "SPUBLISH"
         }
     }
+
+    /// The pub/sub a setting names (`classic` or `sharded`, as `PRESENCE_REDIS_PUBSUB` gives
+    /// it) for a client of `topology`. A cluster takes `sharded` only: a classic message goes
+    /// to every node of the cluster, and one subscriber connection could not hear them all.
+    public init(setting: String, topology: RedisConfiguration.Topology) throws(RedisError) {
+        guard let value = RedisPubSub(rawValue: setting) else {
+            throw RedisError(.unsupported, "'\(setting)' is not a pub/sub mode: use 'classic' or 'sharded'")
+        }
+        if case .cluster = topology, value == .classic {
+            throw RedisError(.unsupported, "a Redis Cluster takes sharded pub/sub only (a classic PUBLISH would go to every node of the cluster)")
+        }
+        self = value
+    }
+
+    /// The command that subscribes channels.
+    var subscribeCommand: RedisArgument {
+        switch self {
+        case .classic: "SUBSCRIBE"
+        case .sharded: "SSUBSCRIBE"
+        }
+    }
 }
 
 extension RedisCommands {
+    /// Publishes `payload` on `channel` with ``pubSub``'s command; returns how many subscribers
+    /// received it. On a cluster that is the count of the node that took it: the primary of the
+    /// channel's slot, or just after a failover the demoted primary, which as a replica of the
+    /// same shard passes the message on and counts none.
+    @discardableResult
+    public func publish(_ payload: [UInt8], on channel: String) async throws(RedisError) -> Int {
+        try await send(pubSub.publishCommand, RedisArgument(channel), RedisArgument(bytes: payload)).int ?? 0
+    }
+
     /// Sends one command given as words.
     @discardableResult
     public func send(_ arguments: RedisArgument...) async throws(RedisError) -> RESPValue {
@@ -114,14 +139,10 @@ private func scanReply(_ reply: RESPValue, pattern: String) throws(RedisError) -
 extension RedisClient: RedisCommands {
     public var isAvailable: Bool { isConnected }
 
-    public var pubSub: RedisPubSub { .classic }
+    public var pubSub: RedisPubSub { configuration.pubSub }
 
     public func scanPage(cursor: String, matching pattern: String, count: Int) async throws(RedisError) -> (cursor: String, keys: [String]) {
         try scanReply(try await send("SCAN", RedisArgument(cursor), "MATCH", RedisArgument(pattern), "COUNT", RedisArgument(count)), pattern: pattern)
-    }
-
-    public func publish(_ payload: [UInt8], on channel: String) async throws(RedisError) -> Int {
-        try await send(pubSub.publishCommand, RedisArgument(channel), RedisArgument(bytes: payload)).int ?? 0
     }
 }
 
@@ -148,10 +169,6 @@ extension RedisClusterClient: RedisCommands {
     }
 
     public var pubSub: RedisPubSub { .sharded }
-
-    public func publish(_ payload: [UInt8], on channel: String) async throws(RedisError) -> Int {
-        try await send("SPUBLISH", RedisArgument(channel), RedisArgument(bytes: payload)).int ?? 0
-    }
 }
 
 /// Runs the client a URL names (see ``makeRedisCommands(configuration:eventLoopGroup:logger:)``)

@@ -77,6 +77,12 @@ public struct RedisConfiguration: Sendable, Equatable {
     /// Standalone, Sentinel or Cluster. For the latter two `host` and `port` are the first
     /// Sentinel or seed of the URL, and a connection's own configuration holds the node it reached.
     public var topology: Topology = .standalone
+    /// How messages reach subscribers on one server or through Sentinel: classic by default,
+    /// or sharded (`SPUBLISH`/`SSUBSCRIBE`, as on a cluster: the same commands in every mode,
+    /// no pattern subscriptions). A cluster always uses sharded pub/sub. Every client of one
+    /// deployment must use the same: a classic subscriber does not hear `SPUBLISH`, nor a
+    /// sharded one `PUBLISH`.
+    public var pubSub: RedisPubSub = .classic
 
     /// A configuration for `host:port` with defaults for everything else.
     public init(
@@ -197,6 +203,7 @@ public struct RedisConfiguration: Sendable, Equatable {
                 throw RedisError(.invalidURL, "a Redis Cluster has database 0 only; its URL has no path other than /0")
             }
             topology = .cluster(seeds: addresses)
+            pubSub = .sharded
         }
         host = addresses[0].host
         port = addresses[0].port

@@ -184,10 +184,11 @@ public final class RedisConnection: Sendable {
         return results
     }
 
-    /// Sends a command answered by `expectedReplies` replies; error replies come back as values.
-    func sendRaw(_ arguments: [RedisArgument], expectedReplies: Int) async throws(RedisError) -> RESPValue {
+    /// Sends a command answered by `expectedReplies` replies (counted as `counting` says);
+    /// error replies come back as values.
+    func sendRaw(_ arguments: [RedisArgument], expectedReplies: Int, counting: RedisRequest.Counting = .replies) async throws(RedisError) -> RESPValue {
         do {
-            return try await enqueue(arguments, expectedReplies: expectedReplies).get()
+            return try await enqueue(arguments, expectedReplies: expectedReplies, counting: counting).get()
         } catch {
             throw Self.redisError(error)
         }
@@ -198,11 +199,11 @@ public final class RedisConnection: Sendable {
     /// Commands from every task go into one outbox; the first one into an empty outbox schedules
     /// a single event-loop task that writes everything queued by then and flushes once. That is
     /// the automatic pipelining: one loop hop and one syscall for a whole burst of commands.
-    func enqueue(_ arguments: [RedisArgument], expectedReplies: Int) -> EventLoopFuture<RESPValue> {
+    func enqueue(_ arguments: [RedisArgument], expectedReplies: Int, counting: RedisRequest.Counting = .replies) -> EventLoopFuture<RESPValue> {
         var buffer = channel.allocator.buffer(capacity: 64)
         RESPEncoder.encode(arguments, into: &buffer)
         let promise = channel.eventLoop.makePromise(of: RESPValue.self)
-        let request = RedisRequest(encoded: buffer, expectedReplies: expectedReplies, promise: promise)
+        let request = RedisRequest(encoded: buffer, expectedReplies: expectedReplies, promise: promise, counting: counting)
         let schedule = outbox.withLockedValue { outbox -> Bool in
             outbox.requests.append(request)
             guard !outbox.scheduled else { return false }

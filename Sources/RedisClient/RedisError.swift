@@ -2,7 +2,7 @@
 public struct RedisError: Error, Sendable, CustomStringConvertible {
     /// What kind of failure this is.
     public struct Code: Hashable, Sendable, CustomStringConvertible {
-        private enum Base: String { case server, connectionClosed, unavailable, timeout, protocolViolation, authentication, invalidURL }
+        private enum Base: String { case server, connectionClosed, unavailable, timeout, protocolViolation, authentication, invalidURL, unsupported }
         private let base: Base
         private init(_ base: Base) { self.base = base }
 
@@ -20,6 +20,8 @@ public struct RedisError: Error, Sendable, CustomStringConvertible {
         public static let authentication = Code(.authentication)
         /// The `redis://` URL could not be understood.
         public static let invalidURL = Code(.invalidURL)
+        /// The client's mode cannot do this (a pattern subscription with sharded pub/sub).
+        public static let unsupported = Code(.unsupported)
 
         public var description: String { base.rawValue }
     }

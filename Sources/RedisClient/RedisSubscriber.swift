@@ -167,7 +167,7 @@ public final class RedisSubscriber: RedisChannelSubscriber {
     /// ``RedisError/Code/unavailable``, and they are subscribed on the next connection, which is
     /// announced with ``RedisSubscriberEvent/subscribed(reconnect:)``.
     public func subscribe(_ channels: [String]) async throws(RedisError) {
-        try await change(channels, command: "SUBSCRIBE") { state in
+        try await change(channels, subscribing: true) { state in
             let added = channels.filter { !state.channels.contains($0) }
             for channel in added { state.references[channel] = 1 }
             return added
@@ -176,7 +176,7 @@ public final class RedisSubscriber: RedisChannelSubscriber {
 
     /// Removes channels; no message of theirs is delivered once this returns.
     public func unsubscribe(_ channels: [String]) async throws(RedisError) {
-        try await change(channels, command: "UNSUBSCRIBE") { state in
+        try await change(channels, subscribing: false) { state in
             let removed = channels.filter { state.channels.contains($0) }
             for channel in removed { state.references[channel] = nil }
             return removed
@@ -190,7 +190,7 @@ public final class RedisSubscriber: RedisChannelSubscriber {
     /// If the connection is down this throws ``RedisError/Code/unavailable``; the channels are
     /// subscribed on reconnect, announced by ``RedisSubscriberEvent/subscribed(reconnect:)``.
     public func retain(_ channels: [String]) async throws(RedisError) {
-        try await change(channels, command: "SUBSCRIBE") { state in
+        try await change(channels, subscribing: true) { state in
             channels.filter { channel in
                 state.references[channel, default: 0] += 1
                 return state.references[channel] == 1
@@ -200,7 +200,7 @@ public final class RedisSubscriber: RedisChannelSubscriber {
 
     /// Counts one user less of each channel, unsubscribing those that have none left.
     public func release(_ channels: [String]) async throws(RedisError) {
-        try await change(channels, command: "UNSUBSCRIBE") { state in
+        try await change(channels, subscribing: false) { state in
             channels.filter { channel in
                 guard let count = state.references[channel] else { return false }
                 if count <= 1 {
@@ -213,20 +213,19 @@ public final class RedisSubscriber: RedisChannelSubscriber {
         }
     }
 
-    private func change(_ channels: [String], command: RedisArgument, update: (inout State) -> [String]) async throws(RedisError) {
+    private func change(_ channels: [String], subscribing: Bool, update: (inout State) -> [String]) async throws(RedisError) {
         guard !channels.isEmpty else { return }
         // The wanted set and the order of commands on the wire change under one lock, so that a
         // subscribe and an unsubscribe of the same channel from two tasks cannot cross over.
         let pending: [EventLoopFuture<RESPValue>]? = state.withLockedValue { state in
             let effective = update(&state)
-            let subscribing = command == "SUBSCRIBE"
             if subscribing { state.channels.formUnion(effective) } else { state.channels.subtract(effective) }
             // Channels already wanted by someone else may still be on their way to Redis.
             var waits = subscribing ? Set(channels).subtracting(effective).compactMap { state.confirming[$0] } : []
             if !subscribing { for channel in effective { state.confirming[channel] = nil } }
             guard !effective.isEmpty else { return waits }
             guard let connection = state.connection, connection.isActive else { return nil }
-            let future = connection.enqueue([command] + effective.map { RedisArgument($0) }, expectedReplies: effective.count)
+            let future = subscribing ? Self.subscribe(effective, on: connection, pubSub: configuration.pubSub) : Self.unsubscribe(effective, on: connection, pubSub: configuration.pubSub)
             if subscribing {
                 for channel in effective { state.confirming[channel] = future }
                 future.whenComplete { [state = self.state] _ in
@@ -254,8 +253,34 @@ public final class RedisSubscriber: RedisChannelSubscriber {
         }
     }
 
+    /// Queues the subscribe command of `pubSub` for `channels`: one confirmation per channel
+    /// (`SSUBSCRIBE` answers a refusal once).
+    private static func subscribe(_ channels: [String], on connection: RedisConnection, pubSub: RedisPubSub) -> EventLoopFuture<RESPValue> {
+        let counting: RedisRequest.Counting = pubSub == .sharded ? .confirmationsOrError : .replies
+        return connection.enqueue([pubSub.subscribeCommand] + channels.map { RedisArgument($0) }, expectedReplies: channels.count, counting: counting)
+    }
+
+    /// Queues the unsubscribe command of `pubSub` for `channels`. `UNSUBSCRIBE` is answered once
+    /// per channel; `SUNSUBSCRIBE`'s answers are the same arrays Redis pushes unasked, so they
+    /// go by as pushes, and the PING written after it tells when Redis is done with it.
+    private static func unsubscribe(_ channels: [String], on connection: RedisConnection, pubSub: RedisPubSub) -> EventLoopFuture<RESPValue> {
+        let arguments = channels.map { RedisArgument($0) }
+        switch pubSub {
+        case .classic:
+            return connection.enqueue(["UNSUBSCRIBE"] + arguments, expectedReplies: channels.count)
+        case .sharded:
+            let done = connection.enqueue(["SUNSUBSCRIBE"] + arguments, expectedReplies: 1, counting: .pushesOnly)
+            _ = connection.enqueue(["PING"], expectedReplies: 1)
+            return done
+        }
+    }
+
     /// Subscribes to channels matching a glob `pattern` (PSUBSCRIBE), kept across reconnects.
+    /// Classic pub/sub only: sharded channels have no patterns.
     public func subscribe(pattern: String) async throws(RedisError) {
+        guard configuration.pubSub == .classic else {
+            throw RedisError(.unsupported, "pattern subscriptions need classic pub/sub; sharded channels (SSUBSCRIBE) have no patterns")
+        }
         let pending: EventLoopFuture<RESPValue>? = state.withLockedValue { state in
             guard state.patterns.insert(pattern).inserted, let connection = state.connection, connection.isActive else { return nil }
             return connection.enqueue(["PSUBSCRIBE", RedisArgument(pattern)], expectedReplies: 1)
@@ -294,6 +319,9 @@ public final class RedisSubscriber: RedisChannelSubscriber {
                         logger: logger,
                         onPush: { [received] push in
                             received.withLockedValue { $0 &+= 1 }
+                            // A `sunsubscribe` here answers this subscriber's own SUNSUBSCRIBE:
+                            // one server moves no slots.
+                            guard push.kind == .message else { return }
                             continuation.yield(.message(channel: push.channel, payload: push.payload))
                         }
                     )
@@ -364,7 +392,7 @@ public final class RedisSubscriber: RedisChannelSubscriber {
         }
     }
 
-    /// Sends SUBSCRIBE for every wanted channel, then publishes the connection for changes.
+    /// Subscribes every wanted channel, then publishes the connection for changes.
     ///
     /// Channels added while this runs are caught by the loop: the connection becomes visible to
     /// ``subscribe(_:)`` only once the set it subscribed equals the wanted set.
@@ -383,7 +411,7 @@ public final class RedisSubscriber: RedisChannelSubscriber {
                     // Released while this ran: unsubscribe them, in order with later changes.
                     let stale = done.subtracting(state.channels)
                     if !stale.isEmpty {
-                        _ = connection.enqueue(["UNSUBSCRIBE"] + stale.map { RedisArgument($0) }, expectedReplies: stale.count)
+                        _ = Self.unsubscribe(Array(stale), on: connection, pubSub: configuration.pubSub)
                     }
                     return nil
                 }
@@ -392,7 +420,12 @@ public final class RedisSubscriber: RedisChannelSubscriber {
             guard let missing else { return }
             for start in stride(from: 0, to: missing.count, by: Self.batchSize) {
                 let batch = Array(missing[start..<min(start + Self.batchSize, missing.count)])
-                let reply = try await connection.sendRaw(["SUBSCRIBE"] + batch.map { RedisArgument($0) }, expectedReplies: batch.count)
+                let reply: RESPValue
+                do {
+                    reply = try await Self.subscribe(batch, on: connection, pubSub: configuration.pubSub).get()
+                } catch {
+                    throw RedisError(.connectionClosed, "the subscriber connection failed", underlying: error)
+                }
                 if case .error(let message) = reply { throw RedisError(.server, message) }
             }
             done.formUnion(missing)

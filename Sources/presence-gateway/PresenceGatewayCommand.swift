@@ -15,6 +15,7 @@ struct PresenceGatewayCommand: AsyncParsableCommand {
     @Option(help: "Listen host [PRESENCE_HOST].") var host: String?
     @Option(help: "Listen port [PRESENCE_PORT].") var port: String?
     @Option(help: "redis://[user:password@]host:port/db [PRESENCE_REDIS_URL].") var redisURL: String?
+    @Option(help: "classic or sharded pub/sub on one server or through Sentinel; a cluster: sharded only [PRESENCE_REDIS_PUBSUB].") var redisPubsub: String?
     @Option(help: "Prefix of every Redis key and channel [PRESENCE_KEY_PREFIX].") var keyPrefix: String?
     @Option(help: "This node's id [PRESENCE_NODE_ID].") var nodeID: String?
     @Option(help: "HS256 secret, at least 32 bytes [PRESENCE_JWT_SECRET].") var jwtSecret: String?
@@ -32,7 +33,7 @@ struct PresenceGatewayCommand: AsyncParsableCommand {
     func run() async throws {
         var values = ProcessInfo.processInfo.environment.filter { $0.key.hasPrefix("PRESENCE_") }
         let flags: [(String, String?)] = [
-            ("PRESENCE_HOST", host), ("PRESENCE_PORT", port), ("PRESENCE_REDIS_URL", redisURL), ("PRESENCE_KEY_PREFIX", keyPrefix),
+            ("PRESENCE_HOST", host), ("PRESENCE_PORT", port), ("PRESENCE_REDIS_URL", redisURL), ("PRESENCE_REDIS_PUBSUB", redisPubsub), ("PRESENCE_KEY_PREFIX", keyPrefix),
             ("PRESENCE_NODE_ID", nodeID), ("PRESENCE_JWT_SECRET", jwtSecret), ("PRESENCE_JWT_PUBLIC_KEY", jwtPublicKey),
             ("PRESENCE_ADMIN_TOKEN", adminToken), ("PRESENCE_VISIBILITY", visibility), ("PRESENCE_ID_FORMAT", idFormat), ("PRESENCE_LEASE_TTL", leaseTTL),
             ("PRESENCE_LINGER", linger), ("PRESENCE_HEARTBEAT_TTL", heartbeatTTL), ("PRESENCE_TYPING_TTL", typingTTL),

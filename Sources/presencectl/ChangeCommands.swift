@@ -107,7 +107,7 @@ struct WatchCommand: AsyncParsableCommand {
     static let configuration = CommandConfiguration(
         commandName: "watch",
         abstract: "A live tail of presence and membership events, until Ctrl-C.",
-        discussion: "Without --user or --conversation, every user's events (not on a Redis Cluster, whose sharded channels cannot be watched by pattern). Example: presencectl watch --user alice --user bob"
+        discussion: "Without --user or --conversation, every user's events (not with sharded pub/sub, a Redis Cluster's: sharded channels cannot be watched by pattern). Example: presencectl watch --user alice --user bob"
     )
     @OptionGroup var options: GlobalOptions
     @Option(help: "Only this user's events (repeatable).") var user: [String] = []
@@ -122,10 +122,24 @@ struct WatchCommand: AsyncParsableCommand {
                 }
                 users += members
             }
-            if users.isEmpty, engine.redis.pubSub == .sharded {
-                throw CLIError("on a Redis Cluster, watch needs --user or --conversation: events go out on sharded channels, which cannot be subscribed by pattern")
+            // Hear what the gateway nodes publish: their pub/sub unless one was given.
+            var redisConfiguration = engine.redis.configuration
+            let nodes = Set(try await engine.otherNodesPubSub().values)
+            if let given = options.redisPubSub {
+                if let theirs = nodes.first(where: { $0.rawValue != given }) {
+                    throw CLIError("the gateway nodes use \(theirs.rawValue) pub/sub, not \(given): watch would hear nothing; leave out --redis-pubsub (PRESENCE_REDIS_PUBSUB) to use theirs")
+                }
+            } else if nodes.count == 1, let theirs = nodes.first {
+                redisConfiguration.pubSub = theirs
             }
-            try await withRedisSubscriber(for: engine.redis, clientName: "presencectl-watch", logger: .init(label: "presencectl")) { subscriber in
+            if users.isEmpty, redisConfiguration.pubSub == .sharded {
+                throw CLIError("with sharded pub/sub (a Redis Cluster, or PRESENCE_REDIS_PUBSUB=sharded), watch needs --user or --conversation: sharded channels cannot be subscribed by pattern")
+            }
+            redisConfiguration.clientName = "presencectl-watch"
+            let subscriber: any RedisChannelSubscriber = redisConfiguration.pubSub == engine.redis.pubSub
+                ? makeRedisSubscriber(for: engine.redis, clientName: "presencectl-watch", logger: .init(label: "presencectl"))
+                : RedisSubscriber(configuration: redisConfiguration, logger: .init(label: "presencectl"))
+            try await subscriber.whileRunning {
                 if users.isEmpty, let classic = subscriber as? RedisSubscriber {
                     try await classic.subscribe(pattern: engine.keys.allUserChannelsPattern)
                 } else {

@@ -11,8 +11,8 @@ struct Presencectl: AsyncParsableCommand {
         commandName: "presencectl",
         abstract: "Inspect and administer presence data in Redis.",
         discussion: """
-        Every command takes --redis-url, --key-prefix and --json (also from PRESENCE_REDIS_URL and
-        PRESENCE_KEY_PREFIX). Tables for people by default, JSON for scripts with --json.
+        Every command takes --redis-url, --redis-pubsub, --key-prefix and --json (also from
+        PRESENCE_REDIS_URL, PRESENCE_REDIS_PUBSUB and PRESENCE_KEY_PREFIX). Tables for people by default, JSON for scripts with --json.
 
         Examples:
           presencectl user alice
@@ -34,6 +34,9 @@ struct GlobalOptions: ParsableArguments {
     @Option(help: "The presence store, redis://[user:password@]host:port/db [PRESENCE_REDIS_URL].")
     var redisURL = ProcessInfo.processInfo.environment["PRESENCE_REDIS_URL"] ?? "redis://127.0.0.1:6379/0"
 
+    @Option(name: .customLong("redis-pubsub"), help: "The gateway nodes' pub/sub, classic or sharded (a Redis Cluster: sharded only) [PRESENCE_REDIS_PUBSUB].")
+    var redisPubSub = ProcessInfo.processInfo.environment["PRESENCE_REDIS_PUBSUB"]
+
     @Option(help: "Prefix of every key and channel [PRESENCE_KEY_PREFIX].")
     var keyPrefix = ProcessInfo.processInfo.environment["PRESENCE_KEY_PREFIX"] ?? "presence"
 
@@ -47,6 +50,7 @@ struct GlobalOptions: ParsableArguments {
         logger.logLevel = .critical
         do {
             var configuration = try RedisConfiguration(url: redisURL)
+            if let redisPubSub { configuration.pubSub = try RedisPubSub(setting: redisPubSub, topology: configuration.topology) }
             configuration.clientName = "presencectl"
             configuration.connectTimeout = .seconds(3)
             try await withRedisCommands(configuration: configuration, logger: logger) { redis in

@@ -183,6 +183,7 @@ struct NodeDeathTests {
             process.executableURL = CTL.binary.deletingLastPathComponent().appendingPathComponent("presence-gateway")
             process.arguments = ["--port", "\(port)", "--redis-url", TestRedis.url, "--key-prefix", prefix, "--node-id", "doomed",
                                  "--jwt-secret", testSecret, "--lease-ttl", "3", "--typing-ttl", "1", "--log-level", "error"]
+                + (TestRedis.pubSub.map { ["--redis-pubsub", $0] } ?? [])
             process.standardOutput = FileHandle.nullDevice
             process.standardError = FileHandle.nullDevice
             try process.run()

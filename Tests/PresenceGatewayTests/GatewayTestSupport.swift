@@ -23,6 +23,7 @@ func testConfiguration(prefix: String, node: String, redisURL: String = TestRedi
     var configuration = GatewayConfiguration()
     configuration.port = 0
     configuration.redisURL = redisURL
+    configuration.redisPubSub = TestRedis.pubSub
     configuration.keyPrefix = prefix
     configuration.nodeID = node
     configuration.jwtSecret = testSecret

@@ -1,4 +1,5 @@
 import Foundation
+import PresenceGateway
 import RedisTestSupport
 import Testing
 
@@ -17,13 +18,15 @@ struct CTL {
     /// Output goes to files, not pipes: a pipe's end can be inherited by a long-lived child
     /// another test starts at the same moment, and reading it to the end would then wait for that
     /// child.
-    static func run(_ arguments: [String]) throws -> (status: Int32, out: String, err: String) {
-        let (process, out, err) = try start(arguments)
+    static func run(_ arguments: [String], inheritPubSub: Bool = true) throws -> (status: Int32, out: String, err: String) {
+        let (process, out, err) = try start(arguments, inheritPubSub: inheritPubSub)
         process.waitUntilExit()
         return (process.terminationStatus, read(out), read(err))
     }
 
-    static func start(_ arguments: [String]) throws -> (Process, URL, URL) {
+    /// With `inheritPubSub`, the tests' pub/sub (``TestRedis/pubSub``) as `PRESENCE_REDIS_PUBSUB`;
+    /// without, none: presencectl picks the nodes'.
+    static func start(_ arguments: [String], inheritPubSub: Bool = true) throws -> (Process, URL, URL) {
         let directory = FileManager.default.temporaryDirectory
         let out = directory.appendingPathComponent("presencectl-\(UUID().uuidString).out")
         let err = directory.appendingPathComponent("presencectl-\(UUID().uuidString).err")
@@ -32,6 +35,9 @@ struct CTL {
         let process = Process()
         process.executableURL = binary
         process.arguments = arguments
+        var environment = ProcessInfo.processInfo.environment
+        environment["PRESENCE_REDIS_PUBSUB"] = inheritPubSub ? TestRedis.pubSub : nil
+        process.environment = environment
         process.standardOutput = try FileHandle(forWritingTo: out)
         process.standardError = try FileHandle(forWritingTo: err)
         try process.run()
@@ -105,7 +111,7 @@ struct PresencectlTests {
             let tail = CTL.read(watchOut)
             _ = CTL.read(watchErr)
             #expect(tail.contains("\"away\"") && tail.contains("\"alice\""), "watch saw the gateway's event: \(tail)")
-            if TestRedis.url.hasPrefix("redis+cluster://") {
+            if TestRedis.isSharded {
                 // Sharded channels have no pattern subscription: an unfiltered watch says so.
                 let unfiltered = try CTL.run(["watch"] + common)
                 #expect(unfiltered.status == 1 && unfiltered.err.contains("watch needs --user or --conversation"), "\(unfiltered)")
@@ -117,6 +123,59 @@ struct PresencectlTests {
             let deleted = try CTL.run(["delete-conversation", "team"] + common)
             #expect(deleted.status == 0 && deleted.out == "deleted team\n")
             #expect(try CTL.run(["delete-conversation", "team"] + common).status == 1)
+        }
+    }
+
+    @Test(
+        "nodes that publish differently would not hear each other: a node of the other pub/sub is refused at start, and presencectl watch follows the live nodes' pub/sub",
+        .enabled(if: !TestRedis.url.hasPrefix("redis+cluster://"), "a cluster has one pub/sub, sharded")
+    )
+    func pubSubAgreement() async throws {
+        let prefix = TestRedis.uniquePrefix("ctl-pubsub")
+        let mine = TestRedis.isSharded ? "sharded" : "classic"
+        let theirs = TestRedis.isSharded ? "classic" : "sharded"
+        try await withNodes(1, prefix: prefix, configure: { $0.redisPubSub = theirs }) { ports in
+            let common = ["--redis-url", TestRedis.url, "--key-prefix", prefix]
+            let alice = TestSocket(port: ports[0], token: try await token("alice"), device: "phone")
+            _ = try await alice.next("initial_state")
+            #expect(await eventually(timeout: .seconds(10)) { (try? CTL.json(["stats"] + common))?["nodes"] as? Int == 1 }, "node-0 registered")
+
+            // A node of this run's pub/sub beside it ends at once, saying why.
+            let gateway = Process()
+            gateway.executableURL = CTL.binary.deletingLastPathComponent().appendingPathComponent("presence-gateway")
+            gateway.arguments = ["--port", "\(try RedisServerProcess.freePort())", "--redis-url", TestRedis.url, "--key-prefix", prefix, "--node-id", "other",
+                                 "--redis-pubsub", mine, "--jwt-secret", testSecret, "--log-level", "error"]
+            let log = FileManager.default.temporaryDirectory.appendingPathComponent("gateway-other-\(UUID().uuidString).log")
+            _ = FileManager.default.createFile(atPath: log.path, contents: nil)
+            gateway.standardOutput = try FileHandle(forWritingTo: log)
+            gateway.standardError = try FileHandle(forWritingTo: log)
+            try gateway.run()
+            defer { if gateway.isRunning { kill(gateway.processIdentifier, SIGKILL) } }
+            let deadline = ContinuousClock.now + .seconds(20)
+            while gateway.isRunning, ContinuousClock.now < deadline { try await Task.sleep(for: .milliseconds(50)) }
+            let output = CTL.read(log)
+            #expect(!gateway.isRunning, "the mismatched node stops by itself: \(output)")
+            #expect(!gateway.isRunning && gateway.terminationStatus != 0, "\(output)")
+            #expect(output.contains("live nodes use another pub/sub") && output.contains("node-0 (\(theirs))"), "\(output)")
+
+            // Without --redis-pubsub, watch takes node-0's and hears its events.
+            let (watcher, watchOut, watchErr) = try CTL.start(["watch", "--user", "alice", "--json"] + common, inheritPubSub: false)
+            try await Task.sleep(for: .milliseconds(700))
+            alice.send("status", ["status": "away"])
+            _ = try await alice.next("ack")
+            let heard = await eventually(timeout: .seconds(5)) { ((try? String(contentsOf: watchOut, encoding: .utf8)) ?? "").contains("\"away\"") }
+            kill(watcher.processIdentifier, SIGKILL)
+            watcher.waitUntilExit()
+            let tail = CTL.read(watchOut)
+            _ = CTL.read(watchErr)
+            #expect(heard && tail.contains("\"alice\""), "watch heard node-0's \(theirs) event: \(tail)")
+            // Told to use the other one, it refuses rather than hear nothing.
+            let wrong = try CTL.run(["watch", "--user", "alice", "--redis-pubsub", mine] + common, inheritPubSub: false)
+            #expect(wrong.status == 1 && wrong.err.contains("the gateway nodes use \(theirs) pub/sub"), "\(wrong)")
+            if theirs == "sharded" {
+                let unfiltered = try CTL.run(["watch"] + common, inheritPubSub: false)
+                #expect(unfiltered.status == 1 && unfiltered.err.contains("watch needs --user or --conversation"), "\(unfiltered)")
+            }
         }
     }
 

@@ -6,32 +6,50 @@ import Testing
 struct RedisSubscriberTests {
     let logger = TestRedis.logger()
 
-    @Test("delivery, unsubscribe, and re-subscribe after the server kills the connection")
-    func lifecycle() async throws {
+    @Test("delivery, unsubscribe, counted retain and release, and re-subscribe after the server kills the connection; sharded pub/sub on one server as well as classic", arguments: RedisPubSub.allCases)
+    func lifecycle(pubSub: RedisPubSub) async throws {
         let prefix = TestRedis.uniquePrefix("ps")
         var configuration = TestRedis.configuration()
+        configuration.pubSub = pubSub
+        let publishing = configuration
         configuration.clientName = prefix
         configuration.maximumBackoff = .milliseconds(200)
-        try await RedisClient.withClient(configuration: TestRedis.configuration(), logger: logger) { publisher in
+        let other: RedisPubSub = pubSub == .classic ? .sharded : .classic
+        try await RedisClient.withClient(configuration: publishing, logger: logger) { publisher in
             try await RedisSubscriber.withSubscriber(configuration: configuration, logger: logger) { subscriber in
                 var events = subscriber.events.makeAsyncIterator()
                 #expect(await events.next() == .subscribed(reconnect: false))
 
                 try await subscriber.subscribe(["\(prefix):a", "\(prefix):b"])
-                #expect(try await publisher.send("PUBLISH", RedisArgument("\(prefix):a"), "one") == .integer(1))
+                #expect(try await publisher.publish(Array("one".utf8), on: "\(prefix):a") == 1)
                 #expect(await events.next() == .message(channel: "\(prefix):a", payload: Array("one".utf8)))
+                // The other kind of channel of the same name is another channel.
+                #expect(try await publisher.send(other.publishCommand, RedisArgument("\(prefix):a"), "unheard") == .integer(0))
 
                 try await subscriber.unsubscribe(["\(prefix):a"])
-                #expect(try await publisher.send("PUBLISH", RedisArgument("\(prefix):a"), "lost") == .integer(0))
-                try await publisher.send("PUBLISH", RedisArgument("\(prefix):b"), "two")
+                #expect(try await publisher.publish(Array("lost".utf8), on: "\(prefix):a") == 0)
+                try await publisher.publish(Array("two".utf8), on: "\(prefix):b")
                 #expect(await events.next() == .message(channel: "\(prefix):b", payload: Array("two".utf8)))
+
+                // Two users of one channel: it stays subscribed until the second release.
+                try await subscriber.retain(["\(prefix):c"])
+                try await subscriber.retain(["\(prefix):c"])
+                try await subscriber.release(["\(prefix):c"])
+                #expect(try await publisher.publish(Array("kept".utf8), on: "\(prefix):c") == 1)
+                #expect(await events.next() == .message(channel: "\(prefix):c", payload: Array("kept".utf8)))
+                try await subscriber.release(["\(prefix):c"])
+                #expect(try await publisher.publish(Array("gone".utf8), on: "\(prefix):c") == 0)
+
+                if pubSub == .sharded {
+                    await #expect(throws: RedisError.self) { try await subscriber.subscribe(pattern: "\(prefix):*") }
+                }
 
                 let killed = try await publisher.send("CLIENT", "KILL", "ID", RedisArgument(TestRedis.clientID(publisher, name: prefix)))
                 #expect(killed == .integer(1))
                 #expect(await events.next() == .disconnected)
                 #expect(await events.next() == .subscribed(reconnect: true))
                 #expect(subscriber.channels == ["\(prefix):b"])
-                try await publisher.send("PUBLISH", RedisArgument("\(prefix):b"), "three")
+                try await publisher.publish(Array("three".utf8), on: "\(prefix):b")
                 #expect(await events.next() == .message(channel: "\(prefix):b", payload: Array("three".utf8)))
             }
         }

@@ -29,6 +29,7 @@ public final class GatewayProcess: @unchecked Sendable {
         process.executableURL = binary ?? Self.binary
         var variables = ProcessInfo.processInfo.environment.filter { !$0.key.hasPrefix("PRESENCE_") }
         variables.merge(environment) { _, new in new }
+        if variables["PRESENCE_REDIS_PUBSUB"] == nil, let pubSub = TestRedis.pubSub { variables["PRESENCE_REDIS_PUBSUB"] = pubSub }
         variables["PRESENCE_PORT"] = "\(self.port)"
         variables["PRESENCE_HOST"] = "127.0.0.1"
         variables["PRESENCE_NODE_ID"] = nodeID

@@ -13,16 +13,27 @@ public enum TestRedis {
         ProcessInfo.processInfo.environment["PRESENCE_TEST_REDIS_URL"] ?? "redis://127.0.0.1:6379/0"
     }
 
+    /// The pub/sub the tests and their gateway nodes use on the shared server:
+    /// `PRESENCE_TEST_REDIS_PUBSUB` (`classic` or `sharded`); nil for the default of the URL's mode.
+    public static var pubSub: String? {
+        ProcessInfo.processInfo.environment["PRESENCE_TEST_REDIS_PUBSUB"].flatMap { $0.isEmpty ? nil : $0 }
+    }
+
+    /// Whether messages go out on sharded channels (a cluster, or `PRESENCE_TEST_REDIS_PUBSUB=sharded`):
+    /// no pattern subscriptions then.
+    public static var isSharded: Bool { configuration().pubSub == .sharded }
+
     /// The shared test server's configuration. A command waits up to 5 s for the connection
     /// (500 ms by default): every test of a run starts at once, and on 2 cores a first connect
     /// then took longer than 500 ms. Tests of failing fast use a server of their own.
     public static func configuration() -> RedisConfiguration {
         do {
             var configuration = try RedisConfiguration(url: url)
+            if let pubSub { configuration.pubSub = try RedisPubSub(setting: pubSub, topology: configuration.topology) }
             configuration.waitForConnection = .seconds(5)
             return configuration
         } catch {
-            fatalError("PRESENCE_TEST_REDIS_URL is not a Redis URL: \(error)")
+            fatalError("PRESENCE_TEST_REDIS_URL or PRESENCE_TEST_REDIS_PUBSUB is not usable: \(error)")
         }
     }
 

@@ -9,7 +9,7 @@ import RedisClient
 
 /// Renews a node's lease, or with `register` takes it whether or not it exists. The lease's
 /// value becomes the new lease end, and the node's info records the renewal (the last moment the
-/// node was known alive).
+/// node was known alive) and the node's pub/sub (which nodes starting later must share).
 struct RenewLease: ScriptCall {
     enum Outcome {
         /// Renewed at this moment, until `ends`; the node's device index holds this many devices.
@@ -30,7 +30,7 @@ struct RenewLease: ScriptCall {
 
     func arguments(_ context: ScriptContext) -> [RedisArgument] {
         [context.now, ScriptContext.milliseconds(context.configuration.leaseTTL), RedisArgument(node), RedisArgument(sessions),
-         context.deviceTTL, register ? "register" : "renew"]
+         context.deviceTTL, register ? "register" : "renew", RedisArgument(context.pubSub.rawValue)]
     }
 
     func decode(_ reply: RESPValue) throws(PresenceError) -> Outcome {
@@ -47,11 +47,11 @@ struct RenewLease: ScriptCall {
     /// when gone.
     static let script = RedisScript(ScriptLua.clock + """
     local now = clock(ARGV[1])
-    local lease, node, sessions, ttl, mode = tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5], ARGV[6]
+    local lease, node, sessions, ttl, mode, pubsub = tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
     local ends = now + lease
     if mode ~= 'register' and not leaseLeft(KEYS[1], ARGV[1]) then return {0} end
     redis.call('SET', KEYS[1], ends, 'PX', lease)
-    redis.call('HSET', KEYS[2], 'renewed_at', now, 'sessions', sessions)
+    redis.call('HSET', KEYS[2], 'renewed_at', now, 'sessions', sessions, 'pubsub', pubsub)
     redis.call('PEXPIRE', KEYS[2], ttl)
     return {now, ends, redis.call('SCARD', KEYS[3])}
     """)

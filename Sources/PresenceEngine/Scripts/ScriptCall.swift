@@ -27,6 +27,8 @@ struct ScriptContext: Sendable {
     let configuration: PresenceConfiguration
     /// Every script's `ARGV[1]`: empty, so that it reads Redis's clock, or a test clock's time.
     let now: RedisArgument
+    /// How the engine's client publishes (recorded in the node's info by the lease script).
+    let pubSub: RedisPubSub
 
     /// The safety TTL of devices hashes and node keys.
     var deviceTTL: RedisArgument { Self.milliseconds(configuration.deviceKeyTTL) }
@@ -35,7 +37,7 @@ struct ScriptContext: Sendable {
 }
 
 extension PresenceEngine {
-    var scriptContext: ScriptContext { ScriptContext(keys: keys, configuration: configuration, now: nowArgument) }
+    var scriptContext: ScriptContext { ScriptContext(keys: keys, configuration: configuration, now: nowArgument, pubSub: redis.pubSub) }
 
     /// Runs one script call.
     func evaluate<Call: ScriptCall>(_ call: Call) async throws(PresenceError) -> Call.Outcome {

@@ -89,7 +89,8 @@ extension Gateway {
         let (subscribed, subscribedSink) = AsyncStream.makeStream(of: Void.self)
         try await withThrowingTaskGroup(of: Void.self) { tasks in
             tasks.addTask {
-                // Sharded channels (a cluster) cannot be watched by pattern: the overviews alone.
+                // Sharded channels (a cluster, or sharded pub/sub chosen) cannot be watched by
+                // pattern: the overviews alone.
                 guard engine.redis.pubSub == .classic else { return subscribedSink.finish() }
                 try await RedisSubscriber.withSubscriber(configuration: redisConfiguration, logger: logger) { subscriber in
                     try await subscriber.subscribe(pattern: engine.keys.allUserChannelsPattern)
