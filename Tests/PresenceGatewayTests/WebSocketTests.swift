@@ -30,7 +30,8 @@ struct WebSocketTests {
 
     @Test("several devices: offline only when the last one leaves; a reconnect within the linger publishes nothing")
     func devicesAndLinger() async throws {
-        try await withNodes(2) { ports in
+        // A linger of 3 s: on a loaded machine a reconnect took longer than the tests' usual 1 s.
+        try await withNodes(2, configure: { $0.linger = 3 }) { ports in
             _ = try await call(ports[0], "PUT", "/api/admin/conversations/pair", token: adminToken, body: #"{"member_ids":["alice","bob"]}"#)
             let bob = TestSocket(port: ports[1], token: try await token("bob"), device: "phone")
             _ = try await bob.next("initial_state")
@@ -46,14 +47,14 @@ struct WebSocketTests {
             _ = try await back.next("initial_state")
             #expect(await bob.staysQuiet(for: .milliseconds(1500)), "a reconnect within the linger must not flicker")
             back.closeAbruptly()
-            let offline = try await bob.next("presence_update", timeout: .seconds(5))
+            let offline = try await bob.next("presence_update", timeout: .seconds(8))
             #expect(offline.status == "offline", "after the linger the device goes")
         }
     }
 
     @Test("a session may open away or offline (status=...), so a reconnect while away never shows online; a bad status is refused")
     func openingStatus() async throws {
-        try await withNodes(1) { ports in
+        try await withNodes(1, configure: { $0.linger = 3 }) { ports in
             _ = try await call(ports[0], "PUT", "/api/admin/conversations/pair", token: adminToken, body: #"{"member_ids":["alice","bob"]}"#)
             let bob = TestSocket(port: ports[0], token: try await token("bob"), device: "phone")
             _ = try await bob.next("initial_state")
