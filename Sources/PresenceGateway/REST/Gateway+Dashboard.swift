@@ -74,33 +74,48 @@ extension Gateway {
     }
 
     /// The admin feed: an `overview` event at once and every `AdminFeed.overviewInterval`, and a
-    /// `presence` event for each change of any user's aggregate (read from every user's
-    /// channel on a Redis connection of the feed's own; not on a cluster, whose sharded channels
-    /// have no pattern subscription: there the overviews alone). Ends when the client goes away, or
-    /// when the node shuts down.
+    /// `presence` event for each change of a user's aggregate, read on a Redis connection of the
+    /// feed's own: with classic pub/sub, every user's (a pattern subscription); with sharded
+    /// pub/sub (a cluster), which has no patterns, the changes of the users the last overview
+    /// listed as present (at most 500), whose channels the feed follows; anyone else's change
+    /// shows in the next overview. Ends when the client goes away, or when the node shuts down.
     func streamAdminEvents(to writer: inout any ResponseBodyWriter) async throws {
         let (items, sink) = AsyncStream.makeStream(of: AdminFeed.Item.self, bufferingPolicy: .bufferingNewest(AdminFeed.backlog))
-        var feedConfiguration = engine.redis.configuration
-        feedConfiguration.clientName = "presence-gateway:\(configuration.nodeID):dashboard"
-        let redisConfiguration = feedConfiguration
         let engine = engine
         let logger = logger
+        let clientName = "presence-gateway:\(configuration.nodeID):dashboard"
         // The first overview waits for the subscription: every change after it is in the stream.
         let (subscribed, subscribedSink) = AsyncStream.makeStream(of: Void.self)
+        // The users each overview lists, for a sharded feed to follow.
+        let (listed, listedSink) = AsyncStream.makeStream(of: Set<String>.self, bufferingPolicy: .bufferingNewest(1))
         try await withThrowingTaskGroup(of: Void.self) { tasks in
             tasks.addTask {
-                // Sharded channels (a cluster, or sharded pub/sub chosen) cannot be watched by
-                // pattern: the overviews alone.
-                guard engine.redis.pubSub == .classic else { return subscribedSink.finish() }
-                try await RedisSubscriber.withSubscriber(configuration: redisConfiguration, logger: logger) { subscriber in
-                    try await subscriber.subscribe(pattern: engine.keys.allUserChannelsPattern)
+                try await withRedisSubscriber(for: engine.redis, clientName: clientName, logger: logger) { subscriber in
+                    if let classic = subscriber as? RedisSubscriber, engine.redis.pubSub == .classic {
+                        try await classic.subscribe(pattern: engine.keys.allUserChannelsPattern)
+                        listedSink.finish()
+                    }
                     subscribedSink.finish()
-                    for await event in subscriber.events {
-                        guard case .message(let channel, let payload) = event, let change = engine.decodeEvent(payload),
-                              change.changed || change.shownChanged
-                        else { continue }
-                        let user = engine.keys.user(fromKey: channel, suffix: "events") ?? change.views.real.userID
-                        sink.yield(.presence(user: user, change))
+                    try await withThrowingTaskGroup(of: Void.self) { feed in
+                        feed.addTask {
+                            var following = Set<String>()
+                            for await users in listed {
+                                let added = users.subtracting(following), removed = following.subtracting(users)
+                                // A channel not subscribed now (its primary is failing over) is
+                                // subscribed by the subscriber when it can; the next overview tries again.
+                                try? await subscriber.subscribe(added.map { engine.keys.userChannel($0) })
+                                try? await subscriber.unsubscribe(removed.map { engine.keys.userChannel($0) })
+                                following = users
+                            }
+                        }
+                        for await event in subscriber.events {
+                            guard case .message(let channel, let payload) = event, let change = engine.decodeEvent(payload),
+                                  change.changed || change.shownChanged
+                            else { continue }
+                            let user = engine.keys.user(fromKey: channel, suffix: "events") ?? change.views.real.userID
+                            sink.yield(.presence(user: user, change))
+                        }
+                        feed.cancelAll()
                     }
                 }
             }
@@ -118,6 +133,7 @@ extension Gateway {
                     case .overview:
                         event = "overview"
                         let overview = try await self.overviews.current(engine: engine)
+                        listedSink.yield(Set(overview.present.map(\.userID)))
                         try await writer.write(Self.serverSentEvent(event, self.bodies.text(RESTBody.Overview(overview))))
                     case .presence(let user, let change):
                         event = "presence"
