@@ -1,6 +1,7 @@
 import Foundation
 import JWTKit
 import PresenceEngine
+import RedisClient
 import Testing
 
 @testable import PresenceGateway
@@ -72,6 +73,32 @@ struct ConfigurationTests {
             Issue.record("a cluster has database 0 only")
         } catch {
             #expect(error.description.contains("PRESENCE_REDIS_URL"), "\(error.description)")
+        }
+
+        // Pub/sub: either kind on one server or through Sentinel, sharded only on a cluster.
+        var sharded = try GatewayConfiguration(environment: ["PRESENCE_REDIS_PUBSUB": "sharded"])
+        sharded.jwtSecret = String(repeating: "s", count: 32)
+        #expect(try sharded.redisConfiguration().pubSub == .sharded)
+        sharded.redisURL = sentinel.redisURL
+        #expect(try sharded.redisConfiguration().pubSub == .sharded)
+        var classic = sharded
+        classic.redisPubSub = nil
+        #expect(try classic.redisConfiguration().pubSub == .classic, "classic by default on one server")
+        classic.redisURL = "redis+cluster://127.0.0.1:7000"
+        #expect(try classic.redisConfiguration().pubSub == .sharded, "sharded by default on a cluster")
+        classic.redisPubSub = "classic"
+        do {
+            try classic.validate()
+            Issue.record("a cluster takes sharded pub/sub only")
+        } catch {
+            #expect(error.description.contains("PRESENCE_REDIS_PUBSUB=classic") && error.description.contains("sharded pub/sub only"), "\(error.description)")
+        }
+        sharded.redisPubSub = "broadcast"
+        do {
+            try sharded.validate()
+            Issue.record("an unknown pub/sub is refused")
+        } catch {
+            #expect(error.description.contains("PRESENCE_REDIS_PUBSUB=broadcast") && error.description.contains("'classic' or 'sharded'"), "\(error.description)")
         }
     }
 
