@@ -30,6 +30,10 @@ final class SessionHub: Service, Sendable {
         var admitted = 0
         /// The catch-up after a pub/sub reconnect or a data loss; a newer one replaces it.
         var resync: Task<Void, Never>?
+        /// What the running catch-up reads again (nil when none runs): a newer one reads this too.
+        var resyncScope: ResyncScope?
+        /// Counts catch-ups started, so that one ending clears only its own scope.
+        var resyncGeneration = 0
         /// Until when catch-ups leave users told online or away as told when they read them
         /// offline; a newer catch-up may move it later, never earlier.
         var holdOfflineUntil: ContinuousClock.Instant?
@@ -175,7 +179,7 @@ final class SessionHub: Service, Sendable {
     /// Sends `session` the current presence of `users` it has not been told yet, as updates.
     /// A read that crossed an event about a user is repeated for that user (a few times at most).
     /// Returns false when Redis could not be read. With `holdingBackOffline`, a user read as
-    /// offline whom the session was told is online or away is left as told (see ``resync(holdingOfflineUntil:)``).
+    /// offline whom the session was told is online or away is left as told (see ``resync(holdingOfflineUntil:scope:)``).
     @discardableResult
     func catchUp(_ session: Session, _ users: [String], holdingBackOffline: Bool = false) async -> Bool {
         var pending = users
@@ -269,13 +273,20 @@ final class SessionHub: Service, Sendable {
                 startResync(grace: engine.configuration.recoveryGrace)
             case .resubscribed(let channels):
                 // On a cluster: a slot moved or its primary failed over (which may have lost its
-                // last writes, the audit puts this node's back). Every session is read again, as
-                // after a reconnect.
-                logger.info("shard channels subscribed again at their new primary; re-reading the presence every session watches", metadata: [
-                    "redis.channels": "\(channels.count)",
+                // last writes, the audit puts this node's back). What those channels carry is
+                // read again, as after a reconnect: the users' presence and whom they may see,
+                // the conversations' members. A user's keys share the slot of the user's channel,
+                // and a conversation's that of its channel, so nothing else moved with them.
+                let scope = ResyncScope(
+                    users: Set(channels.compactMap(userOf(channel:))),
+                    conversations: Set(channels.compactMap(engine.keys.conversation(fromChannel:)))
+                )
+                logger.info("shard channels subscribed again at their new primary; re-reading what they carry", metadata: [
+                    "redis.channels": "\(channels.count)", "presence.users": "\(scope.users?.count ?? 0)",
+                    "presence.conversations": "\(scope.conversations?.count ?? 0)",
                 ])
                 engine.requestAudit()
-                startResync(grace: engine.configuration.recoveryGrace)
+                startResync(grace: engine.configuration.recoveryGrace, scope: scope)
             case .subscribed(reconnect: false), .disconnected:
                 break
             }
@@ -305,18 +316,28 @@ final class SessionHub: Service, Sendable {
         configuration.leaseTTL / 3 + .seconds(2)
     }
 
-    /// Starts a catch-up of every session (see ``resync(holdingOfflineUntil:)``); a newer one
-    /// replaces it, but never ends the hold-back on offline sooner than the one it replaces.
+    /// Starts a catch-up of every session (see ``resync(holdingOfflineUntil:scope:)``), of what
+    /// `scope` names; a newer one replaces it, reading what both name, and never ends the
+    /// hold-back on offline sooner than the one it replaces.
     /// After an outage, the subscriber's reconnect asks for the recovery grace (other nodes may
     /// reach Redis seconds later) and this node's own finding of the data loss, a moment after,
     /// for a shorter one: taking the shorter would tell watchers "offline" for the users of a
     /// node that has not come back yet.
-    private func startResync(grace: Duration) {
+    private func startResync(grace: Duration, scope: ResyncScope = .everything) {
         state.withLockedValue { state in
             let until = max(state.holdOfflineUntil ?? .now, .now + grace)
             state.holdOfflineUntil = until
             state.resync?.cancel()
-            state.resync = Task { await self.resync(holdingOfflineUntil: until) }
+            let scope = state.resyncScope.map { $0.union(scope) } ?? scope
+            state.resyncScope = scope
+            state.resyncGeneration += 1
+            let generation = state.resyncGeneration
+            state.resync = Task {
+                await self.resync(holdingOfflineUntil: until, scope: scope)
+                self.state.withLockedValue { state in
+                    if state.resyncGeneration == generation { state.resyncScope = nil }
+                }
+            }
         }
     }
 
@@ -397,30 +418,34 @@ final class SessionHub: Service, Sendable {
     /// at `until`, in a second pass. Redis may have lost its data, and the nodes holding live
     /// sessions write them again by then; the first read would show those users offline for a
     /// moment.
-    private func resync(holdingOfflineUntil until: ContinuousClock.Instant) async {
-        await refreshMembershipOfEverySession()
-        await catchUpEverySession(holdingBackOffline: true)
+    private func resync(holdingOfflineUntil until: ContinuousClock.Instant, scope: ResyncScope) async {
+        await refreshMembershipOfEverySession(scope)
+        await catchUpEverySession(scope, holdingBackOffline: true)
         guard (try? await Task.sleep(until: until, clock: .continuous)) != nil else { return }
-        await catchUpEverySession(holdingBackOffline: false)
+        await catchUpEverySession(scope, holdingBackOffline: false)
     }
 
-    /// Membership events missed too: whom each session may see, and who is in each conversation
-    /// it follows, are read again.
-    private func refreshMembershipOfEverySession() async {
+    /// Membership events missed too: whom each session may see (its user's conversations, which
+    /// `scope` names by the user), and who is in each conversation it follows, are read again.
+    private func refreshMembershipOfEverySession(_ scope: ResyncScope) async {
         for session in allSessions where !session.isClosing {
             guard !Task.isCancelled else { return }
-            await refreshVisibility(session)
-            for conversation in session.followed { await refreshMembers(session, conversation) }
+            if scope.contains(user: session.userID) { await refreshVisibility(session) }
+            for conversation in session.followed where scope.contains(conversation: conversation) {
+                await refreshMembers(session, conversation)
+            }
         }
     }
 
-    private func catchUpEverySession(holdingBackOffline: Bool) async {
+    private func catchUpEverySession(_ scope: ResyncScope, holdingBackOffline: Bool) async {
         var pending = allSessions
         var delay = Duration.milliseconds(100)
         while !Task.isCancelled {
             var failed: [Session] = []
             for session in pending where !session.isClosing {
-                if await !catchUp(session, Array(session.watched), holdingBackOffline: holdingBackOffline) { failed.append(session) }
+                let users = session.watched.filter { scope.contains(user: $0) }
+                guard !users.isEmpty else { continue }
+                if await !catchUp(session, Array(users), holdingBackOffline: holdingBackOffline) { failed.append(session) }
             }
             guard !failed.isEmpty else { return }
             pending = failed
@@ -432,5 +457,27 @@ final class SessionHub: Service, Sendable {
     /// Asks the node holding `session` to close it (a newer session took its device over).
     func closeRemote(node: String, session: String) async {
         _ = try? await engine.tell(.closeSession(sessionID: session), node: node)
+    }
+}
+
+/// What a catch-up reads again: everything (after a reconnect or a data loss), or what the
+/// channels of some users and conversations carry (after those channels moved on a cluster).
+struct ResyncScope: Sendable {
+    /// The users whose presence and visibility are read again; nil: every user.
+    var users: Set<String>?
+    /// The conversations whose members are read again; nil: every conversation.
+    var conversations: Set<String>?
+
+    static let everything = ResyncScope(users: nil, conversations: nil)
+
+    func contains(user: String) -> Bool { users?.contains(user) ?? true }
+    func contains(conversation: String) -> Bool { conversations?.contains(conversation) ?? true }
+
+    /// What both read again.
+    func union(_ other: ResyncScope) -> ResyncScope {
+        ResyncScope(
+            users: users.flatMap { mine in other.users.map { mine.union($0) } },
+            conversations: conversations.flatMap { mine in other.conversations.map { mine.union($0) } }
+        )
     }
 }
