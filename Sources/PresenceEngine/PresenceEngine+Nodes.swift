@@ -197,16 +197,18 @@ extension PresenceEngine {
         }
     }
 
-    /// The pub/sub of every live node but this one, as its lease renewals record it (a node of
-    /// a version that records none: classic). Nodes that publish differently do not hear each
-    /// other: a classic subscriber gets no `SPUBLISH`, a sharded one no `PUBLISH`.
+    /// The pub/sub of every live node but this one, as its lease renewals record it. Nodes that
+    /// publish differently do not hear each other: a classic subscriber gets no `SPUBLISH`, a
+    /// sharded one no `PUBLISH`.
     public func otherNodesPubSub() async throws(PresenceError) -> [String: RedisPubSub] {
         let live = try await nodes().filter { !$0.lapsed && $0.nodeID != configuration.nodeID }.map(\.nodeID)
         guard !live.isEmpty else { return [:] }
         let replies = try await run { try await self.redis.pipeline(live.map { ["HGET", RedisArgument(keys.nodeInfo($0)), "pubsub"] }) }
+        // A node of a version that records none used sharded pub/sub on a cluster, classic elsewhere.
+        let unrecorded: RedisPubSub = redis is RedisClusterClient ? .sharded : .classic
         var modes: [String: RedisPubSub] = [:]
         for (node, reply) in zip(live, replies) {
-            modes[node] = (try? reply.get())?.string.flatMap(RedisPubSub.init(rawValue:)) ?? .classic
+            modes[node] = (try? reply.get())?.string.flatMap(RedisPubSub.init(rawValue:)) ?? unrecorded
         }
         return modes
     }

@@ -423,6 +423,8 @@ public final class RedisSubscriber: RedisChannelSubscriber {
                 let reply: RESPValue
                 do {
                     reply = try await Self.subscribe(batch, on: connection, pubSub: configuration.pubSub).get()
+                } catch let error as RedisError {
+                    throw error
                 } catch {
                     throw RedisError(.connectionClosed, "the subscriber connection failed", underlying: error)
                 }

@@ -81,6 +81,26 @@ struct PresenceEngineTests {
         }
     }
 
+    @Test("each node records its pub/sub at every renewal; a node of an earlier version, which records none, counts as that version published: sharded on a cluster, classic elsewhere")
+    func pubSubRecorded() async throws {
+        try await EngineCluster.with { cluster in
+            let first = cluster.engine(node: "first")
+            let second = cluster.engine(node: "second")
+            try await first.registerNode()
+            try await second.registerNode()
+            let mode = cluster.redis.pubSub
+            #expect(try await second.otherNodesPubSub() == ["first": mode])
+            try await second.checkPubSubAgreement()
+            try await cluster.redis.send("HDEL", RedisArgument(cluster.prefixKeys.nodeInfo("first")), "pubsub")
+            let unrecorded: RedisPubSub = cluster.redis is RedisClusterClient ? .sharded : .classic
+            #expect(try await second.otherNodesPubSub() == ["first": unrecorded])
+            #expect(try await first.renewLease())
+            #expect(try await second.otherNodesPubSub() == ["first": mode], "recorded again by the renewal")
+            try await first.deregisterNode()
+            #expect(try await second.otherNodesPubSub().isEmpty, "a node that gave its lease up is not asked")
+        }
+    }
+
     @Test("the deadline buckets' tags sit one in each sixteenth of the slot space, and an id always falls in the same bucket")
     func bucketTags() {
         let keys = PresenceKeys(prefix: "p")
