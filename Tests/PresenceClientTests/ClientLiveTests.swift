@@ -14,8 +14,11 @@ struct ClientLiveTests {
     @Test("survives the kill of its node: reconnects to the other, and its watcher never sees it offline")
     func nodeKilled() async throws {
         let prefix = TestRedis.uniquePrefix("sdk-kill")
-        let doomed = try await GatewayProcess(nodeID: "doomed", environment: nodeEnvironment(prefix: prefix))
-        let survivor = try await GatewayProcess(nodeID: "survivor", environment: nodeEnvironment(prefix: prefix))
+        // A 5 s lease: the reconnect must be registered on the survivor before the dead node is
+        // reaped, and beside the parallel suites on 2 cores that took more than the usual 3 s.
+        let environment = nodeEnvironment(prefix: prefix, extra: ["PRESENCE_LEASE_TTL": "5"])
+        let doomed = try await GatewayProcess(nodeID: "doomed", environment: environment)
+        let survivor = try await GatewayProcess(nodeID: "survivor", environment: environment)
         #expect(admin(survivor, "PUT", "/api/admin/conversations/room", #"{"member_ids":["alice","bob"]}"#)?.status == 200)
         let alice = try await LiveClient("alice", device: "phone", nodes: [doomed, survivor])
         let bob = try await LiveClient("bob", device: "laptop", nodes: [survivor])
@@ -38,8 +41,8 @@ struct ClientLiveTests {
         let attempts = alice.timeline(since: killedAt).filter { $0.hasSuffix(" connecting") }.count
         #expect(attempts == 1, "reconnected on the first attempt: \(alice.timeline(since: killedAt))")
         #expect(reconnect < .seconds(5), "within the first backoff step plus a connect")
-        // Past the dead node's lease (3 s) and a reaper period: the reaper has run for it.
-        try await Task.sleep(until: killedAt + .seconds(5))
+        // Past the dead node's lease (5 s) and a reaper period: the reaper has run for it.
+        try await Task.sleep(until: killedAt + .seconds(7))
         #expect(!bob.statusesSinceOnline(of: "alice").contains(.offline), "no offline flicker: \(bob.statuses(of: "alice"))")
         #expect(await bob.client.presence(of: "alice")?.status == .online)
         let nodes = admin(survivor, "GET", "/api/admin/nodes")?.body ?? ""

@@ -154,7 +154,7 @@ struct DashboardTests {
                 _ = try await call(port, "POST", "/api/presence/status", token: alice, body: #"{"status":"away","device_id":"web"}"#)
             }
             defer { changes.cancel() }
-            let text = try await Task.detached {
+            let text = try await offThePool {
                 try Self.readEvents(port: port, token: adminToken, timeout: .seconds(10)) { text in
                     if text.contains("event: overview") { listening.withLockedValue { $0 = true } }
                     if text.contains("\"user_id\":\"alice\"") { aliceListed.withLockedValue { $0 = true } }
@@ -164,7 +164,7 @@ struct DashboardTests {
                     let overviews = text.components(separatedBy: "event: overview\n").count - 1
                     return overviews > 1 && text.components(separatedBy: "event: presence\n").count > (sharded ? 1 : 2)
                 }
-            }.value
+            }
             #expect(text.hasPrefix("HTTP/1.1 200"), "\(text.prefix(200))")
             #expect(text.lowercased().contains("content-type: text/event-stream"))
             // The body is chunked, one event a chunk: the chunks' size lines fall between events.

@@ -18,10 +18,13 @@ struct CTL {
     /// Output goes to files, not pipes: a pipe's end can be inherited by a long-lived child
     /// another test starts at the same moment, and reading it to the end would then wait for that
     /// child.
-    static func run(_ arguments: [String], inheritPubSub: Bool = true) throws -> (status: Int32, out: String, err: String) {
-        let (process, out, err) = try start(arguments, inheritPubSub: inheritPubSub)
-        process.waitUntilExit()
-        return (process.terminationStatus, read(out), read(err))
+    /// The wait for the process happens off the cooperative pool (see `offThePool`).
+    static func run(_ arguments: [String], inheritPubSub: Bool = true) async throws -> (status: Int32, out: String, err: String) {
+        try await offThePool {
+            let (process, out, err) = try start(arguments, inheritPubSub: inheritPubSub)
+            process.waitUntilExit()
+            return (process.terminationStatus, read(out), read(err))
+        }
     }
 
     /// With `inheritPubSub`, the tests' pub/sub (``TestRedis/pubSub``) as `PRESENCE_REDIS_PUBSUB`;
@@ -49,8 +52,8 @@ struct CTL {
         return (try? String(contentsOf: url, encoding: .utf8)) ?? ""
     }
 
-    static func json(_ arguments: [String]) throws -> [String: Any] {
-        let result = try run(arguments + ["--json"])
+    static func json(_ arguments: [String]) async throws -> [String: Any] {
+        let result = try await run(arguments + ["--json"])
         return (try? JSONSerialization.jsonObject(with: Data(result.out.utf8))) as? [String: Any] ?? ["_raw": result.out + result.err]
     }
 }
@@ -65,40 +68,40 @@ struct PresencectlTests {
             let alice = TestSocket(port: ports[0], token: try await token("alice"), device: "phone")
             _ = try await alice.next("initial_state")
 
-            let table = try CTL.run(["user", "alice"] + common)
+            let table = try await CTL.run(["user", "alice"] + common)
             #expect(table.status == 0)
             #expect(table.out.contains("online") && table.out.contains("phone") && table.out.contains("node-0"), "\(table.out)")
-            let user = try CTL.json(["user", "alice"] + common)
+            let user = try await CTL.json(["user", "alice"] + common)
             #expect(user["status"] as? String == "online")
             #expect((user["devices"] as? [[String: Any]])?.first?["node"] as? String == "node-0")
 
-            let online = try CTL.json(["online"] + common)
+            let online = try await CTL.json(["online"] + common)
             #expect(online["count"] as? Int == 1)
-            let onlineTable = try CTL.run(["online"] + common).out
+            let onlineTable = try await CTL.run(["online"] + common).out
             #expect(onlineTable.contains("USER") && onlineTable.contains("alice") && onlineTable.contains("1 user(s) present: 1 online"), "\(onlineTable)")
-            let nodesTable = try CTL.run(["nodes"] + common).out
+            let nodesTable = try await CTL.run(["nodes"] + common).out
             #expect(nodesTable.contains("node-0") && nodesTable.contains("live") && nodesTable.contains("1 live node(s)"), "\(nodesTable)")
-            let nodes = try CTL.run(["nodes", "--json"] + common)
+            let nodes = try await CTL.run(["nodes", "--json"] + common)
             let nodeList = (try? JSONSerialization.jsonObject(with: Data(nodes.out.utf8))) as? [[String: Any]]
             #expect(nodeList?.first?["node_id"] as? String == "node-0" && nodeList?.first?["state"] as? String == "live")
 
-            let set = try CTL.run(["set-members", "team", "alice", "bob"] + common)
+            let set = try await CTL.run(["set-members", "team", "alice", "bob"] + common)
             #expect(set.status == 0 && set.out.contains("2 added"))
             let update = try await alice.next("presence_update")
             #expect(update.userID == "bob", "the node applies a membership change made by presencectl")
-            let conversation = try CTL.json(["conversation", "team"] + common)
+            let conversation = try await CTL.json(["conversation", "team"] + common)
             #expect(conversation["total"] as? Int == 2 && conversation["online"] as? Int == 1)
-            let conversationTable = try CTL.run(["conversation", "team"] + common).out
+            let conversationTable = try await CTL.run(["conversation", "team"] + common).out
             #expect(conversationTable.contains("bob") && conversationTable.contains("1 of 2 online"), "\(conversationTable)")
-            let stats = try CTL.json(["stats"] + common)
+            let stats = try await CTL.json(["stats"] + common)
             #expect(stats["users_online"] as? Int == 1 && stats["nodes"] as? Int == 1 && (stats["keys"] as? Int ?? 0) > 0)
-            let statsTable = try CTL.run(["stats"] + common).out
+            let statsTable = try await CTL.run(["stats"] + common).out
             #expect(statsTable.contains("users online  1") && statsTable.contains("live nodes    1"), "\(statsTable)")
-            let add = try CTL.json(["add-members", "team", "carol"] + common)
+            let add = try await CTL.json(["add-members", "team", "carol"] + common)
             #expect(add["added"] as? [String] == ["carol"])
-            let remove = try CTL.run(["remove-member", "team", "carol"] + common)
+            let remove = try await CTL.run(["remove-member", "team", "carol"] + common)
             #expect(remove.status == 0 && remove.out.contains("removed carol"))
-            let help = try CTL.run(["user", "--help"])
+            let help = try await CTL.run(["user", "--help"])
             #expect(help.out.contains("Example: presencectl user alice"))
 
             let (watcher, watchOut, watchErr) = try CTL.start(["watch", "--user", "alice", "--json"] + common)
@@ -113,16 +116,16 @@ struct PresencectlTests {
             #expect(tail.contains("\"away\"") && tail.contains("\"alice\""), "watch saw the gateway's event: \(tail)")
             if TestRedis.isSharded {
                 // Sharded channels have no pattern subscription: an unfiltered watch says so.
-                let unfiltered = try CTL.run(["watch"] + common)
+                let unfiltered = try await CTL.run(["watch"] + common)
                 #expect(unfiltered.status == 1 && unfiltered.err.contains("watch needs --user or --conversation"), "\(unfiltered)")
             }
 
-            let disconnect = try CTL.run(["disconnect", "alice"] + common)
+            let disconnect = try await CTL.run(["disconnect", "alice"] + common)
             #expect(disconnect.status == 0 && disconnect.out.contains("asked 1 node(s)"))
             #expect(await alice.closed() == 4003)
-            let deleted = try CTL.run(["delete-conversation", "team"] + common)
+            let deleted = try await CTL.run(["delete-conversation", "team"] + common)
             #expect(deleted.status == 0 && deleted.out == "deleted team\n")
-            #expect(try CTL.run(["delete-conversation", "team"] + common).status == 1)
+            #expect(try await CTL.run(["delete-conversation", "team"] + common).status == 1)
         }
     }
 
@@ -138,7 +141,7 @@ struct PresencectlTests {
             let common = ["--redis-url", TestRedis.url, "--key-prefix", prefix]
             let alice = TestSocket(port: ports[0], token: try await token("alice"), device: "phone")
             _ = try await alice.next("initial_state")
-            #expect(await eventually(timeout: .seconds(10)) { (try? CTL.json(["stats"] + common))?["nodes"] as? Int == 1 }, "node-0 registered")
+            #expect(await eventually(timeout: .seconds(10)) { (try? await CTL.json(["stats"] + common))?["nodes"] as? Int == 1 }, "node-0 registered")
 
             // A node of this run's pub/sub beside it ends at once, saying why.
             let gateway = Process()
@@ -170,10 +173,10 @@ struct PresencectlTests {
             _ = CTL.read(watchErr)
             #expect(heard && tail.contains("\"alice\""), "watch heard node-0's \(theirs) event: \(tail)")
             // Told to use the other one, it refuses rather than hear nothing.
-            let wrong = try CTL.run(["watch", "--user", "alice", "--redis-pubsub", mine] + common, inheritPubSub: false)
+            let wrong = try await CTL.run(["watch", "--user", "alice", "--redis-pubsub", mine] + common, inheritPubSub: false)
             #expect(wrong.status == 1 && wrong.err.contains("the gateway nodes use \(theirs) pub/sub"), "\(wrong)")
             if theirs == "sharded" {
-                let unfiltered = try CTL.run(["watch"] + common, inheritPubSub: false)
+                let unfiltered = try await CTL.run(["watch"] + common, inheritPubSub: false)
                 #expect(unfiltered.status == 1 && unfiltered.err.contains("watch needs --user or --conversation"), "\(unfiltered)")
             }
         }
@@ -183,18 +186,18 @@ struct PresencectlTests {
     func errors() async throws {
         let prefix = TestRedis.uniquePrefix("ctl")
         let common = ["--redis-url", TestRedis.url, "--key-prefix", prefix]
-        let unknownUser = try CTL.run(["user", "nobody"] + common)
+        let unknownUser = try await CTL.run(["user", "nobody"] + common)
         #expect(unknownUser.status == 1 && unknownUser.err == "presencectl: no such user: nobody\n")
-        let unknownConversation = try CTL.run(["conversation", "none"] + common)
+        let unknownConversation = try await CTL.run(["conversation", "none"] + common)
         #expect(unknownConversation.status == 1 && unknownConversation.err.contains("no such conversation"))
-        let badID = try CTL.run(["user", "a b"] + common)
+        let badID = try await CTL.run(["user", "a b"] + common)
         #expect(badID.status != 0 && badID.err.contains("is not an id"))
 
         let server = try RedisServerProcess(arguments: ["--requirepass", "right"])
-        let wrong = try CTL.run(["stats", "--redis-url", server.url(credentials: ":wrong")])
+        let wrong = try await CTL.run(["stats", "--redis-url", server.url(credentials: ":wrong")])
         #expect(wrong.status == 1 && wrong.err.contains("refused") && !wrong.err.contains("wrong"), "\(wrong.err)")
         let refusing = try RefusingPort()
-        let down = try CTL.run(["stats", "--redis-url", "redis://127.0.0.1:\(refusing.port)/0"])
+        let down = try await CTL.run(["stats", "--redis-url", "redis://127.0.0.1:\(refusing.port)/0"])
         #expect(down.status == 1)
         #expect(down.err.hasPrefix("presencectl: cannot reach Redis at") && down.err.split(separator: "\n").count == 1, "\(down.err)")
     }

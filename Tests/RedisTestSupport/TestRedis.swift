@@ -211,6 +211,16 @@ public func eventually(timeout: Duration = .seconds(5), poll: Duration = .millis
     return try await condition()
 }
 
+/// Runs `body`, which blocks its thread (it waits for a process, or reads a socket), on a thread
+/// of its own. On the cooperative pool (two threads on two cores) it would stall every task of
+/// the test process meanwhile, the in-process nodes' lease renewals among them: a node whose 3 s
+/// lease then lapsed was reaped by its neighbour, and a test of another suite failed.
+public func offThePool<T: Sendable>(_ body: @escaping @Sendable () throws -> T) async throws -> T {
+    try await withCheckedThrowingContinuation { continuation in
+        Thread { continuation.resume(with: Result { try body() }) }.start()
+    }
+}
+
 /// The outcome of a Redis call as a value, for tests that expect some calls to fail.
 public func outcome(_ body: () async throws -> RESPValue) async -> Result<RESPValue, RedisError> {
     do {
