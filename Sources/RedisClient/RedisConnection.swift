@@ -127,8 +127,10 @@ public final class RedisConnection: Sendable {
         }
     }
 
-    /// Whether the socket is still open.
-    public var isActive: Bool { channel.isActive }
+    /// Whether the connection takes commands: its socket is open and no `READONLY` reply has
+    /// closed it. The close that reply starts runs on the event loop, a moment later; a command
+    /// handed this connection meanwhile would fail as closed rather than wait for the next one.
+    public var isActive: Bool { channel.isActive && !demoted.withLockedValue { $0 } }
 
     /// The server this connection reached.
     public var address: RedisConfiguration.Address { RedisConfiguration.Address(host: configuration.host, port: configuration.port) }
