@@ -21,27 +21,41 @@ extension RedisClient {
     /// Runs `script` by SHA; if Redis does not know it (restart, `SCRIPT FLUSH`), sends the source.
     @discardableResult
     public func evaluate(_ script: RedisScript, keys: [String], arguments: [RedisArgument] = []) async throws(RedisError) -> RESPValue {
-        let tail = [RedisArgument(keys.count)] + keys.map { RedisArgument($0) } + arguments
         do {
-            return try await send([RedisArgument("EVALSHA"), RedisArgument(script.sha1)] + tail)
+            return try await send(script.command(.sha1, keys: keys, arguments: arguments))
         } catch where error.serverErrorPrefix == "NOSCRIPT" {
-            return try await send([RedisArgument("EVAL"), RedisArgument(script.source)] + tail)
+            return try await send(script.command(.source, keys: keys, arguments: arguments))
         }
     }
 
-    /// Runs `script` once per call, all in one pipeline, each result in order. If Redis does not
-    /// know the script, it is loaded once and the pipeline sent again.
+    /// Runs `script` once per call, all in one pipeline, each result in order. The calls Redis
+    /// refused for not knowing the script (a `SCRIPT FLUSH` may land inside the pipeline, after
+    /// some calls ran) are sent again with the source, and only those: each call runs once.
     public func evaluate(_ script: RedisScript, calls: [(keys: [String], arguments: [RedisArgument])]) async throws(RedisError) -> [Result<RESPValue, RedisError>] {
-        let commands: [[RedisArgument]] = calls.map { call in
-            [RedisArgument("EVALSHA"), RedisArgument(script.sha1), RedisArgument(call.keys.count)] + call.keys.map { RedisArgument($0) } + call.arguments
-        }
-        let results = try await pipeline(commands)
-        let missing = results.contains { result in
-            if case .failure(let error) = result { return error.serverErrorPrefix == "NOSCRIPT" }
-            return false
-        }
-        guard missing else { return results }
-        try await send("SCRIPT", "LOAD", RedisArgument(script.source))
-        return try await pipeline(commands)
+        var results = try await pipeline(calls.map { script.command(.sha1, keys: $0.keys, arguments: $0.arguments) })
+        let refused = results.indices.filter { results[$0].isNoScript }
+        guard !refused.isEmpty else { return results }
+        let retried = try await pipeline(refused.map { script.command(.source, keys: calls[$0].keys, arguments: calls[$0].arguments) })
+        for (index, result) in zip(refused, retried) { results[index] = result }
+        return results
+    }
+}
+
+extension RedisScript {
+    /// How a command names its script: by SHA1, or with its source (which Redis cannot refuse).
+    package enum Naming { case sha1, source }
+
+    /// `EVALSHA` or `EVAL` of this script on `keys` with `arguments`.
+    package func command(_ naming: Naming, keys: [String], arguments: [RedisArgument]) -> [RedisArgument] {
+        let head = naming == .sha1 ? [RedisArgument("EVALSHA"), RedisArgument(sha1)] : [RedisArgument("EVAL"), RedisArgument(source)]
+        return head + [RedisArgument(keys.count)] + keys.map { RedisArgument($0) } + arguments
+    }
+}
+
+extension Result<RESPValue, RedisError> {
+    /// Refused with `NOSCRIPT`: the server did not know the script.
+    package var isNoScript: Bool {
+        if case .failure(let error) = self { return error.serverErrorPrefix == "NOSCRIPT" }
+        return false
     }
 }

@@ -371,6 +371,29 @@ struct ClusterRouterTests {
         }
     }
 
+    @Test("pipelines over every primary while the script caches keep being flushed: every call runs exactly once", .timeLimit(.minutes(1)))
+    func scriptsUnderFlush() async throws {
+        let script = RedisScript("return redis.call('INCR', KEYS[1]) -- \(UUID().uuidString)")
+        let prefix = TestRedis.uniquePrefix("flush")
+        try await withRouter { router in
+            let keys = router.primaries.map { "{\(tag(on: $0, router, prefix: prefix + "-\($0.port)"))}:n" }
+            let flushing = Task {
+                while !Task.isCancelled { _ = try? await router.sendToEachPrimary(["SCRIPT", "FLUSH"]) }
+            }
+            let calls = (0..<300).map { (keys: [keys[$0 % keys.count]], arguments: [RedisArgument]()) }
+            var failures = 0
+            for _ in 0..<10 {
+                failures += try await router.evaluate(script, calls: calls).filter { if case .failure = $0 { true } else { false } }.count
+            }
+            flushing.cancel()
+            _ = await flushing.value
+            #expect(failures == 0)
+            let counts = try await router.pipeline(keys.map { ["GET", RedisArgument($0)] }).map { try $0.get().int }
+            #expect(counts == keys.map { _ in 10 * 100 }, "each call ran once on its primary")
+            _ = try await router.pipeline(keys.map { ["DEL", RedisArgument($0)] })
+        }
+    }
+
     /// Moves `slot` from the primary on `source` to the one on `target` as `redis-cli --cluster
     /// reshard` would, in steps: `beforeFinishing` runs while the slot is half migrated (only
     /// `migrateFirst` moved).

@@ -104,6 +104,33 @@ struct RedisClientIntegrationTests {
         }
     }
 
+    @Test("pipelines of a script while another client keeps flushing the script cache: every call runs exactly once")
+    func scriptsUnderFlush() async throws {
+        let server = try RedisServerProcess()
+        let script = RedisScript("return redis.call('INCR', KEYS[1])")
+        let configuration = try RedisConfiguration(url: server.url())
+        try await RedisClient.withClient(configuration: configuration, logger: logger) { flusher in
+            try await RedisClient.withClient(configuration: configuration, logger: logger) { client in
+                let flushing = Task {
+                    var flushes = 0
+                    while !Task.isCancelled, (try? await flusher.send("SCRIPT", "FLUSH")) != nil { flushes += 1 }
+                    return flushes
+                }
+                let calls = Array(repeating: (keys: ["n"], arguments: [RedisArgument]()), count: 500)
+                var failures = 0
+                for _ in 0..<20 {
+                    failures += try await client.evaluate(script, calls: calls).filter { if case .failure = $0 { true } else { false } }.count
+                }
+                flushing.cancel()
+                let flushes = await flushing.value
+                // A flush landing inside a pipeline refuses its later calls only: those, and
+                // only those, run again (a whole pipeline sent again would count some twice).
+                #expect(failures == 0)
+                #expect(try await client.send("GET", "n").int == 20 * 500, "every call ran once, with \(flushes) flushes meanwhile")
+            }
+        }
+    }
+
     @Test("scripts run by SHA and still run after SCRIPT FLUSH")
     func scripts() async throws {
         let server = try RedisServerProcess()
