@@ -297,6 +297,8 @@ extension PresenceEngine {
     ///   its lease and index are never deleted.
     ///   With `predecessor`, this process reaps what the previous one under its own id left:
     ///   the lease is not checked and the index is kept (this process may have added to it).
+    /// - Throws: when Redis refused to reap some user (after the others are reaped): the node
+    ///   stays registered, and the whole of it is reaped again after the claim.
     private func reapNode(_ node: String, leaseEnded: Int64, predecessor: Bool = false) async throws(PresenceError) -> NodeReaping {
         if !predecessor, case .live(let until) = try await evaluate(LeaseLive(node: node)) {
             logger.info("a node claimed as lapsed holds its lease; not reaped", metadata: ["presence.node_id": "\(node)"])
@@ -325,6 +327,8 @@ extension PresenceEngine {
             for user in try await allDeviceHolders() { byUser[user, default: []] += [] }
         }
         var changed = 0
+        // A user Redis refused to reap keeps the node registered, so that it is reaped again.
+        var failure: PresenceError?
         let users = Array(byUser.keys)
         let linger = predecessor ? configuration.linger : .zero
         for start in stride(from: 0, to: users.count, by: 200) {
@@ -337,6 +341,7 @@ extension PresenceEngine {
             }
             var settling: [PresenceChange] = []
             for (user, result) in zip(batch, try await evaluate(calls)) {
+                if case .failure(let error) = result { failure = failure ?? error }
                 guard case .success(.reaped(let change, let lingering, let until)) = result else { continue }
                 // Devices the index did not name linger too: indexed now, at their deadline.
                 let unindexed = lingering.filter { !(byUser[user] ?? []).contains($0) }
@@ -351,6 +356,7 @@ extension PresenceEngine {
             }
             await settle(settling)
         }
+        if let failure { throw failure }
         if !predecessor {
             _ = try await evaluate(DropNode(node: node))
         }

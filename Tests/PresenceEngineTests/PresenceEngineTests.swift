@@ -325,6 +325,41 @@ struct PresenceEngineTests {
         }
     }
 
+    @Test("a user Redis refuses to reap keeps the dead node registered; it is reaped once Redis takes it")
+    func reapRefused() async throws {
+        try await EngineCluster.with { cluster in
+            let dying = cluster.engine(node: "dying")
+            let reaper = cluster.engine(node: "reaper")
+            try await dying.registerNode()
+            try await reaper.registerNode()
+            _ = try await dying.connect(user: "fay", device: "phone", session: "s1")
+            _ = try await dying.connect(user: "gus", device: "phone", session: "s2")
+            // gus's devices hash replaced by a string: the reap of his devices fails (WRONGTYPE).
+            let devices = RedisArgument(cluster.prefixKeys.devices("gus"))
+            let fields = try await cluster.redis.send("HGETALL", devices).strings
+            try await cluster.redis.send("DEL", devices)
+            try await cluster.redis.send("SET", devices, "not a hash")
+            for _ in 0..<2 {
+                cluster.clock.advance(.seconds(6))
+                #expect(try await reaper.renewLease())
+            }
+            #expect(try await reaper.reapOnce().nodes.isEmpty, "not done while one of its users is refused")
+            #expect(try await reaper.views(of: "fay").real.status == .offline, "the others are reaped meanwhile")
+            #expect(try await reaper.nodes().map(\.nodeID).contains("dying"), "still registered, so reaped again")
+
+            try await cluster.redis.send("DEL", devices)
+            try await cluster.redis.send([RedisArgument("HSET"), devices] + fields.map { RedisArgument($0) })
+            #expect(try await reaper.reapOnce().nodes.isEmpty, "claimed for 30 s")
+            for _ in 0..<6 {
+                cluster.clock.advance(.seconds(6))
+                #expect(try await reaper.renewLease())
+            }
+            #expect(try await reaper.reapOnce().nodes == ["dying"], "after its claim, reaped again and done")
+            #expect(try await reaper.views(of: "gus").real.status == .offline)
+            #expect(try await reaper.nodes().map(\.nodeID) == ["reaper"])
+        }
+    }
+
     @Test("after Redis was unreachable, a lapsed node gets the recovery grace to renew before any reaper takes it")
     func recoveryGrace() async throws {
         try await EngineCluster.withRestartableRedis { cluster, server in
