@@ -34,9 +34,13 @@ HEAVY_TESTS = GatewayFaultTests
 # `make test` means the code changed, not that a random search got lucky. Random, longer
 # campaigns are `make fuzz` and `make api-fuzz`.
 TEST_SEED = 20261124
+# The light suites run at most 4 tests at a time (swift-testing's limit): all of them at once
+# start some 30 nodes and processes together on 2 cores, where a 3 s lease renewed late lapses
+# and a reaper pass runs seconds behind. The run takes no longer (the model test is the longest).
+LIGHT_WIDTH = SWT_EXPERIMENTAL_MAXIMUM_PARALLELIZATION_WIDTH=4
 test: build-tests check-deploy fuzz-build
-	scripts/with-redis sh -c 'scripts/test-run light timeout --kill-after=10 900 $(SWIFT) test --skip-build $(BUILD_FLAGS) --skip "$(HEAVY_TESTS)" \
-	  && PRESENCE_TEST_REDIS_PUBSUB=sharded scripts/test-run light-sharded timeout --kill-after=10 900 $(SWIFT) test --skip-build $(BUILD_FLAGS) --skip "$(HEAVY_TESTS)" \
+	scripts/with-redis sh -c '$(LIGHT_WIDTH) scripts/test-run light timeout --kill-after=10 900 $(SWIFT) test --skip-build $(BUILD_FLAGS) --skip "$(HEAVY_TESTS)" \
+	  && $(LIGHT_WIDTH) PRESENCE_TEST_REDIS_PUBSUB=sharded scripts/test-run light-sharded timeout --kill-after=10 900 $(SWIFT) test --skip-build $(BUILD_FLAGS) --skip "$(HEAVY_TESTS)" \
 	  && scripts/test-run heavy timeout --kill-after=10 900 $(SWIFT) test --skip-build --no-parallel $(BUILD_FLAGS) --filter "$(HEAVY_TESTS)" \
 	  && scripts/test-run web timeout --kill-after=10 120 node --test Tests/Web/ \
 	  && scripts/test-run browser timeout --kill-after=10 300 Tests/Browser/e2e.py \
