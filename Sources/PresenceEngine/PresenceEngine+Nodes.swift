@@ -15,6 +15,9 @@ public struct NodeRecord: Sendable, Equatable, Codable {
     public var renewedAt: Int64?
     /// Whether the lease has run out (the node is dead but not reaped yet).
     public var lapsed: Bool
+    /// The pub/sub it publishes with, as its renewals record it; nil from a node of a version
+    /// that records none.
+    public var pubSub: RedisPubSub?
 }
 
 /// Live nodes publish with another pub/sub than this one: they would not hear each other's
@@ -178,13 +181,13 @@ extension PresenceEngine {
             if let node = values[index].string, let score = values[index + 1].double { pairs.append((node, Int64(score))) }
         }
         let commands: [[RedisArgument]] = pairs.flatMap { pair -> [[RedisArgument]] in
-            [["HMGET", RedisArgument(keys.nodeInfo(pair.0)), "sessions", "renewed_at"], ["EXISTS", RedisArgument(keys.lease(pair.0))]]
+            [["HMGET", RedisArgument(keys.nodeInfo(pair.0)), "sessions", "renewed_at", "pubsub"], ["EXISTS", RedisArgument(keys.lease(pair.0))]]
         }
         let replies = try await run { try await self.redis.pipeline(commands) }
         return pairs.enumerated().map { index, pair in
             let fields = (try? replies[2 * index].get())?.array ?? []
             let leaseExists = (try? replies[2 * index + 1].get())?.int == 1
-            let renewed = fields.count == 2 ? ScriptLua.timestamp(fields[1]) : nil
+            let renewed = fields.count == 3 ? ScriptLua.timestamp(fields[1]) : nil
             // A node being reaped has its registry score moved forward by the claim, but its
             // lease key has expired: it is lapsed either way.
             return NodeRecord(
@@ -192,7 +195,8 @@ extension PresenceEngine {
                 sessions: fields.first?.int ?? 0,
                 leaseExpiresAt: leaseExists ? pair.1 : min(pair.1, (renewed ?? now) + configuration.leaseTTL.milliseconds),
                 renewedAt: renewed,
-                lapsed: !leaseExists
+                lapsed: !leaseExists,
+                pubSub: fields.count == 3 ? fields[2].string.flatMap(RedisPubSub.init(rawValue:)) : nil
             )
         }
     }
@@ -201,16 +205,10 @@ extension PresenceEngine {
     /// publish differently do not hear each other: a classic subscriber gets no `SPUBLISH`, a
     /// sharded one no `PUBLISH`.
     public func otherNodesPubSub() async throws(PresenceError) -> [String: RedisPubSub] {
-        let live = try await nodes().filter { !$0.lapsed && $0.nodeID != configuration.nodeID }.map(\.nodeID)
-        guard !live.isEmpty else { return [:] }
-        let replies = try await run { try await self.redis.pipeline(live.map { ["HGET", RedisArgument(keys.nodeInfo($0)), "pubsub"] }) }
+        let live = try await nodes().filter { !$0.lapsed && $0.nodeID != configuration.nodeID }
         // A node of a version that records none used sharded pub/sub on a cluster, classic elsewhere.
         let unrecorded: RedisPubSub = redis is RedisClusterClient ? .sharded : .classic
-        var modes: [String: RedisPubSub] = [:]
-        for (node, reply) in zip(live, replies) {
-            modes[node] = (try? reply.get())?.string.flatMap(RedisPubSub.init(rawValue:)) ?? unrecorded
-        }
-        return modes
+        return Dictionary(uniqueKeysWithValues: live.map { ($0.nodeID, $0.pubSub ?? unrecorded) })
     }
 
     /// Throws ``PubSubMismatch`` when a live node publishes differently from this one.

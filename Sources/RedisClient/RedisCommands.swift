@@ -46,7 +46,7 @@ public protocol RedisCommands: AnyObject, Sendable, Service {
 }
 
 /// How a client's messages reach subscribers.
-public enum RedisPubSub: String, Sendable, CaseIterable {
+public enum RedisPubSub: String, Sendable, CaseIterable, Codable {
     /// `PUBLISH` and `SUBSCRIBE`: one server hears every channel; patterns work.
     case classic
     /// `SPUBLISH` and `SSUBSCRIBE`: a channel lives on the shard of its hash slot, so a cluster

@@ -1,6 +1,7 @@
 import ArgumentParser
 import Foundation
 import PresenceEngine
+import RedisClient
 
 struct UserCommand: AsyncParsableCommand {
     static let configuration = CommandConfiguration(
@@ -84,7 +85,7 @@ struct OnlineCommand: AsyncParsableCommand {
 struct NodesCommand: AsyncParsableCommand {
     static let configuration = CommandConfiguration(
         commandName: "nodes",
-        abstract: "Gateway nodes: live ones with sessions and lease expiry, and lapsed ones not reaped yet.",
+        abstract: "Gateway nodes: live ones with sessions, pub/sub and lease expiry, and lapsed ones not reaped yet.",
         discussion: "Example: presencectl nodes"
     )
     @OptionGroup var options: GlobalOptions
@@ -94,10 +95,11 @@ struct NodesCommand: AsyncParsableCommand {
             let nodes = try await engine.nodes()
             options.output(json: nodes.map { node in
                 ["node_id": node.nodeID, "sessions": node.sessions, "lease_expires_at": Format.timestamp(node.leaseExpiresAt),
-                 "renewed_at": Format.jsonTimestamp(node.renewedAt), "state": node.lapsed ? "lapsed" : "live"] as [String: Any]
+                 "renewed_at": Format.jsonTimestamp(node.renewedAt), "state": node.lapsed ? "lapsed" : "live",
+                 "pubsub": node.pubSub.map { $0.rawValue as Any } ?? NSNull()] as [String: Any]
             }) {
-                Format.table(["NODE", "STATE", "SESSIONS", "LEASE EXPIRES"], nodes.map { node in
-                    [node.nodeID, node.lapsed ? "lapsed, not reaped yet" : "live", "\(node.sessions)",
+                Format.table(["NODE", "STATE", "SESSIONS", "PUB/SUB", "LEASE EXPIRES"], nodes.map { node in
+                    [node.nodeID, node.lapsed ? "lapsed, not reaped yet" : "live", "\(node.sessions)", node.pubSub?.rawValue ?? "not recorded",
                      "\(Format.timestamp(node.leaseExpiresAt)) (\(Format.relative(node.leaseExpiresAt)))"]
                 }) + "\n\n\(nodes.count { !$0.lapsed }) live node(s)"
             }

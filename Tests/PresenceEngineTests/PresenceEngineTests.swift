@@ -90,8 +90,10 @@ struct PresenceEngineTests {
             try await second.registerNode()
             let mode = cluster.redis.pubSub
             #expect(try await second.otherNodesPubSub() == ["first": mode])
+            #expect(try await second.nodes().map(\.pubSub) == [mode, mode], "listed with the nodes")
             try await second.checkPubSubAgreement()
             try await cluster.redis.send("HDEL", RedisArgument(cluster.prefixKeys.nodeInfo("first")), "pubsub")
+            #expect(try await second.nodes().first { $0.nodeID == "first" }?.pubSub == nil, "not recorded")
             let unrecorded: RedisPubSub = cluster.redis is RedisClusterClient ? .sharded : .classic
             #expect(try await second.otherNodesPubSub() == ["first": unrecorded])
             #expect(try await first.renewLease())

@@ -1,5 +1,6 @@
 import Foundation
 import PresenceGateway
+import RedisClient
 import RedisTestSupport
 import Testing
 
@@ -84,6 +85,7 @@ struct PresencectlTests {
             let nodes = try await CTL.run(["nodes", "--json"] + common)
             let nodeList = (try? JSONSerialization.jsonObject(with: Data(nodes.out.utf8))) as? [[String: Any]]
             #expect(nodeList?.first?["node_id"] as? String == "node-0" && nodeList?.first?["state"] as? String == "live")
+            #expect(nodeList?.first?["pubsub"] as? String == TestRedis.configuration().pubSub.rawValue, "as its renewals record it")
 
             let set = try await CTL.run(["set-members", "team", "alice", "bob"] + common)
             #expect(set.status == 0 && set.out.contains("2 added"))
