@@ -29,14 +29,19 @@ extension RedisClient {
     }
 
     /// Runs `script` once per call, all in one pipeline, each result in order. The calls Redis
-    /// refused for not knowing the script (a `SCRIPT FLUSH` may land inside the pipeline, after
-    /// some calls ran) are sent again with the source, and only those: each call runs once.
+    /// refused for not knowing the script, and only those, are sent again once it is loaded; a
+    /// `SCRIPT FLUSH` may land inside a pipeline, after some calls ran, and again before the
+    /// resend: what is refused then carries the source. Each call runs once.
     public func evaluate(_ script: RedisScript, calls: [(keys: [String], arguments: [RedisArgument])]) async throws(RedisError) -> [Result<RESPValue, RedisError>] {
         var results = try await pipeline(calls.map { script.command(.sha1, keys: $0.keys, arguments: $0.arguments) })
-        let refused = results.indices.filter { results[$0].isNoScript }
+        var refused = results.indices.filter { results[$0].isNoScript }
         guard !refused.isEmpty else { return results }
-        let retried = try await pipeline(refused.map { script.command(.source, keys: calls[$0].keys, arguments: calls[$0].arguments) })
-        for (index, result) in zip(refused, retried) { results[index] = result }
+        try await send("SCRIPT", "LOAD", RedisArgument(script.source))
+        for naming in [RedisScript.Naming.sha1, .source] where !refused.isEmpty {
+            let retried = try await pipeline(refused.map { script.command(naming, keys: calls[$0].keys, arguments: calls[$0].arguments) })
+            for (index, result) in zip(refused, retried) { results[index] = result }
+            refused = refused.filter { results[$0].isNoScript }
+        }
         return results
     }
 }
