@@ -2,15 +2,21 @@
 SWIFT ?= swift
 BUILD_FLAGS ?=
 
-.PHONY: deps build build-tests test check-deploy api-fuzz fuzz-build fuzz soak run cluster cluster-stop bench bench-redis clean
+.PHONY: deps test-deps build build-tests test check-deploy api-fuzz fuzz-build fuzz soak run cluster cluster-stop bench bench-redis clean
 
+# What building and running need (make run, make build); test-deps adds what the tests need, and
+# the deploy linters from PyPI in .tools/venv (never the system's Python: Debian's is externally
+# managed, PEP 668).
 deps:
-	@scripts/install-deps
+	@scripts/install-deps run
+
+test-deps:
+	@scripts/install-deps test
 
 build: deps
 	$(SWIFT) build $(BUILD_FLAGS)
 
-build-tests: deps
+build-tests: test-deps
 	$(SWIFT) build --build-tests $(BUILD_FLAGS)
 
 # Builds once, then runs every test against a throwaway redis-server on a free loopback port;
@@ -57,13 +63,13 @@ test: build-tests check-deploy fuzz-build
 # schemathesis against openapi.yaml on a live node: no 5xx, every answer as documented. A short
 # run with a random (printed) seed; API_FUZZ_EXAMPLES=500 for a long one, API_FUZZ_SEED to replay.
 # (`make test` runs it with a fixed seed.)
-api-fuzz: deps
+api-fuzz: test-deps
 	$(SWIFT) build --product presence-gateway $(BUILD_FLAGS)
 	scripts/api-fuzz
 
 # presence-fuzz under libFuzzer and AddressSanitizer, in a build folder of its own (a full
 # build of its own: 7-8 minutes on 2 cores).
-fuzz-build: deps
+fuzz-build: test-deps
 	$(SWIFT) build --product presence-fuzz -Xswiftc -sanitize=fuzzer,address -Xswiftc -DFUZZING -Xswiftc -use-ld=lld --scratch-path .build-fuzz
 
 # Each fuzz target for FUZZ_SECONDS (default 600) from a random seed (printed; FUZZ_SEED to
@@ -74,7 +80,7 @@ fuzz: fuzz-build
 
 # SOAK_SECONDS (default 600) of random churn over 2 nodes, then the leak checks (README, "Soak").
 SOAK_SECONDS ?= 600
-soak: deps
+soak: test-deps
 	$(SWIFT) build --product presence-gateway $(BUILD_FLAGS)
 	$(SWIFT) build --product presence-bench $(BUILD_FLAGS)
 	scripts/with-redis .build/debug/presence-bench soak --duration $(SOAK_SECONDS)
@@ -82,8 +88,8 @@ soak: deps
 # docker-compose.yml and deploy/: yamllint, hadolint, haproxy -c, promtool, kubernetes-validate and
 # check-jsonschema (Compose schema), then what the files must agree on with each other and with
 # the gateway's Swift sources (its PRESENCE_* variables and metric names).
-check-deploy: deps
-	scripts/check-deploy
+check-deploy: test-deps
+	PATH="$(CURDIR)/.tools/venv/bin:$$PATH" scripts/check-deploy
 
 # Starts a gateway node on 127.0.0.1:8080 (see README).
 run: deps
@@ -95,7 +101,7 @@ bench-redis: deps
 	scripts/with-redis .build/release/redis-client-bench
 
 # Three nodes behind HAProxy on loopback (see README, "Deploying"); `make cluster-stop` ends it.
-cluster: deps
+cluster: test-deps
 	$(SWIFT) build --product presence-gateway
 	$(SWIFT) build --product presencectl
 	scripts/cluster start
