@@ -95,6 +95,33 @@ struct ConfigurationTests {
         }
     }
 
+    /// Both a secret and a public key: each token is checked with the key of its own algorithm.
+    /// Fails with one key collection for both (the public key replaced the secret as its default
+    /// signer, and every HS256 token was refused as "signature is not valid").
+    @Test("with both a secret and a public key, HS256 and ES256 tokens both verify, each only with its own key")
+    func secretAndPublicKey() async throws {
+        let key = ES256PrivateKey()
+        var configuration = GatewayConfiguration()
+        configuration.jwtSecret = testSecret
+        configuration.jwtPublicKey = key.publicKey.pemRepresentation
+        let authenticator = try await Authenticator(configuration: configuration)
+        let hs = try await token("alice")
+        #expect(try await authenticator.authenticate(token: hs).userID == "alice")
+        let signer = JWTKeyCollection()
+        await signer.add(ecdsa: key)
+        let es = try await signer.sign(ClientClaims(sub: .string("bob"), exp: .init(value: .distantFuture), nbf: nil))
+        #expect(try await authenticator.authenticate(token: es).userID == "bob")
+        // A token signed with another secret, or by another EC key, is still refused.
+        let otherSecret = JWTKeyCollection()
+        await otherSecret.add(hmac: HMACKey(from: String(repeating: "x", count: 40)), digestAlgorithm: .sha256)
+        let forgedHS = try await otherSecret.sign(ClientClaims(sub: .string("alice"), exp: .init(value: .distantFuture), nbf: nil))
+        await #expect(throws: APIError.self) { try await authenticator.authenticate(token: forgedHS) }
+        let otherKey = JWTKeyCollection()
+        await otherKey.add(ecdsa: ES256PrivateKey())
+        let forgedES = try await otherKey.sign(ClientClaims(sub: .string("bob"), exp: .init(value: .distantFuture), nbf: nil))
+        await #expect(throws: APIError.self) { try await authenticator.authenticate(token: forgedES) }
+    }
+
     @Test("ES256 tokens verify against a configured public key; HS256 ones do not")
     func publicKey() async throws {
         let key = ES256PrivateKey()

@@ -26,9 +26,12 @@ public struct AuthenticatedUser: Sendable {
 
 /// Verifies client JWTs (HS256 secret, or an RS256/ES256 public key) and the admin token.
 public struct Authenticator: Sendable {
-    private let keys: JWTKeyCollection
-    /// The `alg` values a token's header may name: those of the configured keys.
-    private let algorithms: Set<String>
+    /// One key collection per `alg` a token's header may name (those of the configured keys). A
+    /// collection has one default signer, which a token without a `kid` is checked with: with a
+    /// secret and a public key in one collection, the second replaced the first, and every token
+    /// of the other algorithm was refused.
+    private let keysByAlgorithm: [String: JWTKeyCollection]
+    private var algorithms: Set<String> { Set(keysByAlgorithm.keys) }
     private let adminToken: String?
     /// Which `sub` values are user ids.
     private let idFormat: PresenceIDFormat
@@ -37,25 +40,20 @@ public struct Authenticator: Sendable {
 
     /// Makes an authenticator from the configuration's secret or public key.
     public init(configuration: GatewayConfiguration) async throws(GatewayConfigurationError) {
-        let keys = JWTKeyCollection()
-        var algorithms: Set<String> = []
+        var keysByAlgorithm: [String: JWTKeyCollection] = [:]
         if let secret = configuration.jwtSecret {
-            await keys.add(hmac: HMACKey(from: secret), digestAlgorithm: .sha256)
-            algorithms.insert("HS256")
+            keysByAlgorithm["HS256"] = await JWTKeyCollection().add(hmac: HMACKey(from: secret), digestAlgorithm: .sha256)
         }
         if let pem = configuration.jwtPublicKey {
             if let rsa = try? Insecure.RSA.PublicKey(pem: pem) {
-                await keys.add(rsa: rsa, digestAlgorithm: .sha256)
-                algorithms.insert("RS256")
+                keysByAlgorithm["RS256"] = await JWTKeyCollection().add(rsa: rsa, digestAlgorithm: .sha256)
             } else if let ecdsa = try? ES256PublicKey(pem: pem) {
-                await keys.add(ecdsa: ecdsa)
-                algorithms.insert("ES256")
+                keysByAlgorithm["ES256"] = await JWTKeyCollection().add(ecdsa: ecdsa)
             } else {
                 throw GatewayConfigurationError("PRESENCE_JWT_PUBLIC_KEY is neither an RSA (2048 bits or more) nor a P-256 public key in PEM form")
             }
         }
-        self.keys = keys
-        self.algorithms = algorithms
+        self.keysByAlgorithm = keysByAlgorithm
         self.adminToken = configuration.adminToken
         self.idFormat = configuration.idFormat
     }
@@ -67,7 +65,7 @@ public struct Authenticator: Sendable {
         // The key decides how a signature is checked; a header that names another algorithm
         // (`none`, or HS256 against an RSA key) is refused before that, whatever it carries.
         guard let algorithm = Self.headerAlgorithm(token) else { throw .unauthorized("the token is malformed or its signature is not valid") }
-        guard algorithms.contains(algorithm) else {
+        guard let keys = keysByAlgorithm[algorithm] else {
             throw .unauthorized("the token's algorithm '\(algorithm.prefix(16))' is not accepted; this node takes \(algorithms.sorted().joined(separator: ", "))")
         }
         let claims: ClientClaims
@@ -84,14 +82,18 @@ public struct Authenticator: Sendable {
         return AuthenticatedUser(userID: userID, expiresAt: claims.exp.value)
     }
 
+    /// The part of a token's header read before its signature is checked.
+    private struct Header: Decodable {
+        var alg: String
+    }
+
     /// The `alg` of a compact JWT's header, or nil when the header cannot be read.
     static func headerAlgorithm(_ token: String) -> String? {
         guard let header = token.split(separator: ".", omittingEmptySubsequences: false).first else { return nil }
         var base64 = header.replacingOccurrences(of: "-", with: "+").replacingOccurrences(of: "_", with: "/")
         base64 += String(repeating: "=", count: (4 - base64.count % 4) % 4)
-        guard let data = Data(base64Encoded: base64),
-              let object = try? JSONSerialization.jsonObject(with: data) as? [String: Any] else { return nil }
-        return object["alg"] as? String
+        guard let data = Data(base64Encoded: base64) else { return nil }
+        return (try? JSONDecoder().decode(Header.self, from: data))?.alg
     }
 
     /// Whether admin routes are on.
