@@ -124,6 +124,39 @@ struct SessionChannelHandlerTests {
         #expect(harness.endings == [.init(clientCode: 1000, serverCode: nil)])
     }
 
+    /// Holds every write, as a socket whose peer stopped reading does: nothing it is given is
+    /// ever written.
+    final class StalledWrites: ChannelOutboundHandler, @unchecked Sendable {
+        typealias OutboundIn = Any
+        var held: [EventLoopPromise<Void>] = []
+
+        func write(context: ChannelHandlerContext, data: NIOAny, promise: EventLoopPromise<Void>?) {
+            if let promise { held.append(promise) }
+        }
+    }
+
+    /// A client whose buffers are full (a backgrounded app) and that then sends its close: the
+    /// answer can never be written. Fails without the close timeout on this path: the connection,
+    /// and the user's device with it, stayed for as long as the TCP connection lived.
+    @Test("the client closes first but reads nothing: the unwritten answer does not keep the connection past the close timeout")
+    func clientClosesWithoutReading() throws {
+        let harness = try Harness(before: StalledWrites())
+        try harness.receiveClose(1000)
+        harness.advance(.milliseconds(2900))
+        #expect(harness.channel.isActive, "the answer may still be written")
+        #expect(harness.endings.isEmpty)
+        harness.advance(.milliseconds(200))
+        #expect(!harness.channel.isActive)
+        #expect(harness.endings == [.init(clientCode: 1000, serverCode: nil)])
+        // A close frame sent again meanwhile changes nothing.
+        let again = try Harness(before: StalledWrites())
+        try again.receiveClose(1000)
+        try again.receiveClose(1000)
+        again.advance(.seconds(3))
+        #expect(!again.channel.isActive)
+        #expect(again.endings.count == 1)
+    }
+
     @Test("the client shuts its side without a close frame: the connection ends at once, with no code on either side")
     func clientShutsInput() throws {
         let harness = try Harness()

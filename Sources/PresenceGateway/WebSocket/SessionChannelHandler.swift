@@ -161,12 +161,24 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
             context?.close(promise: nil)
             return
         }
-        // The client closes first: answer with its code (1000 when it gave none) and end.
+        // The client closes first: answer with its code (1000 when it gave none) and end, once
+        // the answer is written or after the close timeout, whichever comes first: a client that
+        // stopped reading never lets the answer be written.
         closeSent = true
+        fragments = nil
         var answer = ByteBuffer()
         answer.writeInteger(code ?? CloseCode.normal.rawValue)
         guard let context else { return }
         context.writeAndFlush(wrapOutboundOut(WebSocketFrame(fin: true, opcode: .connectionClose, data: answer))).assumeIsolated().whenComplete { [weak self] _ in
+            self?.context?.close(promise: nil)
+        }
+        scheduleWatchdog(context)
+    }
+
+    /// Drops the connection after the close timeout, unless it ended before.
+    private func scheduleWatchdog(_ context: ChannelHandlerContext) {
+        guard watchdog == nil else { return }
+        watchdog = context.eventLoop.assumeIsolated().scheduleTask(in: limits.closeTimeout) { [weak self] in
             self?.context?.close(promise: nil)
         }
     }
@@ -235,9 +247,7 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
         while reason.utf8.count > 123 { reason = reason.dropLast() }
         data.writeString(String(reason))
         context.writeAndFlush(wrapOutboundOut(WebSocketFrame(fin: true, opcode: .connectionClose, data: data)), promise: nil)
-        watchdog = context.eventLoop.assumeIsolated().scheduleTask(in: limits.closeTimeout) { [weak self] in
-            self?.context?.close(promise: nil)
-        }
+        scheduleWatchdog(context)
     }
 
     /// Closes the session with 4001 at `deadline` (when its token expires).
