@@ -390,12 +390,21 @@ public final class PresenceEngine: Sendable {
         }
     }
 
+    /// Server errors that mean "not now" rather than "never": the command may pass once the
+    /// server is ready.
+    static let serverBusyPrefixes: Set<Substring> = ["LOADING", "MASTERDOWN", "BUSY", "TRYAGAIN", "CLUSTERDOWN"]
+
     static func presenceError(_ error: RedisError) -> PresenceError {
         switch error.code {
         case .server where error.serverErrorPrefix == "TOO_MANY_DEVICES":
             return PresenceError(.limitReached, String(error.message.drop { $0 != " " }.dropFirst()), underlying: error)
         case .server where error.serverErrorPrefix == "FORBIDDEN":
             return PresenceError(.forbidden, "not allowed", underlying: error)
+        case .server where serverBusyPrefixes.contains(error.serverErrorPrefix ?? ""):
+            // The server is there but cannot answer yet (loading its data after a restart, a
+            // replica with no primary, a script running long): unreachable for now, so that the
+            // lease's recovery grace holds and nodes do not reap each other meanwhile.
+            return PresenceError(.unavailable, "the presence store is not ready (\(error.serverErrorPrefix ?? ""))", underlying: error)
         case .server, .protocolViolation:
             return PresenceError(.internal, "the presence store failed a command", underlying: error)
         default:

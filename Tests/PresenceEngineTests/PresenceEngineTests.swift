@@ -523,6 +523,20 @@ struct PresenceEngineTests {
         }
     }
 
+    /// Fails before the change: a one-server Redis still loading its data (a restart with a big
+    /// dataset) answered LOADING, taken for a failed command (`internal`), so the lease's
+    /// recovery grace was not refreshed and nodes reaped each other meanwhile.
+    @Test("a server that is there but not ready (LOADING, MASTERDOWN, BUSY, TRYAGAIN, CLUSTERDOWN) counts as unreachable; other server errors do not")
+    func notReadyIsUnavailable() {
+        for prefix in ["LOADING Redis is loading the dataset in memory", "MASTERDOWN Link with MASTER is down", "BUSY Redis is busy running a script",
+                       "TRYAGAIN Multiple keys request during rehashing of slot", "CLUSTERDOWN The cluster is down"] {
+            #expect(PresenceEngine.presenceError(RedisError(.server, prefix)).code == .unavailable, "\(prefix)")
+        }
+        #expect(PresenceEngine.presenceError(RedisError(.server, "WRONGTYPE Operation against a key holding the wrong kind of value")).code == .internal)
+        #expect(PresenceEngine.presenceError(RedisError(.server, "ERR unknown command")).code == .internal)
+        #expect(PresenceEngine.presenceError(RedisError(.timeout, "no answer")).code == .unavailable)
+    }
+
     @Test("the scheduled audit checks 500 devices at a time, in turn, so its cost does not grow with the node's devices")
     func auditInTurn() async throws {
         try await EngineCluster.with { cluster in
