@@ -145,6 +145,9 @@ extension PresenceEngine {
         public var takenOver = 0
         /// Devices whose status Redis had lost (an older one stood there); written again.
         public var restatused = 0
+        /// Users whose stored aggregate Redis had lost (their `state` key); worked out again from
+        /// their devices, stored and published.
+        public var restated = 0
     }
 
     /// Compares what Redis holds with the devices this node's sessions hold: a device lost
@@ -160,7 +163,8 @@ extension PresenceEngine {
     /// What Redis holds of each device, read in two steps each on one slot: the node's index
     /// (one `SMISMEMBER`), then one script per user over that user's devices (one pipeline).
     /// `nil` for a device whose user's script Redis refused (checked on the next audit).
-    private func auditFindings(_ devices: [(key: String, value: LocalDevice)]) async throws(PresenceError) -> [AuditDevices.Finding?] {
+    /// `repaired` counts the users whose stored aggregate was wrong and was written again.
+    private func auditFindings(_ devices: [(key: String, value: LocalDevice)], repaired: inout Int) async throws(PresenceError) -> [AuditDevices.Finding?] {
         guard !devices.isEmpty else { return [] }
         let index = try await indexed(devices.map(\.key))
         var positions: [String: [Int]] = [:]
@@ -179,7 +183,11 @@ extension PresenceEngine {
         for (user, result) in zip(users, try await evaluate(calls)) {
             switch result {
             case .success(let found):
-                for (position, finding) in zip(positions[user] ?? [], found) { findings[position] = finding }
+                for (position, finding) in zip(positions[user] ?? [], found.findings) { findings[position] = finding }
+                if found.stateRepaired {
+                    repaired += 1
+                    logger.warning("Redis had lost a user's aggregate; worked out again from the devices", metadata: ["presence.user_id": "\(user)"])
+                }
             case .failure(let error) where error.code == .unavailable:
                 throw error
             case .failure(let error):
@@ -221,7 +229,7 @@ extension PresenceEngine {
         let node = configuration.nodeID
         for start in stride(from: 0, to: devices.count, by: Self.auditBatch) {
             let slice = Array(devices[start..<min(start + Self.auditBatch, devices.count)])
-            let findings = try await auditFindings(slice)
+            let findings = try await auditFindings(slice, repaired: &report.restated)
             report.checked += findings.count
             for ((member, device), finding) in zip(slice, findings) {
                 guard let finding else { continue }

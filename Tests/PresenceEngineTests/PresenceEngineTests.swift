@@ -523,6 +523,37 @@ struct PresenceEngineTests {
         }
     }
 
+    /// Fails before the change: the user read `offline` with her device connected, and no audit
+    /// ever wrote the key again.
+    @Test("a user's state key Redis lost reads as her devices' aggregate at once, and the audit stores and publishes it again")
+    func auditLostState() async throws {
+        try await EngineCluster.with { cluster in
+            let node = cluster.engine(node: "n1")
+            try await node.registerNode()
+            _ = try await node.connect(user: "u1", device: "phone", session: "s1")
+            _ = try await node.connect(user: "u1", device: "laptop", session: "s2")
+            _ = try await node.setStatus(user: "u1", device: "phone", session: "s1", status: .away)
+            _ = try await node.connect(user: "u2", device: "phone", session: "s3")
+            let keys = cluster.prefixKeys
+            try await cluster.redis.send("DEL", RedisArgument(keys.state("u1")))
+            #expect(try await node.views(of: "u1").real.status == .online, "the laptop is online")
+            #expect(try await node.views(of: "u2").real.status == .online)
+            try await withRecorder(node, users: ["u1"]) { recorder in
+                let report = try await node.audit()
+                #expect(report.restated == 1, "\(report)")
+                #expect(report.checked == 3 && report.restored == 0)
+                #expect(try await cluster.redis.send("HGET", RedisArgument(keys.state("u1")), "status").string == "online")
+                #expect(await eventually { recorder.events.contains { $0.views.real.status == .online && $0.views.real.userID == "u1" } },
+                        "watchers are told: \(recorder.events)")
+            }
+            // A state that says online for a user with no device left is set right the same way.
+            try await cluster.redis.send("HSET", RedisArgument(keys.state("u2")), "status", "away")
+            #expect(try await node.audit().restated == 1)
+            #expect(try await node.views(of: "u2").real.status == .online)
+            #expect(try await node.audit().restated == 0, "healed")
+        }
+    }
+
     /// Fails before the change: a one-server Redis still loading its data (a restart with a big
     /// dataset) answered LOADING, taken for a failed command (`internal`), so the lease's
     /// recovery grace was not refreshed and nodes reaped each other meanwhile.

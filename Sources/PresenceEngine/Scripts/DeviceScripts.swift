@@ -95,7 +95,10 @@ struct UpsertDevice: ScriptCall {
     """)
 }
 
-/// Checks devices of one user that this node's sessions hold against what Redis has, reading only.
+/// Checks devices of one user that this node's sessions hold against what Redis has, and the
+/// user's stored aggregate against their devices. Reads only, unless the aggregate is wrong: a
+/// lost `state` key (or one Redis lost a write of) is worked out again from the devices, stored
+/// and published, so that REST and watchers agree again.
 struct AuditDevices: ScriptCall {
     struct Device {
         var device: String
@@ -121,20 +124,27 @@ struct AuditDevices: ScriptCall {
         case staleStatus
     }
 
+    struct Outcome {
+        /// One finding per device, in order.
+        var findings: [Finding]
+        /// Whether the stored aggregate differed from the devices' and was written again.
+        var stateRepaired: Bool
+    }
+
     var user: String
     var devices: [Device]
 
-    func keys(_ context: ScriptContext) -> [String] { [context.keys.devices(user)] }
+    func keys(_ context: ScriptContext) -> [String] { [context.keys.devices(user), context.keys.state(user)] }
 
     func arguments(_ context: ScriptContext) -> [RedisArgument] {
-        devices.flatMap { [RedisArgument($0.device), RedisArgument($0.session), RedisArgument($0.status.rawValue), $0.indexed ? "1" : "0"] }
+        [context.now, RedisArgument(user), RedisArgument(context.keys.userChannel(user)), context.deviceTTL]
+            + devices.flatMap { [RedisArgument($0.device), RedisArgument($0.session), RedisArgument($0.status.rawValue), $0.indexed ? "1" : "0"] }
     }
 
-    /// One finding per device, in order.
-    func decode(_ reply: RESPValue) throws(PresenceError) -> [Finding] {
+    func decode(_ reply: RESPValue) throws(PresenceError) -> Outcome {
         let codes = reply.array ?? []
-        guard codes.count == devices.count else { throw PresenceError(.internal, "unexpected reply from the audit script") }
-        return codes.map { code in
+        guard codes.count == devices.count + 1 else { throw PresenceError(.internal, "unexpected reply from the audit script") }
+        let findings: [Finding] = codes.dropLast().map { code in
             switch code.int {
             case 1: .lost
             case 2: .unindexed
@@ -143,11 +153,14 @@ struct AuditDevices: ScriptCall {
             default: .held
             }
         }
+        return Outcome(findings: findings, stateRepaired: codes.last?.int == 1)
     }
 
+    /// Returns a code per device, then 1 if the aggregate was written again, else 0.
     static let script = RedisScript(ScriptLua.devices + """
+    local user, channel, ttl = ARGV[2], ARGV[3], ARGV[4]
     local codes = {}
-    for base = 0, #ARGV - 4, 4 do
+    for base = 4, #ARGV - 4, 4 do
       local device, session, status, indexed = ARGV[base + 1], ARGV[base + 2], ARGV[base + 3], ARGV[base + 4]
       local raw = redis.call('HGET', KEYS[1], device)
       local code = 0
@@ -166,6 +179,21 @@ struct AuditDevices: ScriptCall {
         end
       end
       codes[#codes + 1] = code
+    end
+    -- Every script that changes a device stores the aggregate with it, so a difference is data
+    -- Redis lost (the state key deleted or evicted): stored and published again. Not while one of
+    -- these devices is lost: the node writes it again next, which sets the aggregate right, and
+    -- the devices left now would publish an offline that is not true.
+    local lostAny = false
+    for _, code in ipairs(codes) do
+      if code == 1 then lostAny = true end
+    end
+    local stored = redis.call('HGET', KEYS[2], 'status') or 'offline'
+    if not lostAny and stored ~= aggregate(KEYS[1]) then
+      finish(KEYS[2], KEYS[1], channel, clock(ARGV[1]), 0, user, ttl)
+      codes[#codes + 1] = 1
+    else
+      codes[#codes + 1] = 0
     end
     return codes
     """)
@@ -393,9 +421,11 @@ struct ReadUser: ScriptCall {
     }
 
     /// Returns {status, last_seen, hidden, hidden_last_seen, seen_ever, now}.
-    static let script = RedisScript(ScriptLua.clock + """
+    /// A state key Redis lost while devices are live reads as the devices' aggregate (the audit
+    /// stores it again): never `offline` for a user whose devices are connected.
+    static let script = RedisScript(ScriptLua.devices + """
     local s = redis.call('HMGET', KEYS[2], 'status', 'last_seen', 'hidden', 'hidden_last_seen')
-    local status = s[1] or 'offline'
+    local status = s[1] or aggregate(KEYS[1])
     if status ~= 'offline' and redis.call('EXISTS', KEYS[1]) == 0 then status = 'offline' end
     return {status, s[2] or '0', s[3] or '0', s[4] or '0', s[2] and 1 or 0, tostring(clock(ARGV[1]))}
     """)
