@@ -185,4 +185,37 @@ struct DashboardTests {
             #expect(try await Self.fetch(port, "/api/admin/events", token: "wrong").status == 401)
         }
     }
+
+    /// A feed opened while Redis is down says so (`unavailable` events) and, once Redis is back,
+    /// carries overviews again. Before, its subscriber's failed start was never reported: a 200 and
+    /// then nothing, for as long as the client waited.
+    @Test("the admin feed opened while Redis is down says it is unavailable, then carries overviews once Redis is back")
+    func feedWhileRedisIsDown() async throws {
+        let redis = try RedisServerProcess()
+        try await withNodes(1, configure: { $0.redisURL = redis.url() }) { ports in
+            redis.stop()
+            let restarted = NIOLockedValueBox<ContinuousClock.Instant?>(nil)
+            let restart = Task {
+                try await Task.sleep(for: .seconds(2))
+                try redis.start()
+                restarted.withLockedValue { $0 = .now }
+            }
+            defer { restart.cancel() }
+            let text = try await offThePool {
+                try Self.readEvents(port: ports[0], token: adminToken, timeout: .seconds(20)) { text in
+                    text.contains("event: overview\n")
+                }
+            }
+            let seenAt = ContinuousClock.now
+            #expect(text.hasPrefix("HTTP/1.1 200"), "\(text.prefix(200))")
+            let unavailable = text.range(of: "event: unavailable\n"), overview = text.range(of: "event: overview\n")
+            #expect(unavailable != nil, "the feed says Redis is unreachable: \(text)")
+            #expect(overview != nil, "an overview once Redis is back: \(text)")
+            if let unavailable, let overview { #expect(unavailable.lowerBound < overview.lowerBound) }
+            #expect(text.contains("\"error\":\"unavailable\""), "\(text)")
+            if let back = restarted.withLockedValue({ $0 }) {
+                #expect(seenAt - back < .seconds(6), "the first overview came \(seenAt - back) after Redis was back")
+            }
+        }
+    }
 }

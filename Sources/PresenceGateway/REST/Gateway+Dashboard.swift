@@ -88,34 +88,51 @@ extension Gateway {
         let (subscribed, subscribedSink) = AsyncStream.makeStream(of: Void.self)
         // The users each overview lists, for a sharded feed to follow.
         let (listed, listedSink) = AsyncStream.makeStream(of: Set<String>.self, bufferingPolicy: .bufferingNewest(1))
+        /// Subscribes and forwards every change until the subscriber stops.
+        @Sendable func follow() async throws {
+            try await withRedisSubscriber(for: engine.redis, clientName: clientName, logger: logger) { subscriber in
+                if let classic = subscriber as? RedisSubscriber, engine.redis.pubSub == .classic {
+                    try await classic.subscribe(pattern: engine.keys.allUserChannelsPattern)
+                    listedSink.finish()
+                }
+                subscribedSink.finish()
+                await withTaskGroup(of: Void.self) { feed in
+                    feed.addTask {
+                        var following = Set<String>()
+                        for await users in listed {
+                            let added = users.subtracting(following), removed = following.subtracting(users)
+                            // A channel not subscribed now (its primary is failing over) is
+                            // subscribed by the subscriber when it can; the next overview tries again.
+                            try? await subscriber.subscribe(added.map { engine.keys.userChannel($0) })
+                            try? await subscriber.unsubscribe(removed.map { engine.keys.userChannel($0) })
+                            following = users
+                        }
+                    }
+                    for await event in subscriber.events {
+                        guard case .message(let channel, let payload) = event, let change = engine.decodeEvent(payload),
+                              change.changed || change.shownChanged
+                        else { continue }
+                        let user = engine.keys.user(fromKey: channel, suffix: "events") ?? change.views.real.userID
+                        sink.yield(.presence(user: user, change))
+                    }
+                    feed.cancelAll()
+                }
+            }
+        }
         try await withThrowingTaskGroup(of: Void.self) { tasks in
             tasks.addTask {
-                try await withRedisSubscriber(for: engine.redis, clientName: clientName, logger: logger) { subscriber in
-                    if let classic = subscriber as? RedisSubscriber, engine.redis.pubSub == .classic {
-                        try await classic.subscribe(pattern: engine.keys.allUserChannelsPattern)
-                        listedSink.finish()
-                    }
-                    subscribedSink.finish()
-                    try await withThrowingTaskGroup(of: Void.self) { feed in
-                        feed.addTask {
-                            var following = Set<String>()
-                            for await users in listed {
-                                let added = users.subtracting(following), removed = following.subtracting(users)
-                                // A channel not subscribed now (its primary is failing over) is
-                                // subscribed by the subscriber when it can; the next overview tries again.
-                                try? await subscriber.subscribe(added.map { engine.keys.userChannel($0) })
-                                try? await subscriber.unsubscribe(removed.map { engine.keys.userChannel($0) })
-                                following = users
-                            }
-                        }
-                        for await event in subscriber.events {
-                            guard case .message(let channel, let payload) = event, let change = engine.decodeEvent(payload),
-                                  change.changed || change.shownChanged
-                            else { continue }
-                            let user = engine.keys.user(fromKey: channel, suffix: "events") ?? change.views.real.userID
-                            sink.yield(.presence(user: user, change))
-                        }
-                        feed.cancelAll()
+                // Until the subscriber connects (Redis down when the feed opens), the feed says so
+                // once a try, as an `unavailable` event, and tries again: it never sits silent.
+                while !Task.isCancelled {
+                    do {
+                        try await follow()
+                        return
+                    } catch is CancellationError {
+                        return
+                    } catch {
+                        logger.warning("admin feed: \(error)")
+                        sink.yield(.unavailable(String(describing: error)))
+                        try await Task.sleep(for: AdminFeed.retryInterval)
                     }
                 }
             }
@@ -131,10 +148,17 @@ extension Gateway {
                     let event: String
                     switch item {
                     case .overview:
+                        // Redis gone since: the feed says so and the next tick reads again.
+                        guard let overview = try? await self.overviews.current(engine: engine) else {
+                            try await writer.write(Self.serverSentEvent("unavailable", self.bodies.text(RESTBody.FeedUnavailable(message: "the overview could not be read: the presence store is unreachable"))))
+                            continue
+                        }
                         event = "overview"
-                        let overview = try await self.overviews.current(engine: engine)
                         listedSink.yield(Set(overview.present.map(\.userID)))
                         try await writer.write(Self.serverSentEvent(event, self.bodies.text(RESTBody.Overview(overview))))
+                    case .unavailable(let reason):
+                        event = "unavailable"
+                        try await writer.write(Self.serverSentEvent(event, self.bodies.text(RESTBody.FeedUnavailable(message: "the feed's subscriber could not connect (\(reason)); trying again"))))
                     case .presence(let user, let change):
                         event = "presence"
                         try await writer.write(Self.serverSentEvent(event, self.bodies.text(RESTBody.FeedPresence(user: user, change))))
@@ -160,10 +184,14 @@ enum AdminFeed {
     /// Presence events kept for a slow reader; past that the oldest are dropped (the next
     /// overview has the truth).
     static let backlog = 10_000
+    /// How soon a feed whose subscriber could not connect tries again.
+    static let retryInterval: Duration = .seconds(1)
 
     enum Item: Sendable {
         case overview
         case presence(user: String, PresenceEvent)
+        /// Redis could not be reached: said to the reader, then tried again.
+        case unavailable(String)
     }
 }
 
@@ -288,6 +316,13 @@ extension RESTBody {
             }
             conversationsTruncated = overview.conversationsTruncated
         }
+    }
+
+    /// The feed's `unavailable` event: Redis could not be reached for the feed's subscriber or its
+    /// overview; the feed goes on and tries again.
+    struct FeedUnavailable: Encodable {
+        var error = "unavailable"
+        var message: String
     }
 
     /// The feed's `presence` event: a user's aggregate changed (`shown_status` is what others
