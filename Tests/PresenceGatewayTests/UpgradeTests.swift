@@ -86,4 +86,62 @@ struct UpgradeTests {
             #expect(post.status == 405)
         }
     }
+
+    /// The answer to `request` sent as a connection's first, and whether the connection ended.
+    static func firstAnswer(_ port: Int, _ request: String, seconds: Double = 3) async throws -> (text: String, closed: Bool) {
+        let connection = try Connection(port: port)
+        connection.send(request)
+        return await connection.read(for: seconds) { text in
+            // A whole answer: its head, and the body its Content-Length announces.
+            guard let end = text.range(of: "\r\n\r\n") else { return false }
+            let head = text[..<end.lowerBound].lowercased()
+            guard let line = head.split(separator: "\r\n").first(where: { $0.hasPrefix("content-length:") }),
+                  let length = Int(line.dropFirst(15).trimmingCharacters(in: .whitespaces)) else { return true }
+            return text.utf8.count - text[..<end.upperBound].utf8.count >= length
+        }
+    }
+
+    /// Each of these was closed with no answer at all: NIO's upgrader dropped the head of a
+    /// request asking for an upgrade it would not make.
+    @Test("an upgrade the node will not make is an ordinary request: 404 for another path, 422 at the session path without a key or with another version, the route's answer elsewhere")
+    func upgradesNotMade() async throws {
+        try await withNodes(1) { ports in
+            let headers = "Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+            let wrongPath = try await Self.firstAnswer(ports[0], "GET /api/presence/ws HTTP/1.1\r\nHost: 127.0.0.1\r\n\(headers)\r\n")
+            #expect(wrongPath.text.hasPrefix("HTTP/1.1 404"), "\(wrongPath.text.prefix(120))")
+            let noKey = try await Self.firstAnswer(ports[0], "GET /api/presence/subscribe HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n\r\n")
+            #expect(noKey.text.hasPrefix("HTTP/1.1 422"), "\(noKey.text.prefix(120))")
+            let oldVersion = try await Self.firstAnswer(ports[0], "GET /api/presence/subscribe HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 8\r\n\r\n")
+            #expect(oldVersion.text.hasPrefix("HTTP/1.1 422"), "\(oldVersion.text.prefix(120))")
+            let h2c = try await Self.firstAnswer(ports[0], "GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n")
+            #expect(h2c.text.hasPrefix("HTTP/1.1 200"), "\(h2c.text.prefix(120))")
+            // The session upgrade itself still opens a session.
+            let alice = try await token("alice")
+            let session = try await Self.firstAnswer(ports[0], Self.upgrade(alice))
+            #expect(session.text.hasPrefix("HTTP/1.1 101"), "\(session.text.prefix(120))")
+        }
+    }
+
+    /// A head over NIO's decoder's limit (80 KiB) was neither answered nor closed: the decoder
+    /// stopped reading, and the connection was held for as long as the client kept it.
+    @Test("a request whose headers pass 80 KiB is answered 431 and closed within a second; a request that is not HTTP is answered 400 and closed")
+    func oversizedHeaders() async throws {
+        try await withNodes(1) { ports in
+            let big = String(repeating: "a", count: 100_000)
+            let started = ContinuousClock.now
+            let oversized = try await Self.firstAnswer(ports[0], "GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: \(big)\r\n\r\n")
+            #expect(oversized.text.hasPrefix("HTTP/1.1 431"), "\(oversized.text.prefix(120))")
+            #expect(oversized.text.contains("\"code\":\"invalid_request\""))
+            let connection = try Connection(port: ports[0])
+            connection.send("GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: \(big)\r\n\r\n")
+            let ended = await connection.read(for: 3) { _ in false }
+            #expect(ended.closed, "the connection ends after the 431")
+            #expect(ContinuousClock.now - started < .seconds(4))
+            let garbage = try await Self.firstAnswer(ports[0], "NOT HTTP AT ALL\r\n\r\n")
+            #expect(garbage.text.hasPrefix("HTTP/1.1 400"), "\(garbage.text.prefix(120))")
+            // Just under the limit is served.
+            let fits = try await Self.firstAnswer(ports[0], "GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: \(String(repeating: "a", count: 80_000))\r\n\r\n")
+            #expect(fits.text.hasPrefix("HTTP/1.1 200"), "\(fits.text.prefix(120))")
+        }
+    }
 }

@@ -39,8 +39,12 @@ struct GatewayServerChannel: ServerChildChannel, HTTPChannelHandler {
         // to this node (HAProxy does, with requests it sent there before). It is answered 503
         // with `Connection: close`, and the connection closed: a balancer retries it on a new
         // connection (HAProxy's `retry-on 503`), where it is the first request.
+        // An upgrade to any other path is an ordinary request there: the router answers it (404
+        // for a path it does not serve).
         self.responder = { request, writer, channel in
-            guard request.headers[.upgrade]?.lowercased() == "websocket" else {
+            let refused = request.headers[HTTPField.Name(UpgradeScreen.refusedHeader)!] != nil
+            let upgrade = request.headers[.upgrade]?.lowercased() == "websocket" && request.uri.path == Gateway.sessionPath
+            guard upgrade || refused else {
                 return try await responder(request, writer, channel)
             }
             try await writer.writeResponse(HTTPResponse(status: .serviceUnavailable, headerFields: [
@@ -62,6 +66,11 @@ struct GatewayServerChannel: ServerChildChannel, HTTPChannelHandler {
                 },
                 upgradePipelineHandler: { channel, head in
                     channel.eventLoop.makeCompletedFuture {
+                        // The pipeline carries WebSocket frames from now on.
+                        let responder = try channel.pipeline.syncOperations.handler(type: HTTPParseErrorResponder.self)
+                        channel.pipeline.syncOperations.removeHandler(responder, promise: nil)
+                        let screen = try channel.pipeline.syncOperations.handler(type: UpgradeScreen.self)
+                        channel.pipeline.syncOperations.removeHandler(screen, promise: nil)
                         try sessions.start(on: channel, head: head)
                         return Negotiated.session
                     }
@@ -87,6 +96,9 @@ struct GatewayServerChannel: ServerChildChannel, HTTPChannelHandler {
             configuration.enableErrorHandling = false
             configuration.enableResponseHeaderValidation = false
             let negotiated = try channel.pipeline.syncOperations.configureUpgradableHTTPServerPipeline(configuration: configuration)
+            try channel.pipeline.syncOperations.addHandler(HTTPParseErrorResponder())
+            let upgradeHandler = try channel.pipeline.syncOperations.handler(type: NIOTypedHTTPServerUpgradeHandler<Negotiated>.self)
+            try channel.pipeline.syncOperations.addHandler(UpgradeScreen(accepts: sessions.accepts), position: .before(upgradeHandler))
             return Value(negotiated: negotiated, channel: channel)
         }
     }

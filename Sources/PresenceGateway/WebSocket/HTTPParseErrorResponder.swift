@@ -1,0 +1,54 @@
+import NIOCore
+import NIOHTTP1
+
+/// Answers a request NIO's HTTP decoder could not read, then closes the connection: 431 for a
+/// head over the decoder's limit (80 KiB), 400 for anything else it refused. Without it, such a
+/// connection was neither answered nor closed: the decoder stops reading after its error, and the
+/// connection was held for as long as the client kept it.
+///
+/// It sits at the end of the connection's HTTP pipeline, where HTTP parts pass through it
+/// unchanged; a session's upgrade takes it out before the pipeline carries WebSocket frames.
+final class HTTPParseErrorResponder: ChannelDuplexHandler, RemovableChannelHandler {
+    typealias InboundIn = HTTPServerRequestPart
+    typealias InboundOut = HTTPServerRequestPart
+    typealias OutboundIn = HTTPServerResponsePart
+    typealias OutboundOut = HTTPServerResponsePart
+
+    /// A response was begun and not finished: an error answer now would corrupt it.
+    private var responding = false
+
+    func channelRead(context: ChannelHandlerContext, data: NIOAny) {
+        context.fireChannelRead(data)
+    }
+
+    func write(context: ChannelHandlerContext, data: NIOAny, promise: EventLoopPromise<Void>?) {
+        switch unwrapOutboundIn(data) {
+        case .head(let head) where head.status.code >= 200: responding = true
+        case .end: responding = false
+        default: break
+        }
+        context.write(data, promise: promise)
+    }
+
+    func errorCaught(context: ChannelHandlerContext, error: any Error) {
+        guard let parseError = error as? HTTPParserError else {
+            return context.fireErrorCaught(error)
+        }
+        guard !responding else {
+            context.close(promise: nil)
+            return
+        }
+        let (status, reason): (HTTPResponseStatus, String) = switch parseError {
+        case .headerOverflow: (.requestHeaderFieldsTooLarge, "the request's headers are over 80 KiB")
+        default: (.badRequest, "the request is not valid HTTP/1.1")
+        }
+        let body = #"{"error":{"code":"invalid_request","message":"\#(reason)"}}"#
+        let head = HTTPResponseHead(version: .http1_1, status: status, headers: [
+            "Connection": "close", "Content-Type": "application/json", "Content-Length": "\(body.utf8.count)",
+        ])
+        responding = true
+        context.write(wrapOutboundOut(.head(head)), promise: nil)
+        context.write(wrapOutboundOut(.body(.byteBuffer(ByteBuffer(string: body)))), promise: nil)
+        context.writeAndFlush(wrapOutboundOut(.end(nil))).whenComplete { _ in context.close(promise: nil) }
+    }
+}
