@@ -49,6 +49,9 @@ struct PresenceEngineTests {
 
                 let droppedAt = cluster.clock.nowMilliseconds()
                 _ = try await b.disconnect(user: "bob", device: "phone", session: "s2", clean: false)
+                // The deadline stored with the device is the drop plus the linger, to the ms.
+                let linger = Int64(a.configuration.linger.milliseconds)
+                #expect(try await a.devices(of: "bob").map(\.deadline) == [droppedAt + linger])
                 cluster.clock.advance(.seconds(2))
                 #expect(try await a.reapOnce().expiredDevices == 0, "still within the linger window")
                 cluster.clock.advance(.seconds(2))

@@ -47,8 +47,29 @@ struct WebSocketTests {
             _ = try await back.next("initial_state")
             #expect(await bob.staysQuiet(for: .milliseconds(1500)), "a reconnect within the linger must not flicker")
             back.closeAbruptly()
+            let dropped = ContinuousClock.now
             let offline = try await bob.next("presence_update", timeout: .seconds(8))
             #expect(offline.status == "offline", "after the linger the device goes")
+            // Not before the linger (3 s; 0.3 s allowed for noticing the drop and delivering).
+            let after = ContinuousClock.now - dropped
+            #expect(after > .milliseconds(2700), "offline \(after) after the drop, within the 3 s linger")
+        }
+    }
+
+    /// The frame rate in the light suite (the heavy flood test is not a developer's loop): a
+    /// guard removed must fail here. Both sides bounded: the burst is answered, the rest refused.
+    @Test("frames past the session's frame rate get rate_limited errors; the burst before them is answered")
+    func frameRate() async throws {
+        try await withNodes(1, configure: { $0.frameRate = 5 }) { ports in
+            let alice = TestSocket(port: ports[0], token: try await token("alice"), device: "phone")
+            _ = try await alice.next("initial_state")
+            for index in 0..<30 { alice.send("ping", [:], id: "p\(index)") }
+            let answers = await alice.drain(for: .milliseconds(1500))
+            let pongs = answers.filter { $0.type == "pong" }.count
+            let limited = answers.filter { $0.type == "error" && $0.text.contains("rate_limited") }.count
+            // A burst of 10 (twice the rate), and what 5 a second refills while the 30 arrive.
+            #expect(pongs >= 10 && pongs <= 14, "\(pongs) pongs")
+            #expect(limited >= 16 && pongs + limited == 30, "\(limited) rate_limited of 30")
         }
     }
 
