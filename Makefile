@@ -2,7 +2,7 @@
 SWIFT ?= swift
 BUILD_FLAGS ?=
 
-.PHONY: deps test-deps build build-tests test check-deploy api-fuzz fuzz-build fuzz soak run cluster cluster-stop bench bench-redis clean
+.PHONY: deps test-deps build build-tests test check-deploy api-fuzz fuzz-build fuzz soak mutants run cluster cluster-stop bench bench-redis clean
 
 # What building and running need (make run, make build); test-deps adds what the tests need, and
 # the deploy linters from PyPI in .tools/venv (never the system's Python: Debian's is externally
@@ -90,6 +90,11 @@ soak: test-deps
 # the gateway's Swift sources (its PRESENCE_* variables and metric names).
 check-deploy: test-deps
 	PATH="$(CURDIR)/.tools/venv/bin:$$PATH" scripts/check-deploy
+
+# Each hand mutant of scripts/mutants (a guard taken away) against the tests that must catch it;
+# prints the survivors and fails if there are any. Some 10 minutes: an incremental build a mutant.
+mutants: build-tests
+	scripts/with-redis scripts/mutants
 
 # Starts a gateway node on 127.0.0.1:8080 (see README).
 run: deps
