@@ -73,6 +73,54 @@ struct WebSocketTests {
         }
     }
 
+    /// Fails before the change: the opening went on once Redis answered, wrote the device and
+    /// published alice online, and her close then took her offline: a blip for bob.
+    @Test("a client that leaves while its session opens (Redis stalled) is never shown online")
+    func leftWhileOpening() async throws {
+        let redis = try RedisServerProcess()
+        try await withNodes(2, configure: { $0.redisURL = redis.url(); $0.leaseTTL = 5 }) { ports in
+            _ = try await call(ports[0], "PUT", "/api/admin/conversations/pair", token: adminToken, body: #"{"member_ids":["alice","bob"]}"#)
+            let bob = TestSocket(port: ports[1], token: try await token("bob"), device: "phone")
+            _ = try await bob.next("initial_state")
+            redis.freeze()
+            let alice = TestSocket(port: ports[0], token: try await token("alice"), device: "phone")
+            try await Task.sleep(for: .milliseconds(500))
+            alice.closeNormally()
+            _ = await alice.closed(timeout: .seconds(3))
+            redis.thaw()
+            #expect(await bob.staysQuiet(for: .milliseconds(1500)), "alice left before her session opened")
+            let read = try await call(ports[1], "GET", "/api/presence/users/alice", token: try await token("bob"))
+            #expect((read.json as? [String: Any])?["status"] as? String == "offline")
+        }
+    }
+
+    /// Fails before the change: every message queued without a bound while the opening waited.
+    @Test("messages flooding in while the session cannot handle them (Redis stalled) are bounded: past 1 MiB waiting, closed with 4029")
+    func inboundQueueBound() async throws {
+        let redis = try RedisServerProcess()
+        try await withNodes(1, configure: { $0.redisURL = redis.url(); $0.leaseTTL = 5 }) { ports in
+            redis.freeze()
+            defer { redis.thaw() }
+            let alice = TestSocket(port: ports[0], token: try await token("alice"), device: "phone")
+            let big = String(repeating: "x", count: 10_000)
+            // 150 messages of some 10 KB: 1.5 MB, past the 1 MiB bound.
+            for index in 0..<150 { alice.send("ping", ["pad": big], id: "p\(index)") }
+            let code = await alice.closed(timeout: .seconds(3))
+            #expect(code == 4029, "closed with \(code.map(String.init) ?? "nothing")")
+            redis.thaw()
+            // Under the bound, the same flood waits and is handled: a second client's 50 pings of
+            // 10 KB sent while the opening waits are all answered.
+            redis.freeze()
+            let bob = TestSocket(port: ports[0], token: try await token("bob"), device: "phone")
+            for index in 0..<50 { bob.send("ping", ["pad": big], id: "b\(index)") }
+            try await Task.sleep(for: .milliseconds(300))
+            redis.thaw()
+            _ = try await bob.next("initial_state")
+            let answers = await bob.drain(for: .seconds(2))
+            #expect(answers.filter { $0.type == "pong" }.count == 50, "\(answers.map(\.type))")
+        }
+    }
+
     @Test("a session may open away or offline (status=...), so a reconnect while away never shows online; a bad status is refused")
     func openingStatus() async throws {
         try await withNodes(1, configure: { $0.linger = 3 }) { ports in

@@ -109,6 +109,8 @@ final class SessionRun: Sendable {
         var openingOver = false
         /// Messages not handled yet: those before the session is open wait for it.
         var queue: [Message] = []
+        /// The bytes of the text messages in `queue`.
+        var queuedBytes = 0
         /// Whether a task is handling messages.
         var handling = false
         /// A message ended the session: what follows is dropped.
@@ -116,7 +118,14 @@ final class SessionRun: Sendable {
         /// How the connection ended.
         var ending: SessionChannelHandler.Ending?
         var finished = false
+        /// The connection, from the upgrade on: closed from here when the queue overflows.
+        var connection: SessionConnection?
     }
+
+    /// At most this many messages, or this many bytes of them, wait to be handled (while the
+    /// session opens, or behind a slow Redis call); past either, the session is closed with 4029.
+    /// Without a bound, a client flooding large frames meanwhile grew the node's memory at will.
+    static let queueLimit = (messages: 256, bytes: 1 << 20)
 
     private struct Open: Sendable {
         let session: Session
@@ -134,7 +143,10 @@ final class SessionRun: Sendable {
     func open(_ connection: SessionConnection) {
         // Counted before the token is checked: a flood of bad tokens holds connections too.
         let admitted = gateway.hub.admit(limit: gateway.configuration.maxSessions)
-        state.withLockedValue { $0.admitted = admitted }
+        state.withLockedValue { state in
+            state.admitted = admitted
+            state.connection = connection
+        }
         guard admitted else {
             GatewayMetrics.refused("full")
             refuse(connection, .tryAgainLater, reason: "this node holds its most sessions; try another")
@@ -146,21 +158,39 @@ final class SessionRun: Sendable {
 
     /// A message from the client (on the connection's loop).
     func received(_ message: Message) {
-        let startHandling = state.withLockedValue { state -> Bool in
-            guard !state.stopped, state.ending == nil else { return false }
+        enum Next { case nothing, handle, overflow(SessionConnection?) }
+        let next = state.withLockedValue { state -> Next in
+            guard !state.stopped, state.ending == nil else { return .nothing }
+            if case .text(let text) = message { state.queuedBytes += text.utf8.count }
             state.queue.append(message)
-            guard state.open != nil, !state.handling else { return false }
+            guard state.queue.count <= Self.queueLimit.messages, state.queuedBytes <= Self.queueLimit.bytes else {
+                state.stopped = true
+                state.queue.removeAll()
+                state.queuedBytes = 0
+                return .overflow(state.connection)
+            }
+            guard state.open != nil, !state.handling else { return .nothing }
             state.handling = true
-            return true
+            return .handle
         }
-        if startHandling { gateway.sessionWork.start { await self.handleMessages() } }
+        switch next {
+        case .nothing: break
+        case .handle: gateway.sessionWork.start { await self.handleMessages() }
+        case .overflow(let connection):
+            GatewayMetrics.refused("queue_full")
+            connection?.close(CloseCode.rateLimited.rawValue, reason: "too many messages waiting to be handled")
+        }
     }
+
+    /// Whether the client has gone (its connection ended, or it was closed for overflowing).
+    private var clientGone: Bool { state.withLockedValue { $0.ending != nil || $0.stopped } }
 
     /// The connection ended (on its loop).
     func ended(_ ending: SessionChannelHandler.Ending) {
         let finish = state.withLockedValue { state -> Bool in
             state.ending = ending
             state.queue.removeAll()
+            state.queuedBytes = 0
             return Self.mayFinish(&state)
         }
         if finish { gateway.sessionWork.start { await self.finish() } }
@@ -217,12 +247,19 @@ final class SessionRun: Sendable {
             refuse(connection, .tryAgainLater, reason: "this node is starting; try again")
             return openingEnded()
         }
+        // The client may have left while its token was checked or the node started: nothing of
+        // it is written then (it would show online for a moment, then offline).
+        guard !clientGone else { return openingEnded() }
         let session = Session(userID: user.userID, deviceID: device, frames: frames, connection: connection)
         var logger = gateway.logger
         logger[metadataKey: "presence.user_id"] = "\(user.userID)"
         logger[metadataKey: "presence.device_id"] = "\(device)"
         session.setDeviceStatus(status)
         await gateway.hub.register(session)
+        guard !clientGone else {
+            await gateway.hub.unregister(session)
+            return openingEnded()
+        }
         do {
             let opened = try await gateway.engine.connect(user: user.userID, device: device, session: session.id, status: status)
             if opened.change.changed { GatewayMetrics.transition() }
@@ -264,7 +301,9 @@ final class SessionRun: Sendable {
                     state.handling = false
                     return nil
                 }
-                return (state.queue.removeFirst(), open)
+                let message = state.queue.removeFirst()
+                if case .text(let text) = message { state.queuedBytes -= text.utf8.count }
+                return (message, open)
             }
             guard let (message, open) = next else { break }
             let goesOn: Bool
@@ -276,6 +315,7 @@ final class SessionRun: Sendable {
                 state.withLockedValue { state in
                     state.stopped = true
                     state.queue.removeAll()
+                    state.queuedBytes = 0
                 }
                 open.session.close(.normal, reason: "")
             }
