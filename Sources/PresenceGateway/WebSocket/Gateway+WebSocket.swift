@@ -177,7 +177,7 @@ final class SessionRun: Sendable {
         case .nothing: break
         case .handle: gateway.sessionWork.start { await self.handleMessages() }
         case .overflow(let connection):
-            GatewayMetrics.refused("queue_full")
+            GatewayMetrics.refused("queue_overflow")
             connection?.close(CloseCode.rateLimited.rawValue, reason: "too many messages waiting to be handled")
         }
     }
