@@ -158,10 +158,23 @@ extension PresenceEngine {
         }
     }
 
-    /// Gives up the lease on a graceful shutdown. The node stays in the registry as lapsed, so
-    /// that a reaper takes offline any device a session still held (one whose close Redis did not
-    /// take); devices whose sessions closed are lingering already and do not depend on it.
+    /// Gives up the lease on a graceful shutdown. Devices whose sessions closed are lingering
+    /// already. A device a session still holds (the drain gave up on it: its close is still queued,
+    /// or its client never answered) is made to linger first, as after a drop: reaped with the
+    /// node, it would go offline at once, without the linger its client has to reconnect
+    /// elsewhere. The node stays in the registry as lapsed, so that a reaper takes offline any
+    /// device whose linger Redis did not take.
     public func deregisterNode() async throws(PresenceError) {
+        let held = local.withLockedValue { Array($0.values) }
+        for device in held {
+            do {
+                try await disconnect(user: device.user, device: device.device, session: device.session, clean: false)
+            } catch where error.code == .unavailable {
+                break
+            } catch {
+                logger.warning("cannot let a device linger before giving up the lease", metadata: ["presence.user_id": "\(device.user)", "error": "\(error)"])
+            }
+        }
         let released = try await evaluate(ReleaseLease(node: configuration.nodeID))
         try await list(configuration.nodeID, until: released)
     }

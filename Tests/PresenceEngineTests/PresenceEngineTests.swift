@@ -227,7 +227,8 @@ struct PresenceEngineTests {
             try await survivor.registerNode()
             _ = try await old.connect(user: "gus", device: "phone", session: "old-1")
             cluster.clock.advance(.seconds(1))
-            // A graceful stop: the old process gives up its lease and is lapsed in the registry.
+            // A graceful stop whose drain gave up on gus's session: the old process lets his
+            // device linger, gives up its lease and is lapsed in the registry.
             try await old.deregisterNode()
             let stoppedAt = cluster.clock.nowMilliseconds()
             cluster.clock.advance(.milliseconds(200))
@@ -238,7 +239,9 @@ struct PresenceEngineTests {
             // Its lease service has not registered it yet, so the lease is still gone.
             let report = try await survivor.reapOnce()
             #expect(report.nodes == ["node-1"])
-            #expect(try await survivor.views(of: "gus").real == Presence(userID: "gus", status: .offline, lastSeen: stoppedAt - 1000))
+            // Reaped with the node he would have gone offline at once (before the change he did,
+            // with last_seen the node's last renewal); he lingers, so his client can reconnect.
+            #expect(try await survivor.views(of: "gus").real.status == .online, "gus lingers")
             #expect(try await survivor.views(of: "hal").real.status == .online, "a device written after the lease ended is the new process's")
             try await restarted.registerNode()
             #expect(try await restarted.renewLease(), "the new process's lease survived the reap")
@@ -248,6 +251,10 @@ struct PresenceEngineTests {
             #expect(try await survivor.reapOnce().nodes.isEmpty, "a node id with a lease again is not reaped")
             #expect(try await survivor.views(of: "ida").real.status == .online)
             #expect(try await survivor.views(of: "hal").real.status == .online)
+            // After the linger gus goes, last seen when the old process let him linger.
+            cluster.clock.advance(old.configuration.linger + .milliseconds(100))
+            #expect(try await survivor.reapOnce().expiredDevices == 1)
+            #expect(try await survivor.views(of: "gus").real == Presence(userID: "gus", status: .offline, lastSeen: stoppedAt))
         }
     }
 
