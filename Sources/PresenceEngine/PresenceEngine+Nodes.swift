@@ -264,27 +264,25 @@ extension PresenceEngine {
                 }
             }
         }
-        for (key, due) in try await claim(keys.allDeadlines, limit: limit) {
-            try await forEachClaimed(key, due) { member, _ throws(PresenceError) in
-                guard let (user, device) = keys.splitDeviceMember(member) else {
-                    _ = try await run { try await self.redis.send("ZREM", RedisArgument(key), RedisArgument(member)) }
-                    return
-                }
-                var next: Int64?
-                switch try await evaluate(RemoveDevice(user: user, device: device, mode: .expire)) {
-                case .removed(let change):
-                    report.expiredDevices += 1
-                    if change.changed || change.shownChanged { report.changedUsers += 1 }
-                    await settle(change)
-                case .live(let deadline):
-                    // Not due yet (the index was early, or the device was written again): looked
-                    // at again at its deadline. Held by a session: no deadline, out of the index.
-                    next = deadline
-                case .heldByAnother, .staleStatus:
-                    break
-                }
-                _ = try await evaluate(ResolveClaim(key: key, member: member, score: due.retry, next: next))
+        try await forEachClaimed(try await claim(keys.allDeadlines, limit: limit)) { key, due, member throws(PresenceError) in
+            guard let (user, device) = keys.splitDeviceMember(member) else {
+                _ = try await run { try await self.redis.send("ZREM", RedisArgument(key), RedisArgument(member)) }
+                return
             }
+            var next: Int64?
+            switch try await evaluate(RemoveDevice(user: user, device: device, mode: .expire)) {
+            case .removed(let change):
+                report.expiredDevices += 1
+                if change.changed || change.shownChanged { report.changedUsers += 1 }
+                await settle(change)
+            case .live(let deadline):
+                // Not due yet (the index was early, or the device was written again): looked
+                // at again at its deadline. Held by a session: no deadline, out of the index.
+                next = deadline
+            case .heldByAnother, .staleStatus:
+                break
+            }
+            _ = try await evaluate(ResolveClaim(key: key, member: member, score: due.retry, next: next))
         }
         report.typingEnded = try await reapTyping(limit: limit)
         if !report.nodes.isEmpty || report.expiredDevices > 0 {
@@ -394,6 +392,25 @@ extension PresenceEngine {
                 throw error
             } catch {
                 logger.warning("reaper work refused; retried after the claim", metadata: ["presence.key": "\(key)", "presence.member": "\(member)", "error": "\(error)"])
+            }
+        }
+    }
+
+    /// Runs `body` on each claimed entry of each set in turn (see the one-set form). When Redis
+    /// cannot be reached, the entries not done yet are given back: the rest of the set it happened
+    /// in and every set after it. Given back only in the set at hand, one timeout parked the
+    /// other buckets' claims, and the users and typing states in them, for a claim's 30 s.
+    func forEachClaimed(
+        _ claimed: [(key: String, claim: ClaimDue.Claim)],
+        _ body: (_ key: String, _ claim: ClaimDue.Claim, _ member: String) async throws(PresenceError) -> Void
+    ) async throws(PresenceError) {
+        for (index, (key, due)) in claimed.enumerated() {
+            do {
+                try await forEachClaimed(key, due) { member, _ throws(PresenceError) in try await body(key, due, member) }
+            } catch where error.code == .unavailable {
+                let later = claimed[(index + 1)...].map { Unclaim(key: $0.key, retry: $0.claim.retry, entries: $0.claim.entries) }
+                _ = try? await evaluate(later)
+                throw error
             }
         }
     }

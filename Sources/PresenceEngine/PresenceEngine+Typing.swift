@@ -139,19 +139,17 @@ extension PresenceEngine {
     /// Ends typing states whose expiry passed; part of every reaper pass.
     func reapTyping(limit: Int) async throws(PresenceError) -> Int {
         var ended = 0
-        for (key, due) in try await claim(keys.allTypingDeadlines, limit: limit) {
-            try await forEachClaimed(key, due) { member, _ throws(PresenceError) in
-                let parts = member.split(separator: "|", maxSplits: 1).map(String.init)
-                var outcome = ExpireTyping.Outcome.none
-                if parts.count == 2 {
-                    outcome = try await evaluate(ExpireTyping(conversation: parts[0], user: parts[1]))
-                }
-                // Refreshed since it was indexed, or indexed early: looked at again at its real expiry.
-                var next: Int64?
-                if case .running(let expiry) = outcome { next = expiry }
-                _ = try await evaluate(ResolveClaim(key: key, member: member, score: due.retry, next: next))
-                if outcome == .ended { ended += 1 }
+        try await forEachClaimed(try await claim(keys.allTypingDeadlines, limit: limit)) { key, due, member throws(PresenceError) in
+            let parts = member.split(separator: "|", maxSplits: 1).map(String.init)
+            var outcome = ExpireTyping.Outcome.none
+            if parts.count == 2 {
+                outcome = try await evaluate(ExpireTyping(conversation: parts[0], user: parts[1]))
             }
+            // Refreshed since it was indexed, or indexed early: looked at again at its real expiry.
+            var next: Int64?
+            if case .running(let expiry) = outcome { next = expiry }
+            _ = try await evaluate(ResolveClaim(key: key, member: member, score: due.retry, next: next))
+            if outcome == .ended { ended += 1 }
         }
         return ended
     }

@@ -578,6 +578,38 @@ struct PresenceEngineTests {
         #expect(PresenceEngine.presenceError(RedisError(.timeout, "no answer")).code == .unavailable)
     }
 
+    /// The reaper's walk over the buckets it claimed: Redis unreachable in one bucket gives back
+    /// the rest of it and every bucket after it, not only the rest of that one. (Before, the
+    /// later buckets stayed claimed for 30 s: their users online past their linger.)
+    @Test("when Redis cannot be reached during a reaper pass, the claims not worked through are given back in every bucket, not just the current one")
+    func claimsGivenBack() async throws {
+        try await EngineCluster.with { cluster in
+            let engine = cluster.engine(node: "n1")
+            let keys = cluster.prefixKeys
+            // One due entry in each of three buckets.
+            let users = (0..<200).map { "u\($0)" }
+            var picked: [Int: String] = [:]
+            for user in users where picked.count < 3 && picked[PresenceKeys.bucket(of: user)] == nil { picked[PresenceKeys.bucket(of: user)] = user }
+            let due = cluster.clock.nowMilliseconds() - 1000
+            for user in picked.values {
+                try await cluster.redis.send("ZADD", RedisArgument(keys.deadlines(ofUser: user)), RedisArgument(Int(due)), RedisArgument(keys.deviceMember(user: user, device: "phone")))
+            }
+            let claimed = try await engine.claim(keys.allDeadlines, limit: 100)
+            #expect(claimed.count == 3)
+            #expect(try await engine.claim(keys.allDeadlines, limit: 100).isEmpty, "claimed: nobody else takes them")
+            var calls = 0
+            await #expect(throws: PresenceError.self) {
+                try await engine.forEachClaimed(claimed) { _, _, _ throws(PresenceError) in
+                    calls += 1
+                    throw PresenceError(.unavailable, "the presence store is unreachable")
+                }
+            }
+            #expect(calls == 1, "the walk stops at the first unreachable call")
+            let again = try await engine.claim(keys.allDeadlines, limit: 100)
+            #expect(again.flatMap(\.claim.entries).count == 3, "all three are due again at once: \(again.map(\.key))")
+        }
+    }
+
     @Test("the scheduled audit checks 500 devices at a time, in turn, so its cost does not grow with the node's devices")
     func auditInTurn() async throws {
         try await EngineCluster.with { cluster in
