@@ -70,8 +70,12 @@ public struct GatewayConfiguration: Sendable {
     /// The default is the process's open-file limit less 256, kept for Redis, REST requests and
     /// the listening socket: past the limit a node could not accept connections at all.
     public var maxSessions = GatewayConfiguration.defaultMaxSessions()
-    /// WebSocket ping interval; a session that misses a pong is closed and its device lingers.
-    public var pingInterval = Duration.seconds(20)
+    /// WebSocket ping interval: a session the node has heard nothing from for this long is pinged.
+    public var pingInterval = Duration.seconds(10)
+    /// How long a ping waits for its pong (or any other frame); past it the session is closed with
+    /// 1001 at once and its device lingers. A client cut off without a FIN is offline within
+    /// `pingInterval + pongTimeout` (15 s) plus the linger.
+    public var pongTimeout = Duration.seconds(5)
     /// How long a session the server closes has to take the rest of its queue and the close
     /// frame; a client that reads nothing meanwhile has its connection shut.
     public var closeTimeout = Duration.seconds(2)

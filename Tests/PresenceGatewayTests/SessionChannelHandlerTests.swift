@@ -11,7 +11,7 @@ import Testing
 @Suite("Session connection handler")
 struct SessionChannelHandlerTests {
     static let limits = SessionChannelHandler.Limits(
-        maxMessageSize: 64, pingInterval: .seconds(10), closeTimeout: .seconds(3), unwritableBytes: 100
+        maxMessageSize: 64, pingInterval: .seconds(10), pongTimeout: .seconds(4), closeTimeout: .seconds(3), unwritableBytes: 100
     )
 
     /// An embedded channel with the handler, connected, and what the handler reported.
@@ -188,7 +188,10 @@ struct SessionChannelHandlerTests {
         #expect(silent.endings == [.init(clientCode: nil, serverCode: 1008)])
     }
 
-    @Test("the client is pinged every interval; a ping left unanswered until the next closes with 1001")
+    /// A client cut off without a FIN is found within the interval and the pong timeout (14 s
+    /// here; 15 s at the defaults), and dropped at once: before, a ping was judged only at the
+    /// next one, and the close then waited its own timeout (up to 44 s at the former defaults).
+    @Test("a silent client is pinged after the interval; a ping unanswered within the pong timeout closes with 1001 and drops the connection at once")
     func pingTimeout() throws {
         let harness = try Harness()
         harness.advance(.seconds(10))
@@ -196,10 +199,28 @@ struct SessionChannelHandlerTests {
         try harness.receive(.pong, "presence")
         harness.advance(.seconds(10))
         #expect(try harness.written().map(\.opcode) == [.ping])
-        harness.advance(.seconds(10))
+        harness.advance(.milliseconds(3900))
+        #expect(try harness.written().isEmpty && harness.channel.isActive, "the pong may still come")
+        harness.advance(.milliseconds(100))
         #expect(Self.closeCode(try harness.written().first) == 1001)
-        harness.advance(.seconds(3))
-        #expect(!harness.channel.isActive)
+        #expect(!harness.channel.isActive, "dropped with the close: a peer that answers nothing answers no close")
+        #expect(harness.endings == [.init(clientCode: nil, serverCode: 1001)])
+    }
+
+    @Test("any frame from the client counts as alive: a client that keeps sending is pinged only after the interval of silence")
+    func framesCountAsAlive() throws {
+        let harness = try Harness()
+        harness.advance(.seconds(8))
+        try harness.receive(.text, "hello")
+        harness.advance(.seconds(8))
+        #expect(try harness.written().isEmpty, "heard 8 s ago: no ping yet")
+        harness.advance(.seconds(2))
+        #expect(try harness.written().map(\.opcode) == [.ping], "10 s of silence")
+        // A data frame instead of the pong answers the ping too.
+        try harness.receive(.text, "still here")
+        harness.advance(.seconds(5))
+        #expect(harness.channel.isActive)
+        #expect(harness.texts == ["hello", "still here"])
     }
 
     @Test("a token's expiry closes with 4001 at its deadline, not before")

@@ -2,6 +2,8 @@ import Foundation
 import RedisTestSupport
 import Testing
 
+@testable import PresenceGateway
+
 #if canImport(Glibc)
 import Glibc
 #endif
@@ -142,6 +144,28 @@ struct UpgradeTests {
             // Just under the limit is served.
             let fits = try await Self.firstAnswer(ports[0], "GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: \(String(repeating: "a", count: 80_000))\r\n\r\n")
             #expect(fits.text.hasPrefix("HTTP/1.1 200"), "\(fits.text.prefix(120))")
+        }
+    }
+
+    /// The whole path of a client gone silent (its socket open, nothing answered): pinged, not
+    /// answered, dropped, and offline for its watcher after the linger. The timing itself is
+    /// the handler's test (`SessionChannelHandlerTests.pingTimeout`); the bound here is loose.
+    @Test("a client that answers nothing (no pong, no FIN) is dropped after the ping and pong timeout and shown offline after the linger")
+    func silentClient() async throws {
+        try await withNodes(1, configure: { $0.pingInterval = .seconds(1); $0.pongTimeout = .seconds(1) }) { ports in
+            _ = try await call(ports[0], "PUT", "/api/admin/conversations/pair", token: adminToken, body: #"{"member_ids":["alice","bob"]}"#)
+            let bob = TestSocket(port: ports[0], token: try await token("bob"), device: "phone")
+            _ = try await bob.next("initial_state")
+            let silent = try Connection(port: ports[0])
+            silent.send(Self.upgrade(try await token("alice")))
+            #expect(try await bob.next("presence_update").status == "online")
+            let opened = ContinuousClock.now
+            let offline = try await bob.next("presence_update", timeout: .seconds(10))
+            let after = ContinuousClock.now - opened
+            #expect(offline.status == "offline")
+            // Ping at 1 s, no pong by 2 s, then the 1 s linger: some 3 s.
+            #expect(after > .milliseconds(1500) && after < .seconds(7), "offline \(after) after opening")
+            _ = silent
         }
     }
 }

@@ -74,6 +74,7 @@ struct SessionStarter: Sendable {
             limits: .init(
                 maxMessageSize: configuration.maxFrameSize,
                 pingInterval: TimeAmount(configuration.pingInterval),
+                pongTimeout: TimeAmount(configuration.pongTimeout),
                 closeTimeout: TimeAmount(configuration.closeTimeout),
                 unwritableBytes: configuration.outboundBufferLimit
             ),

@@ -23,8 +23,11 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
     struct Limits: Sendable {
         /// The largest message, over all of its fragments; larger is closed with 1009.
         var maxMessageSize: Int
-        /// How often the client is pinged; a ping unanswered by the next one closes with 1001.
+        /// How long the client may be silent before it is pinged.
         var pingInterval: TimeAmount
+        /// How long a ping waits for the client's pong, or any frame; past it the connection is
+        /// closed with 1001 and dropped at once (a peer that answers nothing answers no close).
+        var pongTimeout: TimeAmount
         /// How long a close may wait for the client's close before the connection is dropped.
         var closeTimeout: TimeAmount
         /// Bytes written while the channel is not writable before the client counts as too slow.
@@ -57,6 +60,9 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
     /// Written since the last flush.
     private var unflushed = false
     private var pinger: Scheduled<Void>?
+    private var pongDeadline: Scheduled<Void>?
+    /// When the client last sent a frame.
+    private var lastHeard: NIODeadline?
     private var expiry: Scheduled<Void>?
     private var watchdog: Scheduled<Void>?
 
@@ -100,9 +106,11 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
 
     private func cancelTimers() {
         pinger?.cancel()
+        pongDeadline?.cancel()
         expiry?.cancel()
         watchdog?.cancel()
         pinger = nil
+        pongDeadline = nil
         expiry = nil
         watchdog = nil
     }
@@ -111,6 +119,8 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
 
     func channelRead(context: ChannelHandlerContext, data: NIOAny) {
         let frame = unwrapInboundIn(data)
+        // Any frame shows the connection is alive, as a pong does.
+        heard()
         switch frame.opcode {
         case .text, .binary:
             guard fragments == nil else { return protocolError("a new message began inside a fragmented one") }
@@ -126,7 +136,7 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
             guard !closeSent else { return }
             write(WebSocketFrame(fin: true, opcode: .pong, data: frame.unmaskedData))
         case .pong:
-            awaitingPong = false
+            break
         case .connectionClose:
             receivedClose(frame.unmaskedData)
         default:
@@ -263,14 +273,32 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
         pinger = context?.eventLoop.assumeIsolated().scheduleTask(in: limits.pingInterval) { [weak self] in self?.ping() }
     }
 
-    private func ping() {
-        guard !closeSent else { return }
+    /// The client sent something: the ping under way is answered, and the next one is due a
+    /// whole interval from now (a moment kept, not a timer moved: frames may come by the thousand).
+    private func heard() {
+        lastHeard = context?.eventLoop.now
         if awaitingPong {
-            return close(CloseCode.goingAway.rawValue, reason: "Ping timeout")
+            awaitingPong = false
+            pongDeadline?.cancel()
+            pongDeadline = nil
+        }
+    }
+
+    private func ping() {
+        guard !closeSent, !awaitingPong, let context else { return }
+        // Heard from within the interval: no ping needed yet.
+        if let lastHeard, context.eventLoop.now < lastHeard + limits.pingInterval {
+            pinger = context.eventLoop.assumeIsolated().scheduleTask(deadline: lastHeard + limits.pingInterval) { [weak self] in self?.ping() }
+            return
         }
         awaitingPong = true
-        write(WebSocketFrame(fin: true, opcode: .ping, data: ByteBuffer(string: "presence")))
         schedulePing()
+        write(WebSocketFrame(fin: true, opcode: .ping, data: ByteBuffer(string: "presence")))
+        pongDeadline = context.eventLoop.assumeIsolated().scheduleTask(in: limits.pongTimeout) { [weak self] in
+            guard let self, self.awaitingPong else { return }
+            self.close(CloseCode.goingAway.rawValue, reason: "Ping timeout")
+            self.context?.close(promise: nil)
+        }
     }
 }
 
