@@ -76,6 +76,9 @@ public struct GatewayConfiguration: Sendable {
     /// 1001 at once and its device lingers. A client cut off without a FIN is offline within
     /// `pingInterval + pongTimeout` (15 s) plus the linger.
     public var pongTimeout = Duration.seconds(5)
+    /// How long a connection may take to send a whole request head, from its start or from the
+    /// end of the last response (keep-alive); past it the connection is closed.
+    public var requestHeadTimeout = Duration.seconds(15)
     /// How long a session the server closes has to take the rest of its queue and the close
     /// frame; a client that reads nothing meanwhile has its connection shut.
     public var closeTimeout = Duration.seconds(2)

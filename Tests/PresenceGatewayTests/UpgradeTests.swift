@@ -168,4 +168,40 @@ struct UpgradeTests {
             _ = silent
         }
     }
+
+    /// Each of these connections was held for good before: nothing limited how long a request
+    /// head may take.
+    @Test("a request head must arrive whole within the head timeout: silent connections, slow heads, half an upgrade and idle keep-alive connections are closed; a long response is not")
+    func slowHeads() async throws {
+        try await withNodes(1, configure: { $0.requestHeadTimeout = .seconds(1) }) { ports in
+            let port = ports[0]
+            let started = ContinuousClock.now
+            let silent = try Connection(port: port)
+            let slow = try Connection(port: port)
+            slow.send("GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+            let feeding = Task {
+                for index in 0..<10 {
+                    try await Task.sleep(for: .milliseconds(300))
+                    slow.send("X-Slow-\(index): a\r\n")
+                }
+            }
+            defer { feeding.cancel() }
+            let halfUpgrade = try Connection(port: port)
+            halfUpgrade.send(String(Self.upgrade(try await token("alice")).dropLast(2)))
+            let keptAlive = try Connection(port: port)
+            keptAlive.send("GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            let served = await keptAlive.read(for: 2) { $0.contains("\r\n\r\n") }
+            #expect(served.text.hasPrefix("HTTP/1.1 200"), "a whole head in time is served: \(served.text.prefix(80))")
+            for (name, connection) in [("silent", silent), ("slow head", slow), ("half an upgrade", halfUpgrade), ("idle keep-alive", keptAlive)] {
+                let ended = await connection.read(for: 4) { _ in false }
+                #expect(ended.closed, "\(name): still open \(ContinuousClock.now - started) after the start")
+            }
+            #expect(ContinuousClock.now - started < .seconds(8))
+            // A response that lasts (the admin feed) is not cut by the head timeout.
+            let feed = try await offThePool {
+                try DashboardTests.readEvents(port: port, token: adminToken, timeout: .milliseconds(2600)) { _ in false }
+            }
+            #expect(feed.components(separatedBy: "event: overview\n").count - 1 >= 2, "the feed goes on past the head timeout: \(feed.suffix(200))")
+        }
+    }
 }

@@ -67,8 +67,8 @@ struct GatewayServerChannel: ServerChildChannel, HTTPChannelHandler {
                 upgradePipelineHandler: { channel, head in
                     channel.eventLoop.makeCompletedFuture {
                         // The pipeline carries WebSocket frames from now on.
-                        let responder = try channel.pipeline.syncOperations.handler(type: HTTPParseErrorResponder.self)
-                        channel.pipeline.syncOperations.removeHandler(responder, promise: nil)
+                        let guardHandler = try channel.pipeline.syncOperations.handler(type: HTTPConnectionGuard.self)
+                        channel.pipeline.syncOperations.removeHandler(guardHandler, promise: nil)
                         let screen = try channel.pipeline.syncOperations.handler(type: UpgradeScreen.self)
                         channel.pipeline.syncOperations.removeHandler(screen, promise: nil)
                         try sessions.start(on: channel, head: head)
@@ -96,7 +96,7 @@ struct GatewayServerChannel: ServerChildChannel, HTTPChannelHandler {
             configuration.enableErrorHandling = false
             configuration.enableResponseHeaderValidation = false
             let negotiated = try channel.pipeline.syncOperations.configureUpgradableHTTPServerPipeline(configuration: configuration)
-            try channel.pipeline.syncOperations.addHandler(HTTPParseErrorResponder())
+            try channel.pipeline.syncOperations.addHandler(HTTPConnectionGuard(headTimeout: TimeAmount(sessions.gateway.configuration.requestHeadTimeout)))
             let upgradeHandler = try channel.pipeline.syncOperations.handler(type: NIOTypedHTTPServerUpgradeHandler<Negotiated>.self)
             try channel.pipeline.syncOperations.addHandler(UpgradeScreen(accepts: sessions.accepts), position: .before(upgradeHandler))
             return Value(negotiated: negotiated, channel: channel)

@@ -1,30 +1,65 @@
 import NIOCore
 import NIOHTTP1
 
-/// Answers a request NIO's HTTP decoder could not read, then closes the connection: 431 for a
-/// head over the decoder's limit (80 KiB), 400 for anything else it refused. Without it, such a
-/// connection was neither answered nor closed: the decoder stops reading after its error, and the
-/// connection was held for as long as the client kept it.
+/// Guards a connection while it speaks HTTP/1.1:
+/// - a request NIO's HTTP decoder could not read is answered, then the connection closed: 431 for
+///   a head over the decoder's limit (80 KiB), 400 for anything else it refused. Without it, such
+///   a connection was neither answered nor closed: the decoder stops reading after its error;
+/// - a request's head must arrive whole within `headTimeout` of the connection's start or of the
+///   last response's end, or the connection is closed: a client that sends a head slowly, byte
+///   by byte (slowloris), or opens connections and sends nothing, or half an upgrade, or keeps an
+///   idle keep-alive connection, held it for good.
 ///
 /// It sits at the end of the connection's HTTP pipeline, where HTTP parts pass through it
-/// unchanged; a session's upgrade takes it out before the pipeline carries WebSocket frames.
-final class HTTPParseErrorResponder: ChannelDuplexHandler, RemovableChannelHandler {
+/// unchanged; a session's upgrade takes it out before the pipeline carries WebSocket frames (the
+/// session's pings watch it from then on).
+final class HTTPConnectionGuard: ChannelDuplexHandler, RemovableChannelHandler {
     typealias InboundIn = HTTPServerRequestPart
     typealias InboundOut = HTTPServerRequestPart
     typealias OutboundIn = HTTPServerResponsePart
     typealias OutboundOut = HTTPServerResponsePart
 
+    private let headTimeout: TimeAmount
+    /// Closes the connection unless a request head arrives first.
+    private var headDeadline: Scheduled<Void>?
     /// A response was begun and not finished: an error answer now would corrupt it.
     private var responding = false
 
+    init(headTimeout: TimeAmount) {
+        self.headTimeout = headTimeout
+    }
+
+    func handlerAdded(context: ChannelHandlerContext) {
+        awaitHead(context)
+    }
+
+    func handlerRemoved(context: ChannelHandlerContext) {
+        headDeadline?.cancel()
+        headDeadline = nil
+    }
+
+    private func awaitHead(_ context: ChannelHandlerContext) {
+        headDeadline?.cancel()
+        headDeadline = context.eventLoop.assumeIsolated().scheduleTask(in: headTimeout) { [weak self] in
+            guard let self, !self.responding else { return }
+            context.close(promise: nil)
+        }
+    }
+
     func channelRead(context: ChannelHandlerContext, data: NIOAny) {
+        if case .head = unwrapInboundIn(data) {
+            headDeadline?.cancel()
+            headDeadline = nil
+        }
         context.fireChannelRead(data)
     }
 
     func write(context: ChannelHandlerContext, data: NIOAny, promise: EventLoopPromise<Void>?) {
         switch unwrapOutboundIn(data) {
         case .head(let head) where head.status.code >= 200: responding = true
-        case .end: responding = false
+        case .end:
+            responding = false
+            awaitHead(context)
         default: break
         }
         context.write(data, promise: promise)
