@@ -21,6 +21,18 @@ enum GatewayMetrics {
     private static let transitions = Counter(label: "presence_transitions_total")
 
     static func sessions(_ count: Int) { sessionGauge.record(count) }
+
+    private static let connectionGauge = Gauge(label: "presence_connections")
+    private static let openConnections = NIOLockedValueBox(0)
+    /// A TCP connection of the node's port opened (`+1`) or ended (`-1`): HTTP and WebSocket
+    /// alike, from the accept to the close, so that connections held by nothing show.
+    static func connections(_ change: Int) {
+        let open = openConnections.withLockedValue { count in
+            count += change
+            return count
+        }
+        connectionGauge.record(open)
+    }
     static func frameSent() { framesSent.increment() }
     static func transition() { transitions.increment() }
     static func delivered(latencyMilliseconds: Int64) {

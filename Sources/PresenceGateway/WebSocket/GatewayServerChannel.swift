@@ -58,7 +58,9 @@ struct GatewayServerChannel: ServerChildChannel, HTTPChannelHandler {
     struct UpgradeOnReusedConnection: Error {}
 
     func setup(channel: any Channel, logger: Logger) -> EventLoopFuture<Value> {
-        channel.eventLoop.makeCompletedFuture {
+        GatewayMetrics.connections(1)
+        channel.closeFuture.whenComplete { _ in GatewayMetrics.connections(-1) }
+        return channel.eventLoop.makeCompletedFuture {
             let upgrader = NIOTypedWebSocketServerUpgrader<Negotiated>(
                 maxFrameSize: sessions.maxFrameSize,
                 shouldUpgrade: { channel, head in
