@@ -115,6 +115,10 @@ struct UpgradeTests {
             #expect(noKey.text.hasPrefix("HTTP/1.1 422"), "\(noKey.text.prefix(120))")
             let oldVersion = try await Self.firstAnswer(ports[0], "GET /api/presence/subscribe HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 8\r\n\r\n")
             #expect(oldVersion.text.hasPrefix("HTTP/1.1 422"), "\(oldVersion.text.prefix(120))")
+            let post = try await Self.firstAnswer(ports[0], "POST /api/presence/subscribe HTTP/1.1\r\nHost: 127.0.0.1\r\n\(headers)Content-Length: 0\r\n\r\n")
+            #expect(post.text.hasPrefix("HTTP/1.1 405"), "a POST asking for the upgrade is a POST: \(post.text.prefix(120))")
+            let spoofed = try await Self.firstAnswer(ports[0], "GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\npresence-upgrade-refused: draining\r\n\r\n")
+            #expect(spoofed.text.hasPrefix("HTTP/1.1 200"), "the node's own marker from a client means nothing: \(spoofed.text.prefix(120))")
             let h2c = try await Self.firstAnswer(ports[0], "GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n")
             #expect(h2c.text.hasPrefix("HTTP/1.1 200"), "\(h2c.text.prefix(120))")
             // The session upgrade itself still opens a session.

@@ -26,17 +26,22 @@ final class UpgradeScreen: ChannelInboundHandler, RemovableChannelHandler {
     }
 
     func channelRead(context: ChannelHandlerContext, data: NIOAny) {
-        guard case .head(var head) = unwrapInboundIn(data), head.headers.contains(name: "upgrade") else {
+        guard case .head(var head) = unwrapInboundIn(data) else {
             return context.fireChannelRead(data)
         }
-        let websocket = head.headers[canonicalForm: "upgrade"].contains { $0.lowercased() == "websocket" }
-        let wellFormed = websocket && head.headers["sec-websocket-key"].count == 1
-            && head.headers["sec-websocket-version"] == ["13"]
-        if !(wellFormed && accepts(head)) {
-            head.headers.remove(name: "upgrade")
-            head.headers.remove(name: Self.refusedHeader)
-            if wellFormed && head.uri.prefix(while: { $0 != "?" }) == Gateway.sessionPath {
-                head.headers.add(name: Self.refusedHeader, value: "draining")
+        // The marker is this node's word alone, never a client's.
+        head.headers.remove(name: Self.refusedHeader)
+        if head.headers.contains(name: "upgrade") {
+            let websocket = head.headers[canonicalForm: "upgrade"].contains { $0.lowercased() == "websocket" }
+            let wellFormed = websocket && head.headers["sec-websocket-key"].count == 1
+                && head.headers["sec-websocket-version"] == ["13"]
+            if !(wellFormed && accepts(head)) {
+                head.headers.remove(name: "upgrade")
+                // A well-formed GET of the session path is refused only while the node drains;
+                // any other request is the router's to answer (405 for another method).
+                if wellFormed && head.method == .GET && head.uri.prefix(while: { $0 != "?" }) == Gateway.sessionPath {
+                    head.headers.add(name: Self.refusedHeader, value: "draining")
+                }
             }
         }
         context.fireChannelRead(wrapInboundOut(.head(head)))
