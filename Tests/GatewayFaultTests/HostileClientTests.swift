@@ -68,11 +68,12 @@ struct HostileClientTests {
         await alice.client.setStatus(.away)
         #expect(await bob.sees("alice", .away, within: .seconds(3)), "another session's change flows meanwhile")
         // Head timeout 15 s; silent sessions: ping after 10 s, dropped 5 s later; then the linger.
+        let attacked = ContinuousClock.now
         let settled = await eventually(timeout: .seconds(30), poll: .milliseconds(500)) {
             Self.metric(port, "presence_connections") == baseline && Self.metric(port, "presence_sessions") == 2
         }
         let memoryAfter = node.residentBytes ?? 0
-        print("hostile: connections \(Self.metric(port, "presence_connections").map { Int($0) } ?? -1), sessions \(Self.metric(port, "presence_sessions").map { Int($0) } ?? -1), memory \(memoryAfter >> 20) MiB")
+        print("hostile: \(ContinuousClock.now - attacked) after the attack, connections \(Self.metric(port, "presence_connections").map { Int($0) } ?? -1), sessions \(Self.metric(port, "presence_sessions").map { Int($0) } ?? -1), memory \(memoryAfter >> 20) MiB")
         #expect(settled, "every connection and session given back: connections \(Self.metric(port, "presence_connections") ?? -1) (baseline \(baseline)), sessions \(Self.metric(port, "presence_sessions") ?? -1)")
         #expect(memoryAfter < memoryBefore + 64 << 20, "memory bounded: \(memoryBefore >> 20) -> \(memoryAfter >> 20) MiB")
         await alice.client.setStatus(.online)

@@ -214,6 +214,7 @@ struct DashboardTests {
             if let unavailable, let overview { #expect(unavailable.lowerBound < overview.lowerBound) }
             #expect(text.contains("\"error\":\"unavailable\""), "\(text)")
             if let back = restarted.withLockedValue({ $0 }) {
+                print("admin feed: the first overview \(seenAt - back) after Redis was back")
                 #expect(seenAt - back < .seconds(6), "the first overview came \(seenAt - back) after Redis was back")
             }
         }

@@ -121,6 +121,12 @@ final class SessionRun: Sendable {
         var finished = false
         /// The connection, from the upgrade on: closed from here when the queue overflows.
         var connection: SessionConnection?
+
+        /// Drops every message waiting.
+        mutating func dropQueue() {
+            queue.removeAll()
+            queuedBytes = 0
+        }
     }
 
     /// At most this many messages, or this many bytes of them, wait to be handled (while the
@@ -166,8 +172,7 @@ final class SessionRun: Sendable {
             state.queue.append(message)
             guard state.queue.count <= Self.queueLimit.messages, state.queuedBytes <= Self.queueLimit.bytes else {
                 state.stopped = true
-                state.queue.removeAll()
-                state.queuedBytes = 0
+                state.dropQueue()
                 return .overflow(state.connection)
             }
             guard state.open != nil, !state.handling else { return .nothing }
@@ -190,8 +195,7 @@ final class SessionRun: Sendable {
     func ended(_ ending: SessionChannelHandler.Ending) {
         let finish = state.withLockedValue { state -> Bool in
             state.ending = ending
-            state.queue.removeAll()
-            state.queuedBytes = 0
+            state.dropQueue()
             return Self.mayFinish(&state)
         }
         if finish { gateway.sessionWork.start { await self.finish() } }
@@ -315,8 +319,7 @@ final class SessionRun: Sendable {
             if !goesOn {
                 state.withLockedValue { state in
                     state.stopped = true
-                    state.queue.removeAll()
-                    state.queuedBytes = 0
+                    state.dropQueue()
                 }
                 open.session.close(.normal, reason: "")
             }
@@ -342,9 +345,12 @@ final class SessionRun: Sendable {
             ])
         }
         if admitted { gateway.hub.leave() }
-        // The handler's events hold this run, and the run (through its session) the handler:
-        // let go, or both stay for good.
-        state.withLockedValue { $0.open = nil }
+        // The handler's events hold this run, and the run (through its session and its
+        // connection) the handler: let go, or both stay for good.
+        state.withLockedValue { state in
+            state.open = nil
+            state.connection = nil
+        }
     }
 }
 
