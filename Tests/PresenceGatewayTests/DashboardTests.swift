@@ -194,16 +194,20 @@ struct DashboardTests {
         let redis = try RedisServerProcess()
         try await withNodes(1, configure: { $0.redisURL = redis.url() }) { ports in
             redis.stop()
+            // Redis comes back once the feed has said it is unavailable (at most 15 s): a fixed
+            // delay raced the subscriber's first try, which waits up to 2.5 s and then connected.
+            let said = NIOLockedValueBox(false)
             let restarted = NIOLockedValueBox<ContinuousClock.Instant?>(nil)
             let restart = Task {
-                try await Task.sleep(for: .seconds(2))
+                for _ in 0..<1500 where !said.withLockedValue({ $0 }) { try await Task.sleep(for: .milliseconds(10)) }
                 try redis.start()
                 restarted.withLockedValue { $0 = .now }
             }
             defer { restart.cancel() }
             let text = try await offThePool {
-                try Self.readEvents(port: ports[0], token: adminToken, timeout: .seconds(20)) { text in
-                    text.contains("event: overview\n")
+                try Self.readEvents(port: ports[0], token: adminToken, timeout: .seconds(25)) { text in
+                    if text.contains("event: unavailable\n") { said.withLockedValue { $0 = true } }
+                    return text.contains("event: overview\n")
                 }
             }
             let seenAt = ContinuousClock.now
