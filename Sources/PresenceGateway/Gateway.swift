@@ -83,6 +83,8 @@ public struct GatewayNode: Sendable {
     public var application: Application<RouterResponder<GatewayRequestContext>>
     /// Closes every session with 1001 when a graceful shutdown starts, before the server stops.
     public var drainer: any Service
+    /// The node itself (for tests that reach inside).
+    let gateway: Gateway
 
     /// Runs both until SIGTERM or SIGINT, draining sessions first, with the process's heap trim
     /// beside them (a process-wide concern: nodes built in a test process leave it out).
@@ -123,7 +125,7 @@ public func buildGateway(
         logger: logger
     )
     for service in gateway.services { app.addServices(service) }
-    return GatewayNode(application: app, drainer: SessionDrainer(hub: gateway.hub))
+    return GatewayNode(application: app, drainer: SessionDrainer(hub: gateway.hub), gateway: gateway)
 }
 
 /// On graceful shutdown, closes every session with 1001 so clients reconnect to another node

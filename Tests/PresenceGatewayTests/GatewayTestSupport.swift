@@ -63,6 +63,23 @@ func withNodes(
     }
 }
 
+/// Runs `body` with one live node (as ``withNodes(_:prefix:configure:_:)`` does) and the node
+/// itself, for tests that set its hub's probes or ask it for a catch-up.
+func withGateway(
+    prefix: String = TestRedis.uniquePrefix("gw"),
+    configure: (inout GatewayConfiguration) -> Void = { _ in },
+    _ body: @escaping @Sendable (Int, Gateway) async throws -> Void
+) async throws {
+    var configuration = testConfiguration(prefix: prefix, node: "node-0")
+    configure(&configuration)
+    let node = try await buildGateway(configuration: configuration, logger: TestRedis.logger())
+    let gateway = node.gateway
+    try await nest([node.application], ports: []) { ports in
+        _ = await eventually(timeout: .seconds(10)) { (try? await call(ports[0], "GET", "/readyz").status) == 200 }
+        try await body(ports[0], gateway)
+    }
+}
+
 private func nest<App: ApplicationProtocol>(_ apps: [App], ports: [Int], _ body: @escaping @Sendable ([Int]) async throws -> Void) async throws {
     guard let first = apps.first else {
         try await body(ports)

@@ -3,18 +3,55 @@ import PresenceEngine
 
 /// The catch-up of a hub's sessions: after a pub/sub reconnect, a data loss, or (on a cluster)
 /// channels that moved, every session gets what it may have missed.
+///
+/// Each request is a scope to read again and a grace: a first pass at once (membership, then
+/// presence, leaving users read offline as the sessions were told), and a second pass once the
+/// grace is over, which may tell "offline". Requests queue; none cancels another, so a stream of
+/// them (a long reshard moving one slot after another) never postpones an earlier request's
+/// second pass, except for the users a later request holds back too.
 extension SessionHub {
-    /// The running catch-up, if any, and the state a newer one takes over.
+    /// The catch-up work waiting, and how long each user's "offline" is held back.
     struct CatchUps {
-        /// The catch-up under way; a newer one replaces it.
-        var running: Task<Void, Never>?
-        /// What the running catch-up reads again (nil when none runs): a newer one reads this too.
-        var scope: ResyncScope?
-        /// Counts catch-ups started, so that one ending clears only its own scope.
-        var generation = 0
-        /// Until when catch-ups leave users told online or away as told when they read them
-        /// offline; a newer catch-up may move it later, never earlier.
-        var holdOfflineUntil: ContinuousClock.Instant?
+        /// What waits for its first pass (requests made while one ran are read together).
+        var firstPass: ResyncScope?
+        /// Second passes, each due when its grace is over.
+        var secondPasses: [(due: ContinuousClock.Instant, scope: ResyncScope)] = []
+        /// Until when every user read offline is left as told (a request for everything).
+        var holdEveryone: ContinuousClock.Instant?
+        /// The same for the users of requests that named them.
+        var holdUsers: [String: ContinuousClock.Instant] = [:]
+        /// The earliest moment a wake-up is already scheduled for.
+        var wakeAt: ContinuousClock.Instant?
+
+        /// Whether a user read offline is still to be left as told.
+        func holdsOffline(_ user: String, now: ContinuousClock.Instant) -> Bool {
+            max(holdEveryone ?? now, holdUsers[user] ?? now) > now
+        }
+
+        /// The next work due at `now`; otherwise when the next is due.
+        mutating func next(now: ContinuousClock.Instant) -> (work: CatchUpWork?, wake: ContinuousClock.Instant?) {
+            if let scope = firstPass {
+                firstPass = nil
+                return (.first(scope), nil)
+            }
+            let due = secondPasses.filter { $0.due <= now }
+            if let first = due.first {
+                secondPasses.removeAll { $0.due <= now }
+                return (.second(due.dropFirst().reduce(first.scope) { $0.union($1.scope) }), nil)
+            }
+            let earliest = secondPasses.map(\.due).min()
+            guard let earliest, wakeAt.map({ earliest < $0 || $0 <= now }) ?? true else { return (nil, nil) }
+            wakeAt = earliest
+            return (nil, earliest)
+        }
+    }
+
+    /// A pass of the catch-up.
+    enum CatchUpWork {
+        /// Membership, then presence, holding back "offline".
+        case first(ResyncScope)
+        /// Presence again, once the grace is over.
+        case second(ResyncScope)
     }
 
     /// How long after a data loss a re-read may tell watchers "offline": every live node finds
@@ -23,44 +60,56 @@ extension SessionHub {
         configuration.leaseTTL / 3 + .seconds(2)
     }
 
-    /// Starts a catch-up of every session (see ``resync(holdingOfflineUntil:scope:)``), of what
-    /// `scope` names; a newer one replaces it, reading what both name, and never ends the
-    /// hold-back on offline sooner than the one it replaces.
-    /// After an outage, the subscriber's reconnect asks for the recovery grace (other nodes may
-    /// reach Redis seconds later) and this node's own finding of the data loss, a moment after,
-    /// for a shorter one: taking the shorter would tell watchers "offline" for the users of a
-    /// node that has not come back yet.
+    /// Asks for a catch-up of every session, of what `scope` names: a first pass as soon as the
+    /// running pass ends, and a second pass `grace` from now. Until then a user it names read as
+    /// offline, whom a session was told is online, is left as told: Redis may have lost its data,
+    /// and the nodes holding live sessions write them again within the grace. After an outage,
+    /// the subscriber's reconnect asks for the recovery grace (other nodes may reach Redis seconds
+    /// later) and this node's own finding of the data loss, a moment after, for a shorter one: a
+    /// user's hold-back ends at the latest of the requests naming them.
     func startResync(grace: Duration, scope: ResyncScope = .everything) {
         catchUps.withLockedValue { catchUps in
-            let until = max(catchUps.holdOfflineUntil ?? .now, .now + grace)
-            catchUps.holdOfflineUntil = until
-            catchUps.running?.cancel()
-            let scope = catchUps.scope.map { $0.union(scope) } ?? scope
-            catchUps.scope = scope
-            catchUps.generation += 1
-            let generation = catchUps.generation
-            catchUps.running = Task {
-                await self.resync(holdingOfflineUntil: until, scope: scope)
-                self.catchUps.withLockedValue { catchUps in
-                    if catchUps.generation == generation { catchUps.scope = nil }
+            let now = ContinuousClock.now
+            let until = now + grace
+            if let users = scope.users {
+                catchUps.holdUsers = catchUps.holdUsers.filter { $0.value > now }
+                for user in users { catchUps.holdUsers[user] = max(catchUps.holdUsers[user] ?? until, until) }
+            } else {
+                catchUps.holdEveryone = max(catchUps.holdEveryone ?? until, until)
+            }
+            catchUps.firstPass = catchUps.firstPass.map { $0.union(scope) } ?? scope
+            catchUps.secondPasses.append((until, scope))
+        }
+        catchUpWakeups.yield()
+    }
+
+    /// Runs the catch-up passes as they come due, one at a time, until cancelled.
+    func runCatchUps() async {
+        for await _ in catchUpWakeups.stream {
+            while !Task.isCancelled {
+                let (work, wake) = catchUps.withLockedValue { $0.next(now: .now) }
+                if let wake {
+                    Task {
+                        try? await Task.sleep(until: wake, clock: .continuous)
+                        self.catchUps.withLockedValue { if $0.wakeAt == wake { $0.wakeAt = nil } }
+                        self.catchUpWakeups.yield()
+                    }
+                }
+                guard let work else { break }
+                switch work {
+                case .first(let scope):
+                    await refreshMembershipOfEverySession(scope)
+                    await catchUpEverySession(scope, holdingBackOffline: true)
+                case .second(let scope):
+                    await catchUpEverySession(scope, holdingBackOffline: true)
                 }
             }
         }
     }
 
-    /// After a pub/sub reconnect or a data loss: every session gets what changed while events
-    /// could be missed, or what Redis no longer has: membership first, then presence.
-    ///
-    /// Reads are retried until Redis answers: the command connection may come back later than
-    /// the subscriber's. A user read as offline whom a session was told is online is told so only
-    /// at `until`, in a second pass. Redis may have lost its data, and the nodes holding live
-    /// sessions write them again by then; the first read would show those users offline for a
-    /// moment.
-    private func resync(holdingOfflineUntil until: ContinuousClock.Instant, scope: ResyncScope) async {
-        await refreshMembershipOfEverySession(scope)
-        await catchUpEverySession(scope, holdingBackOffline: true)
-        guard (try? await Task.sleep(until: until, clock: .continuous)) != nil else { return }
-        await catchUpEverySession(scope, holdingBackOffline: false)
+    /// Whether a catch-up leaves `user`, read as offline, as the sessions were told.
+    func holdsOffline(_ user: String) -> Bool {
+        catchUps.withLockedValue { $0.holdsOffline(user, now: .now) }
     }
 
     /// Membership events missed too: whom each session may see (its user's conversations, which
@@ -75,6 +124,8 @@ extension SessionHub {
         }
     }
 
+    /// Reads are retried until Redis answers: the command connection may come back later than
+    /// the subscriber's.
     private func catchUpEverySession(_ scope: ResyncScope, holdingBackOffline: Bool) async {
         var pending = allSessions
         var delay = Duration.milliseconds(100)
@@ -91,6 +142,18 @@ extension SessionHub {
             delay = min(delay * 2, .seconds(2))
         }
     }
+}
+
+/// Wakes the catch-up runner: a request came, or a second pass is due.
+struct CatchUpWakeups: Sendable {
+    let stream: AsyncStream<Void>
+    private let continuation: AsyncStream<Void>.Continuation
+
+    init() {
+        (stream, continuation) = AsyncStream.makeStream(of: Void.self, bufferingPolicy: .bufferingNewest(1))
+    }
+
+    func yield() { continuation.yield() }
 }
 
 /// What a catch-up reads again: everything (after a reconnect or a data loss), or what the

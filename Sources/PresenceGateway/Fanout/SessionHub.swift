@@ -31,6 +31,9 @@ final class SessionHub: Service, Sendable {
     }
     /// The catch-up that runs after a pub/sub reconnect or a data loss (SessionHub+CatchUp.swift).
     let catchUps = NIOLockedValueBox(CatchUps())
+    let catchUpWakeups = CatchUpWakeups()
+    /// Runs between a catch-up's read and its end, when set: tests make events cross reads here.
+    let afterCatchUpRead = NIOLockedValueBox<(@Sendable ([String]) async -> Void)?>(nil)
 
     init(engine: PresenceEngine, subscriber: any RedisChannelSubscriber, frames: FrameCoder, logger: Logger) {
         self.engine = engine
@@ -170,11 +173,16 @@ final class SessionHub: Service, Sendable {
     }
 
     /// Sends `session` the current presence of `users` it has not been told yet, as updates.
-    /// A read that crossed an event about a user is repeated for that user (a few times at most).
+    /// A read that crossed an event about a user is repeated for that user, a few times at once,
+    /// then again and again a moment later (off the caller's path) until a read is not crossed:
+    /// the events held back during a crossed read are not told, and only a later read has them.
     /// Returns false when Redis could not be read. With `holdingBackOffline`, a user read as
-    /// offline whom the session was told is online or away is left as told (see ``resync(holdingOfflineUntil:scope:)``).
+    /// offline whom the session was told is online or away is left as told while a catch-up
+    /// holds that user back (see ``startResync(grace:scope:)``).
     @discardableResult
-    func catchUp(_ session: Session, _ users: [String], holdingBackOffline: Bool = false) async -> Bool {
+    func catchUp(
+        _ session: Session, _ users: [String], holdingBackOffline: Bool = false, retryDelay: Duration = .milliseconds(20)
+    ) async -> Bool {
         var pending = users
         for _ in 0..<4 where !pending.isEmpty {
             let mark = session.beginRead(pending)
@@ -182,9 +190,10 @@ final class SessionHub: Service, Sendable {
                 _ = session.endRead(pending, mark, snapshot: [])
                 return false
             }
+            if let probe = afterCatchUpRead.withLockedValue({ $0 }) { await probe(pending) }
             var presences = views.map { $0.seen(by: session.userID) }
             if holdingBackOffline {
-                presences.removeAll { $0.status == .offline && session.lastTold($0.userID) != .offline }
+                presences.removeAll { $0.status == .offline && session.lastTold($0.userID) != .offline && holdsOffline($0.userID) }
             }
             var countsChanged: [String] = []
             let dirty = session.endRead(pending, mark, snapshot: presences) { remembered in
@@ -195,6 +204,13 @@ final class SessionHub: Service, Sendable {
             }
             for user in countsChanged { session.sendGroupCounts(involving: user) }
             pending = dirty
+        }
+        if !pending.isEmpty, !session.isClosing {
+            let again = pending
+            Task {
+                guard (try? await Task.sleep(for: retryDelay)) != nil, !session.isClosing else { return }
+                await self.catchUp(session, again, holdingBackOffline: holdingBackOffline, retryDelay: min(retryDelay * 2, .seconds(1)))
+            }
         }
         return true
     }
@@ -255,7 +271,11 @@ final class SessionHub: Service, Sendable {
         let control = engine.redis.pubSub == .classic ? [engine.keys.broadcastChannel] : []
         try? await subscriber.retain([engine.keys.nodeChannel(engine.configuration.nodeID)] + control)
         let upkeep = Task { await self.followUpkeep() }
-        defer { upkeep.cancel() }
+        let catchUpRunner = Task { await self.runCatchUps() }
+        defer {
+            upkeep.cancel()
+            catchUpRunner.cancel()
+        }
         for await event in subscriber.events.cancelOnGracefulShutdown() {
             switch event {
             case .message(let channel, let payload):
@@ -284,7 +304,6 @@ final class SessionHub: Service, Sendable {
                 break
             }
         }
-        catchUps.withLockedValue { $0.running?.cancel() }
     }
 
     /// Acts on what the engine's upkeep finds: after a data loss every node's watchers are read

@@ -174,6 +174,11 @@ final class Session: Sendable {
         }
     }
 
+    /// How many events about `user` reads under way have held back (tests wait on it).
+    func heldEvents(_ user: String) -> Int {
+        state.withLockedValue { $0.reading[user]?.events ?? 0 }
+    }
+
     /// Ends the read of `users`: remembers `snapshot` (what was read) and queues the frames
     /// `frames` makes from what each entry changed, in one step, so that no event about them can
     /// be queued before the snapshot. Returns the users an event arrived for during the read (or

@@ -1,0 +1,86 @@
+import Foundation
+import NIOConcurrencyHelpers
+import PresenceEngine
+import RedisClient
+import RedisTestSupport
+import Testing
+
+@testable import PresenceGateway
+
+/// A hub's catch-ups on a live node: reads that events cross, and requests that keep coming.
+@Suite("Catch-ups")
+struct CatchUpTests {
+    /// Alice online on a REST device, and bob's session on the node watching her.
+    private static func bobWatchingAlice(_ port: Int, _ gateway: Gateway) async throws -> (TestSocket, Session) {
+        let posted = try await call(port, "POST", "/api/presence/status", token: try await token("alice"), body: #"{"status":"online","device_id":"web"}"#)
+        try #require(posted.status == 200)
+        let bob = TestSocket(port: port, token: try await token("bob"), device: "phone")
+        _ = try await bob.next("initial_state")
+        bob.send("subscribe", ["user_ids": ["alice"]], id: "s")
+        #expect(try await bob.next("initial_state").presences.first?["status"] as? String == "online")
+        let session = try #require(gateway.hub.allSessions.first { $0.userID == "bob" })
+        return (bob, session)
+    }
+
+    /// The last status bob was told of alice.
+    private static func lastTold(_ bob: TestSocket) -> String? {
+        bob.frames.last { $0.type == "presence_update" && $0.userID == "alice" }?.status
+            ?? bob.frames.last { $0.type == "initial_state" }?.presences.first?["status"] as? String
+    }
+
+    @Test("a catch-up whose every read an event crosses keeps reading until one is not crossed")
+    func crossedReads() async throws {
+        try await withGateway(configure: { $0.visibility = .open }) { port, gateway in
+            let (bob, session) = try await Self.bobWatchingAlice(port, gateway)
+            let alice = try await token("alice")
+            // After each of the first four reads, alice changes (the read is now older than the
+            // event, which is held back while the read is under way): away, online, away, online.
+            // Each read tells bob what the one before it changed, the last one "away".
+            let reads = NIOLockedValueBox(0)
+            gateway.hub.afterCatchUpRead.withLockedValue { probe in
+                probe = { users in
+                    guard users.contains("alice") else { return }
+                    let read = reads.withLockedValue { $0 += 1; return $0 }
+                    guard read <= 4 else { return }
+                    let held = session.heldEvents("alice")
+                    let status = read % 2 == 1 ? "away" : "online"
+                    _ = try? await call(port, "POST", "/api/presence/status", token: alice, body: #"{"status":"\#(status)","device_id":"web"}"#)
+                    _ = await eventually { session.heldEvents("alice") > held }
+                }
+            }
+            await gateway.hub.catchUp(session, ["alice"])
+            let truth = try await call(port, "GET", "/api/presence/users/alice", token: alice).json as? [String: Any]
+            #expect(truth?["status"] as? String == "online")
+            let healed = await eventually(timeout: .seconds(3)) { Self.lastTold(bob) == "online" && reads.withLockedValue { $0 } >= 5 }
+            let count = reads.withLockedValue { $0 }
+            print("crossedReads: \(count) reads; bob was last told \(Self.lastTold(bob) ?? "nothing") of alice, who is online")
+            #expect(healed, "bob was last told \(Self.lastTold(bob) ?? "nothing") after \(count) reads, alice is online")
+        }
+    }
+
+    @Test("a stream of catch-up requests does not postpone an earlier one's offline pass")
+    func requestsKeepComing() async throws {
+        try await withGateway(configure: { $0.visibility = .open }) { port, gateway in
+            let (bob, _) = try await Self.bobWatchingAlice(port, gateway)
+            // Redis loses alice (no event): only a catch-up can tell bob she is offline.
+            let keys = gateway.engine.keys
+            _ = try await gateway.engine.redis.send("DEL", RedisArgument(keys.devices("alice")), RedisArgument(keys.state("alice")))
+            let started = ContinuousClock.now
+            gateway.hub.startResync(grace: .seconds(1), scope: ResyncScope(users: ["alice"], conversations: []))
+            // Then a request every 250 ms for 4 s about other users, as a long reshard makes.
+            let requests = Task {
+                for index in 0..<16 {
+                    try? await Task.sleep(for: .milliseconds(250))
+                    gateway.hub.startResync(grace: .seconds(1), scope: ResyncScope(users: ["carol-\(index)"], conversations: []))
+                }
+            }
+            defer { requests.cancel() }
+            let update = try await bob.next("presence_update", timeout: .seconds(8))
+            let after = ContinuousClock.now - started
+            print("requestsKeepComing: bob told alice \(update.status ?? "?") after \(after)")
+            #expect(update.userID == "alice" && update.status == "offline")
+            #expect(after >= .milliseconds(900), "not before the grace is over")
+            #expect(after < .milliseconds(2500), "at the end of its own grace, not after the last request's")
+        }
+    }
+}
