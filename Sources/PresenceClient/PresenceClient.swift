@@ -146,6 +146,8 @@ public actor PresenceClient {
     /// (offline at once) and opens again when the app is active.
     public func didEnterBackground() {
         lifecycle.didEnterBackground(at: clock.now)
+        // The timer loop learns of the background's deadline now, not at its next other timer.
+        timers.signal()
         if lifecycle.offlineInBackground {
             endSessionForBackground()
         } else {
