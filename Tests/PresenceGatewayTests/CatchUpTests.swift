@@ -7,7 +7,8 @@ import Testing
 
 @testable import PresenceGateway
 
-/// A hub's catch-ups on a live node: reads that events cross, and requests that keep coming.
+/// A hub's catch-ups on a live node: reads that events cross, requests that keep coming, and a
+/// session that ends while a membership change watches users for it.
 @Suite("Catch-ups")
 struct CatchUpTests {
     /// Alice online on a REST device, and bob's session on the node watching her.
@@ -81,6 +82,46 @@ struct CatchUpTests {
             #expect(update.userID == "alice" && update.status == "offline")
             #expect(after >= .milliseconds(900), "not before the grace is over")
             #expect(after < .milliseconds(2500), "at the end of its own grace, not after the last request's")
+        }
+    }
+
+    /// How many subscribers Redis counts on `channel` (sharded or classic, as the node publishes).
+    private static func subscribers(_ gateway: Gateway, _ channel: String) async throws -> Int {
+        let reply = try await gateway.engine.redis.send("PUBSUB", TestRedis.isSharded ? "SHARDNUMSUB" : "NUMSUB", RedisArgument(channel))
+        return reply.array?.last?.int ?? -1
+    }
+
+    @Test("a session that ends while a membership change watches users for it leaves no subscription behind")
+    func endedWhileWatching() async throws {
+        try await withGateway { port, gateway in
+            let alice = TestSocket(port: port, token: try await token("alice"), device: "phone")
+            #expect(try await alice.next("initial_state").presences.isEmpty)
+            let session = try #require(gateway.hub.allSessions.first { $0.userID == "alice" })
+            // The membership change makes alice's session watch bob; the session ends right after
+            // the watch took its reference to bob's channel, before it added bob.
+            let ended = NIOLockedValueBox(false)
+            gateway.hub.afterWatchRetained.withLockedValue { probe in
+                probe = { watching, users in
+                    guard watching.id == session.id, users.contains("bob"), !ended.withLockedValue({ $0 }) else { return }
+                    ended.withLockedValue { $0 = true }
+                    await gateway.hub.unregister(watching)
+                }
+            }
+            let put = try await call(port, "PUT", "/api/admin/conversations/pair", token: adminToken, body: #"{"member_ids":["alice","bob"]}"#)
+            #expect(put.status == 200)
+            #expect(await eventually { ended.withLockedValue { $0 } }, "the membership change watched bob for alice")
+            let bobChannel = gateway.engine.keys.userChannel("bob")
+            let aliceChannel = gateway.engine.keys.userChannel("alice")
+            let released = await eventually(timeout: .seconds(3)) {
+                let bob = try? await Self.subscribers(gateway, bobChannel)
+                let alice = try? await Self.subscribers(gateway, aliceChannel)
+                return bob == 0 && alice == 0
+            }
+            let counts = (try await Self.subscribers(gateway, bobChannel), try await Self.subscribers(gateway, aliceChannel))
+            print("endedWhileWatching: subscribers of bob's channel \(counts.0), of alice's \(counts.1)")
+            #expect(released, "bob's and alice's channels are no longer subscribed (\(counts))")
+            #expect(gateway.hub.sessionCount == 0)
+            alice.closeNormally()
         }
     }
 }

@@ -24,6 +24,8 @@ final class SessionHub: Service, Sendable {
         var watchers: [String: Set<String>] = [:]
         /// Conversation → ids of the sessions subscribed to it.
         var followers: [String: Set<String>] = [:]
+        /// Session id → the conversations it is subscribed to (the same pairs, by session).
+        var following: [String: Set<String>] = [:]
         /// Set once the node is shutting down: no new sessions, not ready.
         var draining = false
         /// WebSocket connections admitted, from the upgrade to their end.
@@ -34,6 +36,9 @@ final class SessionHub: Service, Sendable {
     let catchUpWakeups = CatchUpWakeups()
     /// Runs between a catch-up's read and its end, when set: tests make events cross reads here.
     let afterCatchUpRead = NIOLockedValueBox<(@Sendable ([String]) async -> Void)?>(nil)
+    /// Runs between a watch's references to channels and its adding of users, when set: tests
+    /// end the session here.
+    let afterWatchRetained = NIOLockedValueBox<(@Sendable (Session, [String]) async -> Void)?>(nil)
 
     init(engine: PresenceEngine, subscriber: any RedisChannelSubscriber, frames: FrameCoder, logger: Logger) {
         self.engine = engine
@@ -75,48 +80,71 @@ final class SessionHub: Service, Sendable {
         try? await subscriber.retain([engine.keys.userChannel(session.userID)])
     }
 
-    /// Removes a session and everything it watched.
+    /// Removes a session and everything it watched and followed, in one step with the hub's
+    /// indexes: a watch or a follow racing it (a membership change, a catch-up) adds nothing
+    /// after it, and gives back its own references to channels.
     func unregister(_ session: Session) async {
-        for conversation in session.followed { await unfollow(session, conversation) }
-        let watched = session.removeWatched(Array(session.watched))
-        let removed = state.withLockedValue { state -> Bool in
-            guard state.sessions.removeValue(forKey: session.id) != nil else { return false }
+        let removed = state.withLockedValue { state -> (watched: [String], followed: Set<String>)? in
+            guard state.sessions.removeValue(forKey: session.id) != nil else { return nil }
             state.own[session.userID]?.remove(session.id)
             if state.own[session.userID]?.isEmpty == true { state.own[session.userID] = nil }
+            let watched = session.removeWatched(Array(session.watched))
             for user in watched { Self.drop(session.id, from: user, in: &state.watchers) }
-            return true
+            let followed = state.following.removeValue(forKey: session.id) ?? []
+            for conversation in followed { Self.drop(session.id, from: conversation, in: &state.followers) }
+            return (watched, followed)
         }
-        guard removed else { return }
+        guard let removed else { return }
         GatewayMetrics.sessions(sessionCount)
-        try? await subscriber.release(watched.map { engine.keys.userChannel($0) } + [engine.keys.userChannel(session.userID)])
+        let channels = removed.watched.map { engine.keys.userChannel($0) }
+            + removed.followed.map { engine.keys.conversationChannel($0) } + [engine.keys.userChannel(session.userID)]
+        try? await subscriber.release(channels)
+    }
+
+    private func isRegistered(_ session: Session) -> Bool {
+        state.withLockedValue { $0.sessions[session.id] != nil }
     }
 
     /// Starts delivering the presence of `users` to `session`; returns the users newly watched.
+    ///
+    /// Each watched user holds one reference to their channel, taken before the user is added
+    /// (under the hub's lock, while the session is registered): an ``unregister(_:)`` gives back
+    /// exactly the users it finds added, and this gives back the references it took for users it
+    /// did not add (watched meanwhile, or the session gone).
     @discardableResult
     func watch(_ session: Session, _ users: [String]) async -> [String] {
+        var seen = Set<String>()
+        let candidates = users.filter { !session.isWatching($0) && seen.insert($0).inserted }
         // A session unregistered while its caller awaited Redis must not watch anything again.
-        guard state.withLockedValue({ $0.sessions[session.id] != nil }) else { return [] }
-        let added = session.addWatched(users)
-        guard !added.isEmpty else { return [] }
-        state.withLockedValue { state in
-            for user in added { state.watchers[user, default: []].insert(session.id) }
-        }
+        guard !candidates.isEmpty, isRegistered(session) else { return [] }
         do {
-            try await subscriber.retain(added.map { engine.keys.userChannel($0) })
+            try await subscriber.retain(candidates.map { engine.keys.userChannel($0) })
         } catch {
             // Wanted from now on: subscribed on reconnect, and the resync then catches up.
             logger.debug("subscription deferred until Redis is back", metadata: ["error": "\(error)"])
+        }
+        if let probe = afterWatchRetained.withLockedValue({ $0 }) { await probe(session, candidates) }
+        let added = state.withLockedValue { state -> [String] in
+            guard state.sessions[session.id] != nil else { return [] }
+            let added = session.addWatched(candidates)
+            for user in added { state.watchers[user, default: []].insert(session.id) }
+            return added
+        }
+        if added.count < candidates.count {
+            let unneeded = Set(candidates).subtracting(added)
+            try? await subscriber.release(unneeded.map { engine.keys.userChannel($0) })
         }
         return added
     }
 
     /// Stops delivering the presence of `users` to `session`.
     func unwatch(_ session: Session, _ users: [String]) async {
-        let removed = session.removeWatched(users)
-        guard !removed.isEmpty else { return }
-        state.withLockedValue { state in
+        let removed = state.withLockedValue { state -> [String] in
+            let removed = session.removeWatched(users)
             for user in removed { Self.drop(session.id, from: user, in: &state.watchers) }
+            return removed
         }
+        guard !removed.isEmpty else { return }
         try? await subscriber.release(removed.map { engine.keys.userChannel($0) })
     }
 
@@ -126,10 +154,19 @@ final class SessionHub: Service, Sendable {
     }
 
     /// Subscribes this node to a conversation's channel for `session`, before anything of the
-    /// conversation is read: a membership change after the read then arrives as an event.
+    /// conversation is read: a membership change after the read then arrives as an event. The
+    /// session's reference to the channel is taken first and given back if it was not kept (the
+    /// session follows it already, or is gone), as ``watch(_:_:)`` does.
     func subscribeConversation(_ session: Session, _ conversation: String) async {
-        let first = state.withLockedValue { $0.followers[conversation, default: []].insert(session.id).inserted }
-        if first { try? await subscriber.retain([engine.keys.conversationChannel(conversation)]) }
+        let channel = engine.keys.conversationChannel(conversation)
+        guard isRegistered(session) else { return }
+        try? await subscriber.retain([channel])
+        let kept = state.withLockedValue { state -> Bool in
+            guard state.sessions[session.id] != nil, state.following[session.id, default: []].insert(conversation).inserted else { return false }
+            state.followers[conversation, default: []].insert(session.id)
+            return true
+        }
+        if !kept { try? await subscriber.release([channel]) }
     }
 
     /// Starts following a conversation whose channel ``subscribeConversation(_:_:)`` subscribed:
@@ -164,10 +201,11 @@ final class SessionHub: Service, Sendable {
     /// Ends a conversation subscription (or one that failed on its way in).
     func unfollow(_ session: Session, _ conversation: String) async {
         if let unneeded = session.unfollow(conversation) { await unwatch(session, unneeded) }
-        let subscribed = state.withLockedValue { state in
-            let subscribed = state.followers[conversation]?.contains(session.id) == true
+        let subscribed = state.withLockedValue { state -> Bool in
+            guard state.following[session.id]?.remove(conversation) != nil else { return false }
+            if state.following[session.id]?.isEmpty == true { state.following[session.id] = nil }
             Self.drop(session.id, from: conversation, in: &state.followers)
-            return subscribed
+            return true
         }
         if subscribed { try? await subscriber.release([engine.keys.conversationChannel(conversation)]) }
     }
