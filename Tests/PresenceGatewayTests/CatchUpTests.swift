@@ -7,9 +7,10 @@ import Testing
 
 @testable import PresenceGateway
 
-/// A hub's catch-ups on a live node: reads that events cross, requests that keep coming, and a
-/// session that ends while a membership change watches users for it.
-@Suite("Catch-ups")
+/// A hub's catch-ups on a live node: reads that events cross, requests that keep coming, a
+/// session that ends while a membership change watches users for it, and a removal handled while
+/// a session opens.
+@Suite("The hub: catch-ups, and races with membership changes and ends")
 struct CatchUpTests {
     /// Alice online on a REST device, and bob's session on the node watching her.
     private static func bobWatchingAlice(_ port: Int, _ gateway: Gateway) async throws -> (TestSocket, Session) {
@@ -121,6 +122,34 @@ struct CatchUpTests {
             print("endedWhileWatching: subscribers of bob's channel \(counts.0), of alice's \(counts.1)")
             #expect(released, "bob's and alice's channels are no longer subscribed (\(counts))")
             #expect(gateway.hub.sessionCount == 0)
+            alice.closeNormally()
+        }
+    }
+
+    @Test("a member removed while a session opens, after its contacts were read, is neither told nor watched")
+    func removedWhileOpening() async throws {
+        try await withGateway { port, gateway in
+            _ = try await call(port, "PUT", "/api/admin/conversations/pair", token: adminToken, body: #"{"member_ids":["alice","bob"]}"#)
+            // Alice's opening read bob as a contact; before it watches him, the removal is answered
+            // and its event handled by her session (which does not watch bob yet).
+            let removed = NIOLockedValueBox(false)
+            gateway.hub.afterWatchRetained.withLockedValue { probe in
+                probe = { watching, users in
+                    guard watching.userID == "alice", users.contains("bob"), !removed.withLockedValue({ $0 }) else { return }
+                    removed.withLockedValue { $0 = true }
+                    let ended = watching.visibilityChecks.ended
+                    let answer = try? await call(port, "DELETE", "/api/admin/conversations/pair/members/bob", token: adminToken)
+                    #expect(answer?.status == 200)
+                    #expect(await eventually { watching.visibilityChecks.ended > ended }, "alice's session handled the removal")
+                }
+            }
+            let alice = TestSocket(port: port, token: try await token("alice"), device: "phone")
+            let initial = try await alice.next("initial_state")
+            #expect(removed.withLockedValue { $0 }, "the removal came between the read of contacts and the watch")
+            #expect(!initial.presences.contains { $0["user_id"] as? String == "bob" }, "bob is not in alice's initial state: \(initial)")
+            _ = try await call(port, "POST", "/api/presence/status", token: try await token("bob"), body: #"{"status":"online"}"#)
+            let heard = await alice.drain(for: .milliseconds(600)).filter { $0.userID == "bob" }
+            #expect(heard.isEmpty, "nothing of bob reaches alice after his removal: \(heard)")
             alice.closeNormally()
         }
     }

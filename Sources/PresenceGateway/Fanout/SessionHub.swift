@@ -257,10 +257,26 @@ final class SessionHub: Service, Sendable {
     /// `snapshot` makes the frames to queue from what was read (an `initial_state` holding every
     /// one of them), queued before any event about them. Then catches up on users an event
     /// arrived for during the read.
-    func watchAndRead(_ session: Session, _ users: [String], snapshot: ([Presence]) -> [String]) async throws {
+    ///
+    /// `users` were found visible to the session when `checks` were its visibility re-checks
+    /// begun (``Session/visibilityChecks``). A membership change handled since, before they were
+    /// watched, found them not watched and could not stop watching them: they are checked again
+    /// once watched, and those no longer visible are neither watched nor read.
+    func watchAndRead(
+        _ session: Session, _ users: [String], visibleAsOf checks: Int, snapshot: ([Presence]) -> [String]
+    ) async throws {
         // Marked before subscribing: an event that arrives between the two is held, not lost.
         let mark = session.beginRead(users)
         await watch(session, users)
+        if session.visibilityChecks.begun != checks, engine.configuration.visibility == .conversations {
+            do {
+                let still = Set(try await engine.visible(to: session.userID, among: users))
+                await unwatch(session, users.filter { !still.contains($0) })
+            } catch {
+                _ = session.endRead(users, mark, snapshot: [])
+                throw error
+            }
+        }
         // A session unregistered meanwhile watches nothing: read only what it watches.
         let read = users.filter { session.isWatching($0) }
         let presences: [Presence]
@@ -278,8 +294,10 @@ final class SessionHub: Service, Sendable {
     /// Re-checks who `session` may see after a membership change: new contacts become watched,
     /// users it may no longer see stop producing events.
     func refreshVisibility(_ session: Session) async {
-        guard engine.configuration.visibility == .conversations,
-              let contacts = try? await engine.contacts(of: session.userID) else { return }
+        guard engine.configuration.visibility == .conversations else { return }
+        session.visibilityCheck(ended: false)
+        defer { session.visibilityCheck(ended: true) }
+        guard let contacts = try? await engine.contacts(of: session.userID) else { return }
         let contactSet = Set(contacts)
         let doubtful = session.watched.filter { $0 != session.userID && !contactSet.contains($0) }
         if !doubtful.isEmpty, let still = try? await engine.visible(to: session.userID, among: Array(doubtful)) {

@@ -104,12 +104,13 @@ struct FrameHandler {
             guard session.watchedCount + users.count <= gateway.configuration.maxWatchedUsers else {
                 throw APIError.invalid("a session may watch at most \(gateway.configuration.maxWatchedUsers) users")
             }
+            let checks = session.visibilityChecks.begun
             let visible = try await gateway.engine.visible(to: user.userID, among: users)
             // Users watched so far only for a large group's counts become fully watched.
             let promoted = visible.filter { session.isQuiet($0) }
             session.unquiet(promoted)
             let frames = gateway.frames
-            try await gateway.hub.watchAndRead(session, visible) { presences in
+            try await gateway.hub.watchAndRead(session, visible, visibleAsOf: checks) { presences in
                 [frames.text(.initialState(presences.map { PresencePayload($0) }), id: id)]
             }
         case .unsubscribe(.users(let users)):

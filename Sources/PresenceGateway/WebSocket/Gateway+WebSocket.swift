@@ -292,8 +292,9 @@ final class SessionRun: Sendable {
             session.send(frames.text(.initialState([])))
             return
         }
+        let checks = session.visibilityChecks.begun
         let contacts = try await gateway.engine.contacts(of: user)
-        try await gateway.hub.watchAndRead(session, contacts) { presences in
+        try await gateway.hub.watchAndRead(session, contacts, visibleAsOf: checks) { presences in
             [frames.text(.initialState(presences.map { PresencePayload($0) }))]
         }
     }

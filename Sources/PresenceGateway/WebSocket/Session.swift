@@ -38,6 +38,8 @@ final class Session: Sendable {
         /// older than what the event said). Reads overlap (a watch, a catch-up, a resync): events
         /// stay held back until the last one ends.
         var reading: [String: Reading] = [:]
+        /// Re-checks of whom the session may see (after membership changes): begun and ended.
+        var visibilityChecks = (begun: 0, ended: 0)
 
         /// Counts a conversation's members from what is known of them (on follow and membership
         /// changes only; presence changes adjust the counts in O(1)).
@@ -173,6 +175,17 @@ final class Session: Sendable {
             return result
         }
     }
+
+    /// Counts re-checks of whom this session may see: one begins (see
+    /// ``SessionHub/refreshVisibility(_:)``), or ends.
+    func visibilityCheck(ended: Bool) {
+        state.withLockedValue { state in
+            if ended { state.visibilityChecks.ended += 1 } else { state.visibilityChecks.begun += 1 }
+        }
+    }
+
+    /// Re-checks of whom this session may see, begun and ended so far.
+    var visibilityChecks: (begun: Int, ended: Int) { state.withLockedValue { $0.visibilityChecks } }
 
     /// How many events about `user` reads under way have held back (tests wait on it).
     func heldEvents(_ user: String) -> Int {
