@@ -69,8 +69,10 @@ extension PresenceEngine {
         do {
             if register { try await list(node, until: indexScore(after: configuration.leaseTTL)) }
             let sent = clock.nowMilliseconds()
+            let sentAt = ContinuousClock.now
             let outcome = try await evaluate(RenewLease(node: node, register: register, sessions: sessions))
             guard case .renewed(let storeNow, let ends, let indexed) = outcome else { return false }
+            leaseHeldUntil.withLockedValue { $0 = max($0 ?? sentAt, sentAt + configuration.leaseTTL) }
             let local = (sent + clock.nowMilliseconds()) / 2
             storeClockOffset.withLockedValue { $0 = storeNow - local }
             do {
@@ -86,6 +88,16 @@ extension PresenceEngine {
             noteRedisFailure()
             throw error
         }
+    }
+
+    /// Whether what Redis says of this node's own sessions is current: the node holds its lease
+    /// (renewed less than a lease ago) and has written every session again since it last found
+    /// the lease gone. Otherwise reapers may have taken its users offline, and a read would
+    /// answer "offline" for a user connected here.
+    public var holdsCurrentState: Bool {
+        guard registered.withLockedValue({ $0 }), !restoreOwed,
+              let until = leaseHeldUntil.withLockedValue({ $0 }) else { return false }
+        return ContinuousClock.now < until
     }
 
     /// Waits until this process has taken its lease, at most `timeout`; returns whether it has.

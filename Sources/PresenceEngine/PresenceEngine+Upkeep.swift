@@ -25,8 +25,10 @@ extension PresenceEngine {
     /// leaves unwritten is written by the next ``restorePending()``.
     @discardableResult
     public func reregister() async throws(PresenceError) -> Int {
-        try await registerNode()
+        // Owed before the lease is taken again: until they are written, reads of this node's
+        // users are not current (``holdsCurrentState``).
         unrestored.withLockedValue { $0 = Set(local.withLockedValue { $0.keys }) }
+        try await registerNode()
         upkeep.yield(.dataLost)
         return try await restorePending()
     }

@@ -35,6 +35,9 @@ public final class PresenceEngine: Sendable {
     /// Whether this process has taken its lease: sessions wait for it (``waitUntilRegistered(timeout:)``),
     /// so that none is written before what an earlier process under this node id left is reaped.
     let registered = NIOLockedValueBox(false)
+    /// Until when this node's lease surely lives (by the local monotonic clock): a TTL from the
+    /// moment its last renewal was sent. Past it, reapers may have taken this node's devices.
+    let leaseHeldUntil = NIOLockedValueBox<ContinuousClock.Instant?>(nil)
     /// Devices of this node's sessions still to be written again since Redis was found to have
     /// lost them (``restorePending()``): what is left when a re-registration was cut short.
     let unrestored = NIOLockedValueBox(Set<String>())

@@ -13,18 +13,23 @@ public struct PresenceLeaseService: Service {
     /// A lease service for `engine`.
     public init(engine: PresenceEngine) { self.engine = engine }
 
+    /// How soon a renewal that failed is tried again.
+    static let retryAfterFailure = Duration.milliseconds(200)
+
     public func run() async throws {
         let interval = engine.configuration.leaseTTL / 3
         let refreshEvery = max(1, Int(engine.configuration.deviceKeyTTL.milliseconds / 3 / max(1, interval.milliseconds)))
         let auditEvery = max(1, Int(engine.configuration.auditInterval / interval))
         var registered = false
         var tick = 0
+        var failures = 0
         // A connection made again may lead to a new primary that missed the last writes.
         let observer = engine.redis.addConnectionObserver { [engine] event in
             if case .connected(reconnect: true) = event { engine.requestAudit() }
         }
         defer { engine.redis.removeConnectionObserver(observer) }
         while !Task.isShuttingDownGracefully, !Task.isCancelled {
+            var renewed = false
             do {
                 if !registered {
                     try await engine.checkPubSubAgreement()
@@ -37,6 +42,8 @@ public struct PresenceLeaseService: Service {
                 } else if engine.restoreOwed {
                     try await engine.restorePending()
                 }
+                renewed = true
+                failures = 0
                 await engine.retryPendingReleases()
                 await engine.retryOwedStatuses()
                 tick += 1
@@ -51,9 +58,17 @@ public struct PresenceLeaseService: Service {
                 engine.logger.error("refusing to start", metadata: ["error": "\(mismatch)"])
                 throw mismatch
             } catch {
-                engine.logger.warning("cannot renew the lease", metadata: ["error": "\(error)"])
+                // An audit's failure waits a whole period: the lease is renewed.
+                if !renewed { failures += 1 }
+                // A renewal's failure is said once per outage, then every 20th try.
+                let level: Logger.Level = renewed || failures % 20 == 1 ? .warning : .debug
+                let what = renewed ? "cannot keep the node's keys (audit, refresh)" : "cannot renew the lease"
+                engine.logger.log(level: level, "\(what)", metadata: ["error": "\(error)", "presence.attempts": "\(failures)"])
             }
-            try? await cancelWhenGracefulShutdown { try await Task.sleep(for: interval) }
+            // After a failure, tried again soon (on a fresh connection once the stalled one is
+            // dropped): a renewal that waits a whole period may come after the lease ran out.
+            let pause = failures > 0 ? min(interval, Self.retryAfterFailure) : interval
+            try? await cancelWhenGracefulShutdown { try await Task.sleep(for: pause) }
         }
         do {
             try await engine.deregisterNode()

@@ -33,6 +33,8 @@ public final class Gateway: Sendable {
     let logger: Logger
     /// The long-lived parts, in start order (stopped in reverse).
     let services: [any Service]
+    /// How long the oldest command may wait before the connection to Redis is taken for stalled.
+    static let redisStallTimeout = Duration.milliseconds(750)
 
     /// Builds a node from a validated configuration.
     public init(configuration: GatewayConfiguration, logger: Logger) async throws {
@@ -41,8 +43,16 @@ public final class Gateway: Sendable {
         self.logger = logger
         var redisConfiguration = try configuration.redisConfiguration()
         redisConfiguration.clientName = "presence-gateway:\(configuration.nodeID)"
-        // REST answers 503 within a second while Redis is unreachable: wait little for a connection.
+        // REST answers 503 within a second while Redis is unreachable, stalled or refusing: wait
+        // little for a connection, drop one whose oldest command waited 750 ms (a partition drops
+        // packets without a reset; TCP would resend them only seconds later), and connect again
+        // with overlapping attempts every 100 ms, so that the lease is renewed within a moment
+        // of the network's return.
         redisConfiguration.waitForConnection = .milliseconds(300)
+        redisConfiguration.stallTimeout = Self.redisStallTimeout
+        redisConfiguration.connectTimeout = .seconds(1)
+        redisConfiguration.connectHedgeInterval = .milliseconds(100)
+        redisConfiguration.maximumBackoff = .seconds(1)
         let redis = try makeRedisCommands(configuration: redisConfiguration, logger: logger)
         let subscriber = makeRedisSubscriber(for: redis, logger: logger)
         engine = PresenceEngine(redis: redis, configuration: configuration.engineConfiguration, logger: logger)
@@ -109,6 +119,7 @@ public func buildGateway(
     let router = Router(context: GatewayRequestContext.self)
     router.add(middleware: APIErrorMiddleware())
     router.add(middleware: RESTCodingMiddleware(coder: gateway.bodies))
+    router.add(middleware: CurrentStateMiddleware(engine: gateway.engine))
     gateway.addRESTRoutes(to: router)
     gateway.addAdminRoutes(to: router)
     gateway.addDashboardRoutes(to: router)

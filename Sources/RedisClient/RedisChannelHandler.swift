@@ -70,15 +70,15 @@ final class RedisChannelHandler: ChannelDuplexHandler {
     }
 
     private let parser: RESPParser
-    private let commandTimeout: TimeAmount
+    private let stallTimeout: TimeAmount
     private let onPush: (@Sendable (RedisPush) -> Void)?
     private var pending = CircularBuffer<Pending>(initialCapacity: 64)
     private var closed = false
     private var timeoutCheck: RepeatedTask?
 
-    init(maxReplyBytes: Int, commandTimeout: Duration, onPush: (@Sendable (RedisPush) -> Void)?) {
+    init(maxReplyBytes: Int, stallTimeout: Duration, onPush: (@Sendable (RedisPush) -> Void)?) {
         self.parser = RESPParser(maxPendingBytes: maxReplyBytes)
-        self.commandTimeout = TimeAmount(commandTimeout)
+        self.stallTimeout = TimeAmount(stallTimeout)
         self.onPush = onPush
     }
 
@@ -108,7 +108,7 @@ final class RedisChannelHandler: ChannelDuplexHandler {
             promise?.fail(ChannelError.ioOnClosedChannel)
             return
         }
-        let deadline = NIODeadline.now() + commandTimeout
+        let deadline = NIODeadline.now() + stallTimeout
         pending.append(Pending(promise: request.promise, remaining: request.expectedReplies, counting: request.counting, collected: [], deadline: deadline))
         context.write(wrapOutboundOut(request.encoded), promise: promise)
     }
@@ -187,9 +187,10 @@ final class RedisChannelHandler: ChannelDuplexHandler {
         }
     }
 
+    /// The oldest command waited past the stall timeout: the connection is dropped, not waited on.
     private func checkDeadlines(context: ChannelHandlerContext) {
         guard let front = pending.first, front.deadline < .now() else { return }
-        fail(context: context, RedisError(.timeout, "Redis did not answer within \(commandTimeout.nanoseconds / 1_000_000) ms"))
+        fail(context: context, RedisError(.timeout, "Redis did not answer within \(stallTimeout.nanoseconds / 1_000_000) ms"))
     }
 
     private func fail(context: ChannelHandlerContext, _ error: RedisError) {
@@ -210,5 +211,5 @@ final class RedisChannelHandler: ChannelDuplexHandler {
 package func makeRedisReplyHandler(maxReplyBytes: Int, subscriber: Bool) -> any ChannelHandler {
     var onPush: (@Sendable (RedisPush) -> Void)?
     if subscriber { onPush = { _ in } }
-    return RedisChannelHandler(maxReplyBytes: maxReplyBytes, commandTimeout: .seconds(5), onPush: onPush)
+    return RedisChannelHandler(maxReplyBytes: maxReplyBytes, stallTimeout: .seconds(5), onPush: onPush)
 }

@@ -57,8 +57,18 @@ public struct RedisConfiguration: Sendable, Equatable {
     public var clientName: String?
     /// How long connecting (TCP plus handshake) may take.
     public var connectTimeout: Duration
-    /// How long a command may wait for its reply before the connection is dropped.
+    /// How long a command may take, retries included, where the client retries (a cluster's
+    /// redirections and failovers); and how long a subscriber's connection may stay silent.
     public var commandTimeout: Duration
+    /// How long the oldest command on a connection may wait for its reply before the connection
+    /// is taken for stalled (a network that drops packets, a stopped server) and dropped: its
+    /// commands fail, and later ones go to a fresh connection rather than wait behind it.
+    public var stallTimeout: Duration = .seconds(5)
+    /// When set, a client reconnecting starts another attempt this often while earlier ones
+    /// hang (at most 10 at once): a partition drops the connection's SYN, which TCP resends only
+    /// a second later, so a fresh attempt reaches a network that came back sooner. Nil: one
+    /// attempt at a time.
+    public var connectHedgeInterval: Duration?
     /// How long a command waits for a connection that is being (re)established before failing.
     public var waitForConnection: Duration
     /// First reconnect delay; doubled on each failure up to `maximumBackoff`, with jitter.

@@ -57,7 +57,7 @@ public final class RedisConnection: Sendable {
                         }
                         let handler = RedisChannelHandler(
                             maxReplyBytes: configuration.maxReplyBytes,
-                            commandTimeout: configuration.commandTimeout,
+                            stallTimeout: configuration.stallTimeout,
                             onPush: onPush
                         )
                         try channel.pipeline.syncOperations.addHandler(handler)

@@ -15,7 +15,7 @@ struct ShardUnsubscribeHandlerTests {
 
     private func makeChannel(_ pushes: Pushes) throws -> EmbeddedChannel {
         let channel = EmbeddedChannel()
-        let handler = RedisChannelHandler(maxReplyBytes: 1 << 20, commandTimeout: .seconds(5)) { push in
+        let handler = RedisChannelHandler(maxReplyBytes: 1 << 20, stallTimeout: .seconds(5)) { push in
             pushes.all.withLockedValue { $0.append(push) }
         }
         try channel.pipeline.syncOperations.addHandler(handler)

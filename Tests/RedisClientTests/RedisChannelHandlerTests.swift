@@ -8,7 +8,7 @@ import Testing
 struct RedisChannelHandlerTests {
     private func makeChannel(push: (@Sendable (RedisPush) -> Void)? = nil) throws -> EmbeddedChannel {
         let channel = EmbeddedChannel()
-        try channel.pipeline.syncOperations.addHandler(RedisChannelHandler(maxReplyBytes: 1 << 20, commandTimeout: .seconds(5), onPush: push))
+        try channel.pipeline.syncOperations.addHandler(RedisChannelHandler(maxReplyBytes: 1 << 20, stallTimeout: .seconds(5), onPush: push))
         try channel.connect(to: .init(ipAddress: "127.0.0.1", port: 6379)).wait()
         return channel
     }

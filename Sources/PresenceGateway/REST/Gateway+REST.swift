@@ -14,6 +14,8 @@ extension Gateway {
             // On a cluster, ready while some primary answers: a primary failing over makes only its
             // own slots' commands fail, on every node alike, so leaving the balancer helps nobody.
             guard self.engine.redis.isAvailable, self.hub.subscriber.isAvailable else { throw APIError.unavailable() }
+            // Not while its lease lapsed and its sessions are not written again.
+            guard self.engine.holdsCurrentState else { throw APIError.unavailable("this node is catching up with the presence store") }
             return RESTBody.Status(status: "ready")
         }
         router.get("/metrics") { _, _ in
