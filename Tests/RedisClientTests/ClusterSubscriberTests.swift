@@ -299,6 +299,38 @@ struct ClusterSubscriberTests {
         }
     }
 
+    @Test("a channel subscribed while its slot is half moved: the probe is sent on (ASK) to the importing node, which refuses (MOVED); it is subscribed at the owner", .timeLimit(.minutes(1)))
+    func subscribedMidMigration() async throws {
+        let prefix = TestRedis.uniquePrefix("ssub-half")
+        try await withSubscriber { router, subscriber, received in
+            let primaries = router.primaries
+            let source = primaries[0]
+            let target = primaries[1]
+            let channel = channel(on: source, router, prefix: prefix)
+            let slot = HashSlot(of: channel)
+            let sourceID = try TestRedisCluster.cli(port: source.port, "CLUSTER", "MYID")
+            let targetID = try TestRedisCluster.cli(port: target.port, "CLUSTER", "MYID")
+            #expect(try TestRedisCluster.cli(port: target.port, "CLUSTER", "SETSLOT", "\(slot)", "IMPORTING", sourceID) == "OK")
+            #expect(try TestRedisCluster.cli(port: source.port, "CLUSTER", "SETSLOT", "\(slot)", "MIGRATING", targetID) == "OK")
+            defer {
+                _ = try? TestRedisCluster.cli(port: source.port, "CLUSTER", "SETSLOT", "\(slot)", "STABLE")
+                _ = try? TestRedisCluster.cli(port: target.port, "CLUSTER", "SETSLOT", "\(slot)", "STABLE")
+            }
+            // The slot's owner still serves it; the subscribe may report the refusal it met on
+            // the way, but the channel must end up subscribed there.
+            var outcome = "ok"
+            do { try await subscriber.subscribe([channel]) } catch { outcome = "\(error)" }
+            let subscribed = await eventually(timeout: .seconds(10)) {
+                (try? TestRedisCluster.cli(port: source.port, "PUBSUB", "SHARDNUMSUB", channel).hasSuffix("1")) == true
+            }
+            print("half-moved slot: subscribe answered \(outcome); subscribed at the owner: \(subscribed)")
+            #expect(subscribed, "subscribed at the slot's owner")
+            #expect(try await publish(router, channel, "heard") == 1)
+            #expect(await eventually { received.count(channel, "heard") == 1 })
+            try? await subscriber.unsubscribe([channel])
+        }
+    }
+
     @Test("CLUSTER FAILOVER on a replica: its primary's channels are subscribed at the promoted node, later messages arrive", .timeLimit(.minutes(1)))
     func manualFailover() async throws {
         let prefix = TestRedis.uniquePrefix("ssub-failover")

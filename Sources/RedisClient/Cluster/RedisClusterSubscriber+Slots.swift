@@ -42,9 +42,12 @@ extension RedisClusterSubscriber {
             let refused = if case .success(.error) = result { true } else { false }
             state.withLockedValue { state in
                 for channel in missing where state.confirming[channel] === future { state.confirming[channel] = nil }
-                // Not subscribed after all (MOVED): whoever sent it decides what comes next.
+                // Not subscribed after all (MOVED): whoever sent it decides what comes next. A
+                // link left with nothing of the slot is not the slot's link any more: kept, every
+                // later subscribe of the slot would go to the node that refused it, for good.
                 if refused, state.slots[slot]?.link == link.id {
                     state.slots[slot]?.sent.subtract(missing)
+                    if state.slots[slot]?.sent.isEmpty == true { state.slots[slot]?.link = nil }
                 }
             }
         }

@@ -191,10 +191,11 @@ public final class RedisClusterSubscriber: RedisChannelSubscriber {
         guard !channels.isEmpty else { return }
         // The wanted sets and the order of commands on each connection change under one lock, so
         // that a retain and a release of one channel from two tasks cannot cross over.
-        let plan: (waits: [EventLoopFuture<RESPValue>], unlinked: Set<HashSlot>)? = state.withLockedValue { state in
+        let plan: (waits: [EventLoopFuture<RESPValue>], sent: [(HashSlot, EventLoopFuture<RESPValue>)], unlinked: Set<HashSlot>)? = state.withLockedValue { state in
             guard !state.shutdown else { return nil }
             let effective = update(&state)
             var waits: [EventLoopFuture<RESPValue>] = []
+            var sent: [(HashSlot, EventLoopFuture<RESPValue>)] = []
             var unlinked: Set<HashSlot> = []
             let bySlot = Dictionary(grouping: effective, by: { HashSlot(of: $0) })
             if subscribing {
@@ -203,7 +204,7 @@ public final class RedisClusterSubscriber: RedisChannelSubscriber {
                 for (slot, group) in bySlot {
                     state.slots[slot, default: Slot()].wanted.formUnion(group)
                     if let link = state.isActive(state.slots[slot]?.link) {
-                        if let future = self.sendSubscribe(slot, group, on: link, state: &state) { waits.append(future) }
+                        if let future = self.sendSubscribe(slot, group, on: link, state: &state) { sent.append((slot, future)) }
                     } else {
                         unlinked.insert(slot)
                     }
@@ -218,7 +219,7 @@ public final class RedisClusterSubscriber: RedisChannelSubscriber {
                     if let remaining = state.slots[slot], remaining.wanted.isEmpty, remaining.sent.isEmpty { state.slots[slot] = nil }
                 }
             }
-            return (waits, unlinked)
+            return (waits, sent, unlinked)
         }
         guard let plan else {
             throw RedisError(.unavailable, "the Redis cluster subscriber is shut down")
@@ -241,6 +242,30 @@ public final class RedisClusterSubscriber: RedisChannelSubscriber {
                     underlying: failures.values.first
                 )
             }
+        }
+        // Refused at the slot's link (the slot moved away and nothing of it was left there to be
+        // dropped): the slot is subscribed again where it is served now, as after a drop.
+        var refused: Set<HashSlot> = []
+        for (slot, future) in plan.sent {
+            do {
+                if case .error(let message) = try await future.get() {
+                    refused.insert(slot)
+                    if failure == nil { failure = RedisError(.server, message) }
+                }
+            } catch {
+                refused.insert(slot)
+                if failure == nil { failure = (error as? RedisError) ?? RedisError(.connectionClosed, "the subscriber connection failed", underlying: error) }
+            }
+        }
+        if !refused.isEmpty {
+            state.withLockedValue { state in
+                for slot in refused {
+                    guard let wanted = state.slots[slot]?.wanted, !wanted.isEmpty else { continue }
+                    state.dirty.insert(slot)
+                    state.lost.formUnion(wanted)
+                }
+            }
+            requestRepair()
         }
         for future in plan.waits {
             do {
