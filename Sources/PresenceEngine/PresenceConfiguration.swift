@@ -20,6 +20,9 @@ public struct PresenceConfiguration: Sendable {
     public var reaperInterval: Duration
     /// Most devices one user may have at once (0: no limit).
     public var maxDevicesPerUser: Int
+    /// Above this many members a conversation adds nothing to its members' automatic contacts,
+    /// and a session following it gets counts, not each member's presence.
+    public var largeGroup: Int
     /// Safety-net TTL on a user's devices and a node's keys: nothing live outlasts every node by
     /// more than this. Nodes refresh it for the devices they hold every third of it.
     public var deviceKeyTTL: Duration
@@ -45,7 +48,8 @@ public struct PresenceConfiguration: Sendable {
         typingTTL: Duration = .seconds(5),
         reaperInterval: Duration = .milliseconds(500),
         maxDevicesPerUser: Int = 32,
-        deviceKeyTTL: Duration = .seconds(24 * 3600)
+        deviceKeyTTL: Duration = .seconds(24 * 3600),
+        largeGroup: Int = 1_000
     ) {
         self.keyPrefix = keyPrefix
         self.nodeID = nodeID
@@ -57,6 +61,7 @@ public struct PresenceConfiguration: Sendable {
         self.reaperInterval = reaperInterval
         self.maxDevicesPerUser = maxDevicesPerUser
         self.deviceKeyTTL = deviceKeyTTL
+        self.largeGroup = largeGroup
     }
 
     /// Throws ``PresenceError/Code/invalidRequest`` naming the first value out of range.

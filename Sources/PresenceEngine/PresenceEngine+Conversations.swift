@@ -139,11 +139,25 @@ extension PresenceEngine {
         return sharing
     }
 
-    /// The users sharing at least one conversation with `viewer` (not `viewer`), sorted. Each
-    /// conversation's members are read in its own slot (one pipeline), and joined here.
-    public func contacts(of viewer: String) async throws(PresenceError) -> [String] {
-        let conversations = try await conversations(of: viewer)
+    /// `viewer`'s automatic contacts: the users sharing with them a conversation of at most
+    /// ``PresenceConfiguration/largeGroup`` members (not `viewer`), sorted; `includingLarge`:
+    /// everyone `viewer` may see, larger conversations too. Each conversation's members are read
+    /// in its own slot (one pipeline), and joined here.
+    public func contacts(of viewer: String, includingLarge: Bool = false) async throws(PresenceError) -> [String] {
+        var conversations = try await conversations(of: viewer)
         guard !conversations.isEmpty else { return [] }
+        if !includingLarge {
+            // Conversations above the large-group size add no automatic contacts (API.md, "Who
+            // may see whom"): their sizes first, then the members of the others only.
+            let sizes = try await run { try await self.redis.pipeline(conversations.map { ["SCARD", RedisArgument(keys.members($0))] }) }
+            var small: [String] = []
+            for (conversation, size) in zip(conversations, sizes) {
+                guard case .success(let count) = size else { throw PresenceError(.unavailable, "the presence store is unreachable") }
+                if (count.int ?? 0) <= configuration.largeGroup { small.append(conversation) }
+            }
+            conversations = small
+            guard !conversations.isEmpty else { return [] }
+        }
         let replies = try await run { try await self.redis.pipeline(conversations.map { ["SMEMBERS", RedisArgument(keys.members($0))] }) }
         var contacts = Set<String>()
         for reply in replies {

@@ -37,6 +37,8 @@ public struct GatewayConfiguration: Sendable {
     public var heartbeatTTL = 60
     /// Typing TTL, seconds.
     public var typingTTL = 5
+    /// Above this many members a conversation gives counts, not member lists or automatic contacts.
+    public var largeGroup = 1_000
     /// Log level.
     public var logLevel = Logger.Level.info
 
@@ -127,6 +129,7 @@ public struct GatewayConfiguration: Sendable {
         if let value = try integer("PRESENCE_LINGER", 0...3600) { linger = value }
         if let value = try integer("PRESENCE_HEARTBEAT_TTL", 1...86400) { heartbeatTTL = value }
         if let value = try integer("PRESENCE_TYPING_TTL", 1...3600) { typingTTL = value }
+        if let value = try integer("PRESENCE_LARGE_GROUP", 2...100_000) { largeGroup = value }
         if let value = try integer("PRESENCE_MAX_SESSIONS", 1...10_000_000) { maxSessions = value }
         if let value = values["PRESENCE_LOG_LEVEL"] {
             guard let level = Logger.Level(rawValue: value.lowercased()) else {
@@ -169,7 +172,7 @@ public struct GatewayConfiguration: Sendable {
         PresenceConfiguration(
             keyPrefix: keyPrefix, nodeID: nodeID, visibility: visibility,
             leaseTTL: .seconds(leaseTTL), linger: .seconds(linger), heartbeatTTL: .seconds(heartbeatTTL),
-            typingTTL: .seconds(typingTTL), maxDevicesPerUser: maxDevicesPerUser
+            typingTTL: .seconds(typingTTL), maxDevicesPerUser: maxDevicesPerUser, largeGroup: largeGroup
         )
     }
 

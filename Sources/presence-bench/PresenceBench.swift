@@ -14,7 +14,8 @@ struct PresenceBench: AsyncParsableCommand {
         Example: presence-bench churn --rate 1000 --duration 10 --json churn.json
         """,
         subcommands: [IdleScenario.self, ChurnScenario.self, StormScenario.self, FanoutScenario.self, DeathScenario.self,
-                      CostScenario.self, SoakScenario.self, EngineBench.self, LatencyBench.self, GroupBench.self]
+                      CostScenario.self, SoakScenario.self, EngineBench.self, LatencyBench.self, GroupBench.self,
+                      MembershipBench.self]
     )
 }
 

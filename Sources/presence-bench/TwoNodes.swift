@@ -23,8 +23,8 @@ struct TwoNodes {
         func verify(using algorithm: some JWTAlgorithm) async throws {}
     }
 
-    /// Starts nodes "a" and "b" with open visibility and the given status rate.
-    static func start(redisURL: String, statusRate: Double, maxIDs: Int) async throws -> TwoNodes {
+    /// Starts nodes "a" and "b" with the given visibility (open by default) and status rate.
+    static func start(redisURL: String, statusRate: Double, maxIDs: Int, visibility: Visibility = .open) async throws -> TwoNodes {
         var logger = Logger(label: "presence-bench")
         logger.logLevel = .warning
         let prefix = "bench-\(UUID().uuidString.prefix(8).lowercased())"
@@ -38,7 +38,7 @@ struct TwoNodes {
             configuration.keyPrefix = prefix
             configuration.nodeID = "bench-\(name)"
             configuration.jwtSecret = secret
-            configuration.visibility = .open
+            configuration.visibility = visibility
             configuration.statusRate = statusRate
             configuration.typingRate = statusRate
             configuration.maxIDsPerRequest = max(500, maxIDs)

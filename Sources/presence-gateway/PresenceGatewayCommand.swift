@@ -27,6 +27,7 @@ struct PresenceGatewayCommand: AsyncParsableCommand {
     @Option(help: "Seconds an abruptly disconnected device stays live [PRESENCE_LINGER].") var linger: String?
     @Option(help: "Seconds a REST device stays live after a post [PRESENCE_HEARTBEAT_TTL].") var heartbeatTTL: String?
     @Option(help: "Seconds a typing state lives [PRESENCE_TYPING_TTL].") var typingTTL: String?
+    @Option(help: "Above this many members a conversation gives counts, not member lists or automatic contacts [PRESENCE_LARGE_GROUP].") var largeGroup: String?
     @Option(help: "Most WebSocket sessions this node holds; default: the open-file limit less 256 [PRESENCE_MAX_SESSIONS].") var maxSessions: String?
     @Option(help: "trace, debug, info, notice, warning, error, critical [PRESENCE_LOG_LEVEL].") var logLevel: String?
 
@@ -37,7 +38,7 @@ struct PresenceGatewayCommand: AsyncParsableCommand {
             ("PRESENCE_NODE_ID", nodeID), ("PRESENCE_JWT_SECRET", jwtSecret), ("PRESENCE_JWT_PUBLIC_KEY", jwtPublicKey),
             ("PRESENCE_ADMIN_TOKEN", adminToken), ("PRESENCE_VISIBILITY", visibility), ("PRESENCE_ID_FORMAT", idFormat), ("PRESENCE_LEASE_TTL", leaseTTL),
             ("PRESENCE_LINGER", linger), ("PRESENCE_HEARTBEAT_TTL", heartbeatTTL), ("PRESENCE_TYPING_TTL", typingTTL),
-            ("PRESENCE_MAX_SESSIONS", maxSessions), ("PRESENCE_LOG_LEVEL", logLevel),
+            ("PRESENCE_LARGE_GROUP", largeGroup), ("PRESENCE_MAX_SESSIONS", maxSessions), ("PRESENCE_LOG_LEVEL", logLevel),
         ]
         // Before the configuration reads it: its default session limit follows the open-file limit.
         let openFiles = GatewayConfiguration.raiseOpenFileLimit()

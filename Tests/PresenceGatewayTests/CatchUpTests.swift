@@ -153,4 +153,36 @@ struct CatchUpTests {
             alice.closeNormally()
         }
     }
+
+    @Test("a membership change held up does not hold up presence: an unrelated change is delivered meanwhile, and the change applies once let go")
+    func membershipOffTheEventPath() async throws {
+        try await withGateway { port, gateway in
+            _ = try await call(port, "PUT", "/api/admin/conversations/pair", token: adminToken, body: #"{"member_ids":["alice","bob"]}"#)
+            _ = try await call(port, "POST", "/api/presence/status", token: try await token("alice"), body: #"{"status":"online","device_id":"web"}"#)
+            let bob = TestSocket(port: port, token: try await token("bob"), device: "phone")
+            #expect(try await bob.next("initial_state").presences.first?["status"] as? String == "online")
+            // The membership work waits here until the test lets it go.
+            let (gate, release) = AsyncStream.makeStream(of: Void.self)
+            let held = NIOLockedValueBox(0)
+            gateway.hub.beforeMembershipWork.withLockedValue { probe in
+                probe = {
+                    held.withLockedValue { $0 += 1 }
+                    for await _ in gate { break }
+                }
+            }
+            defer { release.finish() }
+            let put = try await call(port, "PUT", "/api/admin/conversations/group", token: adminToken, body: #"{"member_ids":["bob","carol"]}"#)
+            #expect(put.status == 200)
+            #expect(await eventually { held.withLockedValue { $0 } > 0 }, "the membership change reached the work queue")
+            let changed = ContinuousClock.now
+            _ = try await call(port, "POST", "/api/presence/status", token: try await token("alice"), body: #"{"status":"away","device_id":"web"}"#)
+            let update = try await bob.next("presence_update", timeout: .seconds(3))
+            print("membershipOffTheEventPath: alice's change reached bob after \(ContinuousClock.now - changed) while the membership work was held")
+            #expect(update.userID == "alice" && update.status == "away")
+            release.yield()
+            let carol = try await bob.next("presence_update", timeout: .seconds(3))
+            #expect(carol.userID == "carol" && carol.status == "offline", "carol became bob's contact once the work went on: \(carol)")
+            bob.closeNormally()
+        }
+    }
 }

@@ -161,6 +161,25 @@ struct ConversationTests {
         }
     }
 
+    @Test("PRESENCE_LARGE_GROUP: members of a larger conversation are not automatic contacts, yet still see each other")
+    func largeGroupContacts() async throws {
+        try await withNodes(1, configure: { $0.largeGroup = 3 }) { ports in
+            let port = ports[0]
+            _ = try await call(port, "PUT", "/api/admin/conversations/big", token: adminToken, body: #"{"member_ids":["alice","bob","carol","dan"]}"#)
+            _ = try await call(port, "PUT", "/api/admin/conversations/small", token: adminToken, body: #"{"member_ids":["alice","erin"]}"#)
+            let alice = TestSocket(port: port, token: try await token("alice"), device: "phone")
+            let contacts = try await alice.next("initial_state").presences.compactMap { $0["user_id"] as? String }
+            #expect(contacts == ["erin"], "only the small conversation's member is listed and watched: \(contacts)")
+            _ = try await call(port, "POST", "/api/presence/status", token: try await token("bob"), body: #"{"status":"online"}"#)
+            #expect(await alice.staysQuiet(for: .milliseconds(300)), "bob is not watched automatically")
+            alice.send("subscribe", ["user_ids": ["bob"]], id: "b")
+            #expect(try await alice.next("initial_state").presences.first?["status"] as? String == "online", "but alice may see him")
+            let listed = try await call(port, "GET", "/api/presence/users", token: try await token("alice")).json as? [[String: Any]]
+            #expect(Set(listed?.compactMap { $0["user_id"] as? String } ?? []) == ["bob", "carol", "dan", "erin"], "REST lists everyone alice may see")
+            alice.closeNormally()
+        }
+    }
+
     @Test("only members may type or subscribe to a conversation")
     func membersOnly() async throws {
         try await withNodes(1) { ports in

@@ -144,8 +144,8 @@ extension SessionHub {
     }
 }
 
-/// Wakes the catch-up runner: a request came, or a second pass is due.
-struct CatchUpWakeups: Sendable {
+/// Wakes a runner of queued work (catch-ups, membership changes): work came, or is due.
+struct Wakeups: Sendable {
     let stream: AsyncStream<Void>
     private let continuation: AsyncStream<Void>.Continuation
 

@@ -33,7 +33,12 @@ final class SessionHub: Service, Sendable {
     }
     /// The catch-up that runs after a pub/sub reconnect or a data loss (SessionHub+CatchUp.swift).
     let catchUps = NIOLockedValueBox(CatchUps())
-    let catchUpWakeups = CatchUpWakeups()
+    let catchUpWakeups = Wakeups()
+    /// Membership changes heard and not yet applied (SessionHub+Membership.swift).
+    let pendingMembership = NIOLockedValueBox(PendingMembership())
+    let membershipWakeups = Wakeups()
+    /// Runs before each batch of membership work, when set: tests hold the work here.
+    let beforeMembershipWork = NIOLockedValueBox<(@Sendable () async -> Void)?>(nil)
     /// Runs between a catch-up's read and its end, when set: tests make events cross reads here.
     let afterCatchUpRead = NIOLockedValueBox<(@Sendable ([String]) async -> Void)?>(nil)
     /// Runs between a watch's references to channels and its adding of users, when set: tests
@@ -173,7 +178,7 @@ final class SessionHub: Service, Sendable {
     /// its counts, and its members' presence.
     func follow(_ session: Session, _ conversation: String, members: [String]) async {
         let added = await watch(session, members)
-        session.follow(conversation, members: Set(members), large: members.count > Session.largeGroup, quiet: added)
+        session.follow(conversation, members: Set(members), large: members.count > engine.configuration.largeGroup, quiet: added)
     }
 
     /// Reads a followed conversation's members again and applies what changed: new members are
@@ -187,13 +192,18 @@ final class SessionHub: Service, Sendable {
         } catch {
             return
         }
+        await applyMembers(session, conversation, read)
+    }
+
+    /// Applies a read of a followed conversation's members (nil: it is gone) to `session`.
+    func applyMembers(_ session: Session, _ conversation: String, _ read: [String]?) async {
         // Gone, or the user left it: the subscription ends.
         guard let members = read, members.contains(session.userID) else {
             await unfollow(session, conversation)
             return
         }
         let added = await watch(session, members)
-        session.updateMembers(conversation, Set(members), quiet: added)
+        session.updateMembers(conversation, Set(members), large: members.count > engine.configuration.largeGroup, quiet: added)
         await catchUp(session, added)
         session.sendGroupCounts(involving: nil)
     }
@@ -298,6 +308,11 @@ final class SessionHub: Service, Sendable {
         session.visibilityCheck(ended: false)
         defer { session.visibilityCheck(ended: true) }
         guard let contacts = try? await engine.contacts(of: session.userID) else { return }
+        await applyContacts(session, contacts)
+    }
+
+    /// Applies a read of `session`'s user's automatic contacts (see ``refreshVisibility(_:)``).
+    func applyContacts(_ session: Session, _ contacts: [String]) async {
         let contactSet = Set(contacts)
         let doubtful = session.watched.filter { $0 != session.userID && !contactSet.contains($0) }
         if !doubtful.isEmpty, let still = try? await engine.visible(to: session.userID, among: Array(doubtful)) {
@@ -316,6 +331,16 @@ final class SessionHub: Service, Sendable {
         return sessions.count
     }
 
+    /// The sessions of `user` on this node.
+    func sessions(of user: String) -> [Session] {
+        state.withLockedValue { state in (state.own[user] ?? []).compactMap { state.sessions[$0] } }
+    }
+
+    /// The sessions following `conversation` on this node.
+    func followers(of conversation: String) -> [Session] {
+        state.withLockedValue { state in (state.followers[conversation] ?? []).compactMap { state.sessions[$0] } }
+    }
+
     /// Every session, for shutdown.
     var allSessions: [Session] { state.withLockedValue { Array($0.sessions.values) } }
 
@@ -328,9 +353,11 @@ final class SessionHub: Service, Sendable {
         try? await subscriber.retain([engine.keys.nodeChannel(engine.configuration.nodeID)] + control)
         let upkeep = Task { await self.followUpkeep() }
         let catchUpRunner = Task { await self.runCatchUps() }
+        let membershipRunner = Task { await self.runMembershipWork() }
         defer {
             upkeep.cancel()
             catchUpRunner.cancel()
+            membershipRunner.cancel()
         }
         for await event in subscriber.events.cancelOnGracefulShutdown() {
             switch event {
@@ -407,8 +434,7 @@ final class SessionHub: Service, Sendable {
                 if remembered.statusChanged { session.sendGroupCounts(involving: user) }
             }
         } else if engine.decodeMembership(payload) != nil {
-            let own = state.withLockedValue { state in (state.own[user] ?? []).compactMap { state.sessions[$0] } }
-            for session in own { await refreshVisibility(session) }
+            queueMembership(user: user)
         }
     }
 
@@ -423,7 +449,7 @@ final class SessionHub: Service, Sendable {
                 GatewayMetrics.delivered(latencyMilliseconds: engine.estimatedStoreNow() - typing.at)
             }
         } else if engine.decodeMembership(payload) != nil {
-            for session in followers { await refreshMembers(session, conversation) }
+            queueMembership(conversation: conversation)
         }
     }
 

@@ -49,7 +49,7 @@ extension Gateway {
                 targets = targets.filter { seen.insert($0).inserted }
                 targets = try await self.engine.visible(to: user.userID, among: targets)
             } else {
-                targets = try await self.engine.contacts(of: user.userID)
+                targets = try await self.engine.contacts(of: user.userID, includingLarge: true)
             }
             let views = try await self.engine.views(of: targets)
             var presences: [PresencePayload] = []

@@ -160,7 +160,7 @@ struct FrameHandler {
         }
         // A large group's members are watched for its counts only; they do not count towards the
         // session's watch limit, but a group has a size limit of its own.
-        if members.count > Session.largeGroup {
+        if members.count > gateway.configuration.largeGroup {
             guard members.count <= gateway.configuration.maxGroupMembers else {
                 throw APIError.invalid("conversations over \(gateway.configuration.maxGroupMembers) members cannot be followed")
             }
@@ -180,7 +180,7 @@ struct FrameHandler {
             throw error
         }
         // A large group gets counts and typing only, not every member's presence.
-        let shown = members.count > Session.largeGroup ? [] : presences
+        let shown = members.count > gateway.configuration.largeGroup ? [] : presences
         let dirty = session.endRead(memberList, mark, snapshot: presences, answering: (conversation, id)) { _ in
             [gateway.frames.text(.initialState(shown.map { PresencePayload($0) }), id: id)]
         }

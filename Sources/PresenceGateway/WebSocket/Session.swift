@@ -62,9 +62,6 @@ final class Session: Sendable {
         fileprivate var heldBefore: [String: Int]
     }
 
-    /// Above this many members a conversation subscription gets counts and typing only.
-    static let largeGroup = 1_000
-
     /// A subscribed conversation as this session knows it.
     struct GroupView {
         var members: Set<String>
@@ -263,12 +260,12 @@ final class Session: Sendable {
     }
 
     /// Replaces the members of a followed conversation (after a membership change).
-    func updateMembers(_ conversation: String, _ members: Set<String>, quiet newlyWatched: [String]) {
+    func updateMembers(_ conversation: String, _ members: Set<String>, large: Bool, quiet newlyWatched: [String]) {
         state.withLockedValue { state in
             guard let old = state.conversations[conversation]?.members else { return }
             for member in old.subtracting(members) { state.memberOf[member]?.remove(conversation) }
             for member in members.subtracting(old) { state.memberOf[member, default: []].insert(conversation) }
-            if members.count > Session.largeGroup { state.quiet.formUnion(newlyWatched) }
+            if large { state.quiet.formUnion(newlyWatched) }
             state.conversations[conversation]?.members = members
             state.recount(conversation)
         }
