@@ -260,6 +260,16 @@ struct ClusterSubscriberTests {
         }
     }
 
+    /// Sets `slot` importing on `target` and migrating on `source` (its keys, none here, would
+    /// move next); returns the target's node id.
+    private static func halfMove(_ slot: HashSlot, from source: ClusterNodeAddress, to target: ClusterNodeAddress) throws -> String {
+        let sourceID = try TestRedisCluster.cli(port: source.port, "CLUSTER", "MYID")
+        let targetID = try TestRedisCluster.cli(port: target.port, "CLUSTER", "MYID")
+        #expect(try TestRedisCluster.cli(port: target.port, "CLUSTER", "SETSLOT", "\(slot)", "IMPORTING", sourceID) == "OK")
+        #expect(try TestRedisCluster.cli(port: source.port, "CLUSTER", "SETSLOT", "\(slot)", "MIGRATING", targetID) == "OK")
+        return targetID
+    }
+
     @Test("a slot migrated by hand: Redis drops the channel, it is subscribed at the new primary and announced", .timeLimit(.minutes(1)))
     func migratedSlot() async throws {
         let prefix = TestRedis.uniquePrefix("ssub-moved")
@@ -274,10 +284,7 @@ struct ClusterSubscriberTests {
             try await subscriber.subscribe([moving, staying])
             #expect(subscriber.isConnected)
 
-            let sourceID = try TestRedisCluster.cli(port: source.port, "CLUSTER", "MYID")
-            let targetID = try TestRedisCluster.cli(port: target.port, "CLUSTER", "MYID")
-            #expect(try TestRedisCluster.cli(port: target.port, "CLUSTER", "SETSLOT", "\(slot)", "IMPORTING", sourceID) == "OK")
-            #expect(try TestRedisCluster.cli(port: source.port, "CLUSTER", "SETSLOT", "\(slot)", "MIGRATING", targetID) == "OK")
+            let targetID = try Self.halfMove(slot, from: source, to: target)
             let others = try TestRedisCluster.nodes(askingPort: source.port).filter { $0.isPrimary && !$0.isFailed }.map(\.port)
             var moved = ContinuousClock.now
             for port in [target.port, source.port] + others.filter({ $0 != target.port && $0 != source.port }) {
@@ -308,10 +315,7 @@ struct ClusterSubscriberTests {
             let target = primaries[1]
             let channel = channel(on: source, router, prefix: prefix)
             let slot = HashSlot(of: channel)
-            let sourceID = try TestRedisCluster.cli(port: source.port, "CLUSTER", "MYID")
-            let targetID = try TestRedisCluster.cli(port: target.port, "CLUSTER", "MYID")
-            #expect(try TestRedisCluster.cli(port: target.port, "CLUSTER", "SETSLOT", "\(slot)", "IMPORTING", sourceID) == "OK")
-            #expect(try TestRedisCluster.cli(port: source.port, "CLUSTER", "SETSLOT", "\(slot)", "MIGRATING", targetID) == "OK")
+            _ = try Self.halfMove(slot, from: source, to: target)
             defer {
                 _ = try? TestRedisCluster.cli(port: source.port, "CLUSTER", "SETSLOT", "\(slot)", "STABLE")
                 _ = try? TestRedisCluster.cli(port: target.port, "CLUSTER", "SETSLOT", "\(slot)", "STABLE")
