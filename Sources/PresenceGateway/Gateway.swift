@@ -2,6 +2,7 @@ import Foundation
 import Hummingbird
 import HummingbirdCore
 import Logging
+import NIOConcurrencyHelpers
 import NIOCore
 import PresenceEngine
 import PresenceProtocol
@@ -18,9 +19,14 @@ public final class Gateway: Sendable {
     let hub: SessionHub
     /// What sessions are asked to do, carried to their event loops (one mailbox per loop).
     let mailboxes = LoopMailboxes()
-    /// Sessions' openings, frames and ends: at most 256 at once, so that a burst does not put
-    /// every session's Redis calls in flight together.
-    let sessionWork = WorkGate(limit: 256)
+    /// Sessions' openings and frames (one frame per turn): at most 256 at once, so that a burst
+    /// does not put every session's Redis calls in flight together.
+    let sessionWork: WorkGate
+    /// Sessions' ends, in a gate of their own: a user who leaves goes offline on time even while
+    /// every slot of ``sessionWork`` waits on a slow Redis.
+    let sessionEnds: WorkGate
+    /// Runs after each message a session handled, when set: tests slow a session down here.
+    let afterMessageHandled = NIOLockedValueBox<(@Sendable (Session) async -> Void)?>(nil)
     /// The dashboard's overview, read at most once a second for every feed on this node.
     let overviews = OverviewCache()
     /// Frames, with ids in the node's format.
@@ -40,6 +46,8 @@ public final class Gateway: Sendable {
     public init(configuration: GatewayConfiguration, logger: Logger) async throws {
         try configuration.validate()
         self.configuration = configuration
+        sessionWork = WorkGate(limit: configuration.sessionWorkLimit)
+        sessionEnds = WorkGate(limit: configuration.sessionWorkLimit)
         self.logger = logger
         var redisConfiguration = try configuration.redisConfiguration()
         redisConfiguration.clientName = "presence-gateway:\(configuration.nodeID)"

@@ -39,6 +39,8 @@ public struct GatewayConfiguration: Sendable {
     public var typingTTL = 5
     /// Above this many members a conversation gives counts, not member lists or automatic contacts.
     public var largeGroup = 1_000
+    /// Pieces of session work (openings, frames; and apart, ends) run at once; no variable.
+    public var sessionWorkLimit = 256
     /// Log level.
     public var logLevel = Logger.Level.info
 
@@ -147,6 +149,7 @@ public struct GatewayConfiguration: Sendable {
         if let secret = jwtSecret, secret.utf8.count < 32 {
             throw GatewayConfigurationError("PRESENCE_JWT_SECRET must be at least 32 bytes long (it is \(secret.utf8.count))")
         }
+        guard sessionWorkLimit >= 1 else { throw GatewayConfigurationError("sessionWorkLimit must be at least 1") }
         do {
             _ = try redisConfiguration()
             try engineConfiguration.validate()

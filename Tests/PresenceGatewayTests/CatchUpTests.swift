@@ -185,4 +185,45 @@ struct CatchUpTests {
             bob.closeNormally()
         }
     }
+
+    @Test("a session whose messages are slow takes one turn at a time: others' frames are answered meanwhile, and a close goes through a gate of its own")
+    func slowSessionTakesTurns() async throws {
+        try await withGateway(configure: { $0.sessionWorkLimit = 1; $0.visibility = .open }) { port, gateway in
+            let slow = TestSocket(port: port, token: try await token("slow"), device: "d")
+            let other = TestSocket(port: port, token: try await token("other"), device: "d")
+            let leaver = TestSocket(port: port, token: try await token("leaver"), device: "d")
+            let watcher = TestSocket(port: port, token: try await token("watcher"), device: "d")
+            for socket in [slow, other, leaver, watcher] { _ = try await socket.next("initial_state") }
+            watcher.send("subscribe", ["user_ids": ["leaver"]], id: "w")
+            #expect(try await watcher.next("initial_state").presences.first?["status"] as? String == "online")
+            // Each of the slow session's messages takes 300 ms: eight hold one slot for 2.4 s.
+            let delay = NIOLockedValueBox(Duration.milliseconds(300))
+            gateway.afterMessageHandled.withLockedValue { probe in
+                probe = { session in
+                    if session.userID == "slow" { try? await Task.sleep(for: delay.withLockedValue { $0 }) }
+                }
+            }
+            for index in 0..<8 { slow.send("ping", id: "p\(index)") }
+            try await Task.sleep(for: .milliseconds(100))
+            let started = ContinuousClock.now
+            other.send("ping", id: "mine")
+            let pong = try await other.next("pong", timeout: .seconds(3))
+            let answered = ContinuousClock.now - started
+            #expect(pong.id == "mine")
+            #expect(answered < .milliseconds(1200), "answered after one turn of the slow session, not after its eight")
+            let pongs = await slow.drain(for: .seconds(3)).filter { $0.type == "pong" }.compactMap(\.id)
+            #expect(pongs == (0..<8).map { "p\($0)" }, "the slow session's own messages are all answered, in order: \(pongs)")
+            // One message that holds the only slot for 2 s: a close meanwhile still goes through.
+            delay.withLockedValue { $0 = .seconds(2) }
+            slow.send("ping", id: "long")
+            try await Task.sleep(for: .milliseconds(100))
+            let closed = ContinuousClock.now
+            leaver.closeNormally()
+            let offline = try await watcher.next("presence_update", timeout: .seconds(4))
+            let told = ContinuousClock.now - closed
+            print("slowSessionTakesTurns: another session's ping answered after \(answered) while one session's messages took 300 ms each; a close told offline after \(told) while one message held the slot for 2 s")
+            #expect(offline.userID == "leaver" && offline.status == "offline")
+            #expect(told < .milliseconds(1200), "the close did not wait for the slot")
+        }
+    }
 }

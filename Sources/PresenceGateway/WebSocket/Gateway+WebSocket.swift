@@ -198,7 +198,7 @@ final class SessionRun: Sendable {
             state.dropQueue()
             return Self.mayFinish(&state)
         }
-        if finish { gateway.sessionWork.start { await self.finish() } }
+        if finish { gateway.sessionEnds.start { await self.finish() } }
     }
 
     /// Whether the session's end can be settled now: the connection ended, opening is over and
@@ -218,7 +218,7 @@ final class SessionRun: Sendable {
             return (handle, Self.mayFinish(&state))
         }
         if handle { gateway.sessionWork.start { await self.handleMessages() } }
-        if finish { gateway.sessionWork.start { await self.finish() } }
+        if finish { gateway.sessionEnds.start { await self.finish() } }
     }
 
     /// Closes a session that never started. The close follows the 101 after a short pause:
@@ -299,24 +299,27 @@ final class SessionRun: Sendable {
         }
     }
 
-    /// Handles queued messages in order until none is left; the only task doing so.
+    /// Handles the next queued message, then gives its turn of the gate back and queues for the
+    /// next one: a session with many messages, each awaiting a slow Redis, takes one turn at a
+    /// time like any other, and does not hold a slot while others' messages wait. The only task
+    /// handling this session's messages (``State/handling`` stays set between its turns).
     private func handleMessages() async {
-        while true {
-            let next = state.withLockedValue { state -> (Message, Open)? in
-                guard !state.stopped, state.ending == nil, !state.queue.isEmpty, let open = state.open else {
-                    state.handling = false
-                    return nil
-                }
-                let message = state.queue.removeFirst()
-                if case .text(let text) = message { state.queuedBytes -= text.utf8.count }
-                return (message, open)
+        let next = state.withLockedValue { state -> (Message, Open)? in
+            guard !state.stopped, state.ending == nil, !state.queue.isEmpty, let open = state.open else {
+                state.handling = false
+                return nil
             }
-            guard let (message, open) = next else { break }
+            let message = state.queue.removeFirst()
+            if case .text(let text) = message { state.queuedBytes -= text.utf8.count }
+            return (message, open)
+        }
+        if let (message, open) = next {
             let goesOn: Bool
             switch message {
             case .text(let text): goesOn = await open.frames.handle(text)
             case .binary: goesOn = open.frames.handleBinary()
             }
+            if let probe = gateway.afterMessageHandled.withLockedValue({ $0 }) { await probe(open.session) }
             if !goesOn {
                 state.withLockedValue { state in
                     state.stopped = true
@@ -324,8 +327,19 @@ final class SessionRun: Sendable {
                 }
                 open.session.close(.normal, reason: "")
             }
+            let more = state.withLockedValue { state -> Bool in
+                guard !state.stopped, state.ending == nil, !state.queue.isEmpty, state.open != nil else {
+                    state.handling = false
+                    return false
+                }
+                return true
+            }
+            if more {
+                gateway.sessionWork.start { await self.handleMessages() }
+                return
+            }
         }
-        if state.withLockedValue({ Self.mayFinish(&$0) }) { await finish() }
+        if state.withLockedValue({ Self.mayFinish(&$0) }) { gateway.sessionEnds.start { await self.finish() } }
     }
 
     /// After the connection ended: the session leaves the hub and its device is closed, at once
