@@ -278,7 +278,6 @@ private final class ConnectRace: Sendable {
         var continuation: CheckedContinuation<RedisConnection, any Error>?
         var underWay = 0
         var finished = false
-        var lastError: any Error = RedisError(.unavailable, "Redis is unreachable")
     }
 
     private let state = NIOLockedValueBox(State())
@@ -331,7 +330,6 @@ private final class ConnectRace: Sendable {
     private func failed(_ error: any Error) {
         let last = state.withLockedValue { state -> Bool in
             state.underWay -= 1
-            state.lastError = error
             return state.underWay == 0
         }
         if last { finish(.failure(error)) }

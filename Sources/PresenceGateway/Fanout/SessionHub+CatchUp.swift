@@ -54,6 +54,87 @@ extension SessionHub {
         case second(ResyncScope)
     }
 
+    /// Sends `session` the current presence of `users` it has not been told yet, as updates.
+    /// A read that crossed an event about a user is repeated for that user, a few times at once,
+    /// then again and again a moment later (off the caller's path) until a read is not crossed:
+    /// the events held back during a crossed read are not told, and only a later read has them.
+    /// Returns false when Redis could not be read. With `holdingBackOffline`, a user read as
+    /// offline whom the session was told is online or away is left as told while a catch-up
+    /// holds that user back (see ``startResync(grace:scope:)``).
+    @discardableResult
+    func catchUp(
+        _ session: Session, _ users: [String], holdingBackOffline: Bool = false, retryDelay: Duration = .milliseconds(20)
+    ) async -> Bool {
+        var pending = users
+        for _ in 0..<4 where !pending.isEmpty {
+            let mark = session.beginRead(pending)
+            guard let views = try? await engine.views(of: pending) else {
+                _ = session.endRead(pending, mark, snapshot: [])
+                return false
+            }
+            if let probe = afterCatchUpRead.withLockedValue({ $0 }) { await probe(pending) }
+            var presences = views.map { $0.seen(by: session.userID) }
+            if holdingBackOffline {
+                presences.removeAll { $0.status == .offline && session.lastTold($0.userID) != .offline && holdsOffline($0.userID) }
+            }
+            var countsChanged: [String] = []
+            let dirty = session.endRead(pending, mark, snapshot: presences) { remembered in
+                zip(presences, remembered).compactMap { presence, change in
+                    if change.statusChanged { countsChanged.append(presence.userID) }
+                    return change.tell ? frames.text(.presenceUpdate(PresencePayload(presence))) : nil
+                }
+            }
+            for user in countsChanged { session.sendGroupCounts(involving: user) }
+            pending = dirty
+        }
+        if !pending.isEmpty, !session.isClosing {
+            let again = pending
+            Task {
+                guard (try? await Task.sleep(for: retryDelay)) != nil, !session.isClosing else { return }
+                await self.catchUp(session, again, holdingBackOffline: holdingBackOffline, retryDelay: min(retryDelay * 2, .seconds(1)))
+            }
+        }
+        return true
+    }
+
+    /// Watches `users` and reads their presence, whether they were watched already or not:
+    /// `snapshot` makes the frames to queue from what was read (an `initial_state` holding every
+    /// one of them), queued before any event about them. Then catches up on users an event
+    /// arrived for during the read.
+    ///
+    /// `users` were found visible to the session when `checks` were its visibility re-checks
+    /// begun (``Session/visibilityChecks``). A membership change handled since, before they were
+    /// watched, found them not watched and could not stop watching them: they are checked again
+    /// once watched, and those no longer visible are neither watched nor read.
+    func watchAndRead(
+        _ session: Session, _ users: [String], visibleAsOf checks: Int, snapshot: ([Presence]) -> [String]
+    ) async throws {
+        // Marked before subscribing: an event that arrives between the two is held, not lost.
+        let mark = session.beginRead(users)
+        await watch(session, users)
+        if session.visibilityChecks.begun != checks, engine.configuration.visibility == .conversations {
+            do {
+                let still = Set(try await engine.visible(to: session.userID, among: users))
+                await unwatch(session, users.filter { !still.contains($0) })
+            } catch {
+                _ = session.endRead(users, mark, snapshot: [])
+                throw error
+            }
+        }
+        // A session unregistered meanwhile watches nothing: read only what it watches.
+        let read = users.filter { session.isWatching($0) }
+        let presences: [Presence]
+        do {
+            presences = try await engine.views(of: read).map { $0.seen(by: session.userID) }
+        } catch {
+            _ = session.endRead(users, mark, snapshot: [])
+            throw error
+        }
+        _ = session.endRead(Array(Set(users).subtracting(read)), mark, snapshot: [])
+        let dirty = session.endRead(read, mark, snapshot: presences) { _ in snapshot(presences) }
+        if !dirty.isEmpty { await catchUp(session, dirty) }
+    }
+
     /// How long after a data loss a re-read may tell watchers "offline": every live node finds
     /// its lease gone within a third of a lease and writes its sessions again; 2 s more for that.
     static func dataLossGrace(_ configuration: PresenceConfiguration) -> Duration {

@@ -63,4 +63,52 @@ extension SessionHub {
             for session in own { session.visibilityCheck(ended: true) }
         }
     }
+
+    /// Reads a followed conversation's members again and applies what changed: new members are
+    /// watched and caught up on, and a session whose user left stops following it. After a
+    /// membership event, after following (a change between the first read and the session's
+    /// view being set up), and after events may have been missed.
+    func refreshMembers(_ session: Session, _ conversation: String) async {
+        let read: [String]?
+        do {
+            read = try await engine.members(of: conversation)
+        } catch {
+            return
+        }
+        await applyMembers(session, conversation, read)
+    }
+
+    /// Applies a read of a followed conversation's members (nil: it is gone) to `session`.
+    func applyMembers(_ session: Session, _ conversation: String, _ read: [String]?) async {
+        // Gone, or the user left it: the subscription ends.
+        guard let members = read, members.contains(session.userID) else {
+            await unfollow(session, conversation)
+            return
+        }
+        let added = await watch(session, members)
+        session.updateMembers(conversation, Set(members), large: members.count > engine.configuration.largeGroup, quiet: added)
+        await catchUp(session, added)
+        session.sendGroupCounts(involving: nil)
+    }
+
+    /// Re-checks who `session` may see after a membership change: new contacts become watched,
+    /// users it may no longer see stop producing events.
+    func refreshVisibility(_ session: Session) async {
+        guard engine.configuration.visibility == .conversations else { return }
+        session.visibilityCheck(ended: false)
+        defer { session.visibilityCheck(ended: true) }
+        guard let contacts = try? await engine.contacts(of: session.userID) else { return }
+        await applyContacts(session, contacts)
+    }
+
+    /// Applies a read of `session`'s user's automatic contacts (see ``refreshVisibility(_:)``).
+    func applyContacts(_ session: Session, _ contacts: [String]) async {
+        let contactSet = Set(contacts)
+        let doubtful = session.watched.filter { $0 != session.userID && !contactSet.contains($0) }
+        if !doubtful.isEmpty, let still = try? await engine.visible(to: session.userID, among: Array(doubtful)) {
+            await unwatch(session, Array(Set(doubtful).subtracting(still)))
+        }
+        let added = await watch(session, contacts)
+        await catchUp(session, added)
+    }
 }

@@ -122,6 +122,9 @@ final class SessionRun: Sendable {
         /// The connection, from the upgrade on: closed from here when the queue overflows.
         var connection: SessionConnection?
 
+        /// Whether a message waits that may be handled now.
+        var canHandle: Bool { !stopped && ending == nil && !queue.isEmpty && open != nil }
+
         /// Drops every message waiting.
         mutating func dropQueue() {
             queue.removeAll()
@@ -305,7 +308,7 @@ final class SessionRun: Sendable {
     /// handling this session's messages (``State/handling`` stays set between its turns).
     private func handleMessages() async {
         let next = state.withLockedValue { state -> (Message, Open)? in
-            guard !state.stopped, state.ending == nil, !state.queue.isEmpty, let open = state.open else {
+            guard state.canHandle, let open = state.open else {
                 state.handling = false
                 return nil
             }
@@ -328,11 +331,8 @@ final class SessionRun: Sendable {
                 open.session.close(.normal, reason: "")
             }
             let more = state.withLockedValue { state -> Bool in
-                guard !state.stopped, state.ending == nil, !state.queue.isEmpty, state.open != nil else {
-                    state.handling = false
-                    return false
-                }
-                return true
+                if !state.canHandle { state.handling = false }
+                return state.canHandle
             }
             if more {
                 gateway.sessionWork.start { await self.handleMessages() }
