@@ -200,7 +200,8 @@ struct ClientLiveTests {
     func drain() async throws {
         let prefix = TestRedis.uniquePrefix("sdk-drain")
         let node = try await GatewayProcess(nodeID: "node", environment: nodeEnvironment(prefix: prefix))
-        #expect(GatewayProcess.httpStatus(port: node.port, path: "/readyz") == 200)
+        // Ready once its lease is taken and its subscriber connected, which may trail /healthz.
+        #expect(await eventually(timeout: .seconds(5)) { GatewayProcess.httpStatus(port: node.port, path: "/readyz") == 200 })
         // A client that never answers the close keeps the drain going until the node's close
         // watchdog shuts its connection (2 s): long enough to watch /readyz.
         let held = try RawWebSocketClient(port: node.port, token: try await mint("alice"), device: "phone", watching: [], receiveBuffer: nil)
