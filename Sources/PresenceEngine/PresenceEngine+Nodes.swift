@@ -107,7 +107,7 @@ extension PresenceEngine {
         let node = configuration.nodeID
         let listed = try await run { try await self.redis.send("ZSCORE", RedisArgument(keys.nodes), RedisArgument(node)) }
         guard !listed.isNull else { return 0 }
-        guard case .reaped(let changed) = try await reapNode(node, leaseEnded: try await storeNow(), predecessor: true) else { return 0 }
+        guard case .reaped(let changed) = try await reapNode(node, predecessor: true) else { return 0 }
         return changed
     }
 

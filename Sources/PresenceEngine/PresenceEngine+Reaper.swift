@@ -99,11 +99,21 @@ extension PresenceEngine {
     ///   the lease is not checked and the index is kept (this process may have added to it).
     /// - Throws: when Redis refused to reap some user (after the others are reaped): the node
     ///   stays registered, and the whole of it is reaped again after the claim.
-    func reapNode(_ node: String, leaseEnded: Int64, predecessor: Bool = false) async throws(PresenceError) -> NodeReaping {
-        if !predecessor, case .live(let until) = try await evaluate(LeaseLive(node: node)) {
+    ///
+    /// On a Redis Cluster, the lease (its end, its last renewal) and each user's devices sit on
+    /// different primaries, whose clocks may differ by seconds. Moments of the lease are passed to
+    /// the users' scripts as how long ago they were, by the lease's own server; each script
+    /// turns that into a moment of its own clock (see ``ReapNode``).
+    func reapNode(_ node: String, leaseEnded: Int64? = nil, predecessor: Bool = false) async throws(PresenceError) -> NodeReaping {
+        let lease = try await evaluate(LeaseLive(node: node))
+        if !predecessor, let until = lease.until {
             logger.info("a node claimed as lapsed holds its lease; not reaped", metadata: ["presence.node_id": "\(node)"])
             return .live(until: until)
         }
+        let leaseNow = lease.now
+        // A predecessor's lease may still run: everything written under the node id up to now
+        // is its.
+        let leaseEnded = leaseEnded ?? leaseNow
         let info = try await run { try await self.redis.send("HMGET", RedisArgument(keys.nodeInfo(node)), "renewed_at", "sessions") }.array ?? []
         // Without its info (lost with Redis data), the best known moment is a lease before the
         // lease's end.
@@ -137,7 +147,7 @@ extension PresenceEngine {
                 try await indexDeadlines(batch.map { ($0, byUser[$0] ?? []) }, after: linger)
             }
             let calls = batch.map { user in
-                ReapNode(user: user, node: node, renewed: renewed, leaseEnded: leaseEnded, linger: linger)
+                ReapNode(user: user, node: node, renewedAgo: leaseNow - renewed, endedAgo: leaseNow - leaseEnded, linger: linger)
             }
             var settling: [PresenceChange] = []
             for (user, result) in zip(batch, try await evaluate(calls)) {

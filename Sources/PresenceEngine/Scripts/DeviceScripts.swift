@@ -296,10 +296,11 @@ struct ReapNode: ScriptCall {
 
     var user: String
     var node: String
-    /// The node's last renewal: the last moment its devices were known alive.
-    var renewed: Int64
-    /// When its lease ended.
-    var leaseEnded: Int64
+    /// How long ago (ms, by the lease's server) the node last renewed: the last moment its
+    /// devices were known alive.
+    var renewedAgo: Int64
+    /// How long ago (ms, by the lease's server) its lease ended.
+    var endedAgo: Int64
     /// Zero to remove the devices; else how long they linger.
     var linger: Duration = .zero
 
@@ -308,8 +309,8 @@ struct ReapNode: ScriptCall {
     }
 
     func arguments(_ context: ScriptContext) -> [RedisArgument] {
-        [context.now, RedisArgument(user), RedisArgument(node), RedisArgument(Int(renewed)), RedisArgument(context.keys.userChannel(user)),
-         RedisArgument(Int(leaseEnded)), ScriptContext.milliseconds(linger), context.deviceTTL]
+        [context.now, RedisArgument(user), RedisArgument(node), RedisArgument(Int(renewedAgo)), RedisArgument(context.keys.userChannel(user)),
+         RedisArgument(Int(endedAgo)), ScriptContext.milliseconds(linger), context.deviceTTL]
     }
 
     func decode(_ reply: RESPValue) throws(PresenceError) -> Outcome {
@@ -322,8 +323,10 @@ struct ReapNode: ScriptCall {
 
     static let script = RedisScript(ScriptLua.devices + """
     local now = clock(ARGV[1])
-    local user, node, renewed, channel = ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
-    local ended, linger, ttl = tonumber(ARGV[6]), tonumber(ARGV[7]), ARGV[8]
+    local user, node, channel = ARGV[2], ARGV[3], ARGV[5]
+    -- The lease's moments, by this server's clock: another primary's may be seconds off.
+    local renewed, ended = now - tonumber(ARGV[4]), now - tonumber(ARGV[6])
+    local linger, ttl = tonumber(ARGV[7]), ARGV[8]
     local all = redis.call('HGETALL', KEYS[1])
     local removed = 0
     local alive = 0

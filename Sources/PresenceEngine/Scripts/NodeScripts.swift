@@ -77,9 +77,12 @@ struct ReleaseLease: ScriptCall {
 /// registry at that moment (a reaper claimed it a moment before its key expired, or it was
 /// renewed meanwhile).
 struct LeaseLive: ScriptCall {
-    enum Outcome: Equatable {
-        case live(until: Int64)
-        case lapsed
+    struct Outcome: Equatable {
+        /// The lease's end, or `nil` when it lapsed.
+        var until: Int64?
+        /// The time by the clock of the lease's server: on a cluster each primary has its own,
+        /// so a reaper measures how long ago the lease ended on this one.
+        var now: Int64
     }
 
     var node: String
@@ -88,15 +91,19 @@ struct LeaseLive: ScriptCall {
     func arguments(_ context: ScriptContext) -> [RedisArgument] { [context.now] }
 
     func decode(_ reply: RESPValue) throws(PresenceError) -> Outcome {
-        guard let until = reply.int, until > 0 else { return .lapsed }
-        return .live(until: Int64(until))
+        let values = reply.array ?? []
+        guard values.count == 2, let until = values[0].int, let now = values[1].int else {
+            throw PresenceError(.internal, "unexpected reply to the lease check: \(reply)")
+        }
+        return Outcome(until: until > 0 ? Int64(until) : nil, now: Int64(now))
     }
 
-    /// Returns the lease's end, or 0 when it has none.
+    /// Returns the lease's end (0 when it has none) and the server's time.
     static let script = RedisScript(ScriptLua.clock + """
+    local now = clock(ARGV[1])
     local left = leaseLeft(KEYS[1], ARGV[1])
-    if not left then return 0 end
-    return clock(ARGV[1]) + math.max(left, 0)
+    if not left then return {0, now} end
+    return {now + math.max(left, 0), now}
     """)
 }
 
