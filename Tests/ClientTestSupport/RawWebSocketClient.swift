@@ -42,12 +42,20 @@ public final class RawWebSocketClient: @unchecked Sendable {
 
     /// One masked text frame, as a client must send it.
     public func sendText(_ text: String) throws {
-        let payload = Array(text.utf8)
-        var frame: [UInt8] = [0x81]
+        try sendFrame(opcode: 0x1, payload: Array(text.utf8))
+    }
+
+    /// One masked frame of any opcode (0x0 continuation, 0x1 text, 0x8 close, 0x9 ping), final
+    /// or not, with any payload: what a client may send, and what a hostile one would.
+    public func sendFrame(opcode: UInt8, payload: [UInt8], fin: Bool = true) throws {
+        var frame: [UInt8] = [(fin ? 0x80 : 0) | opcode]
         if payload.count < 126 {
             frame.append(0x80 | UInt8(payload.count))
-        } else {
+        } else if payload.count <= 0xFFFF {
             frame += [0x80 | 126, UInt8(payload.count >> 8), UInt8(payload.count & 0xFF)]
+        } else {
+            frame.append(0x80 | 127)
+            frame += (0..<8).reversed().map { UInt8((payload.count >> ($0 * 8)) & 0xFF) }
         }
         let mask = (0..<4).map { _ in UInt8.random(in: 0...255) }
         frame += mask

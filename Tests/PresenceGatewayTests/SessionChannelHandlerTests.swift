@@ -105,6 +105,55 @@ struct SessionChannelHandlerTests {
         #expect(Self.closeCode(try interleaved.written().first) == 1002)
     }
 
+    @Test("a text message that is not UTF-8 is closed with 1007 and never reported; UTF-8 split across fragments is joined whole")
+    func invalidUTF8() throws {
+        let harness = try Harness()
+        try harness.channel.writeInbound(WebSocketFrame(fin: true, opcode: .text, data: ByteBuffer(bytes: [0x7B, 0xC3, 0x28, 0x7D])))
+        #expect(harness.texts.isEmpty)
+        #expect(Self.closeCode(try harness.written().first) == 1007)
+
+        let split = try Harness()
+        let bytes = Array("café ✓".utf8)
+        try split.channel.writeInbound(WebSocketFrame(fin: false, opcode: .text, data: ByteBuffer(bytes: bytes[..<4])))
+        try split.channel.writeInbound(WebSocketFrame(fin: false, opcode: .continuation, data: ByteBuffer(bytes: bytes[4..<7])))
+        try split.channel.writeInbound(WebSocketFrame(fin: true, opcode: .continuation, data: ByteBuffer(bytes: bytes[7...])))
+        #expect(split.texts == ["café ✓"])
+        #expect(try split.written().isEmpty)
+    }
+
+    @Test("a message in more frames than the limit is closed with 1008, empty fragments included; the limit itself passes")
+    func fragmentStorm() throws {
+        var limits = Self.limits
+        limits.maxFragments = 4
+        let whole = try Harness(limits: limits)
+        try whole.receive(.text, "a", fin: false)
+        for _ in 0..<2 { try whole.receive(.continuation, "b", fin: false) }
+        try whole.receive(.continuation, "c")
+        #expect(whole.texts == ["abbc"])
+
+        let storm = try Harness(limits: limits)
+        try storm.receive(.text, "", fin: false)
+        for _ in 0..<10 { try storm.receive(.continuation, "", fin: false) }
+        #expect(storm.texts.isEmpty)
+        let frames = try storm.written()
+        #expect(frames.count == 1, "closed once")
+        #expect(Self.closeCode(frames.first) == 1008)
+    }
+
+    @Test("pings from a client that reads nothing: pongs count against the outbound budget, and past it the session is closed with 1008")
+    func pingFloodWithoutReading() throws {
+        let harness = try Harness()
+        harness.channel.isWritable = false
+        harness.channel.pipeline.fireChannelWritabilityChanged()
+        let payload = String(repeating: "p", count: 30)
+        for _ in 0..<3 { try harness.receive(.ping, payload) }
+        #expect(try harness.written().map(\.opcode) == [.pong, .pong, .pong], "90 bytes are within the budget of 100")
+        for _ in 0..<100 { try harness.receive(.ping, payload) }
+        let frames = try harness.written()
+        #expect(frames.count == 1, "no pong past the budget, only the close: \(frames.map(\.opcode))")
+        #expect(Self.closeCode(frames.first) == 1008)
+    }
+
     @Test("a ping is answered with a pong of the same payload")
     func pong() throws {
         let harness = try Harness()
@@ -180,12 +229,58 @@ struct SessionChannelHandlerTests {
         #expect(answered.endings == [.init(clientCode: 4001, serverCode: 4001)])
 
         let silent = try Harness()
-        silent.handler.close(1008, reason: "")
+        silent.handler.close(1001, reason: "")
         silent.advance(.milliseconds(2900))
         #expect(silent.channel.isActive)
         silent.advance(.milliseconds(200))
         #expect(!silent.channel.isActive)
-        #expect(silent.endings == [.init(clientCode: nil, serverCode: 1008)])
+        #expect(silent.endings == [.init(clientCode: nil, serverCode: 1001)])
+    }
+
+    @Test("a client failed for breaking a rule (1002, 1007, 1008, 1009, 4029) gets the close frame and its connection ends at once; one that reads nothing, without the frame")
+    func failedAtOnce() throws {
+        for code: UInt16 in [1002, 1007, 1008, 1009, 4029] {
+            let harness = try Harness()
+            harness.handler.close(code, reason: "no")
+            #expect(Self.closeCode(try harness.written().first) == code)
+            #expect(!harness.channel.isActive, "\(code) waits for no answer")
+            #expect(harness.endings == [.init(clientCode: nil, serverCode: code)])
+        }
+        let unread = try Harness()
+        unread.channel.isWritable = false
+        unread.channel.pipeline.fireChannelWritabilityChanged()
+        unread.handler.close(1008, reason: "the client does not read fast enough")
+        #expect(!unread.channel.isActive)
+        for code: UInt16 in [1000, 1001, 4001, 4003, 4009] {
+            let harness = try Harness()
+            harness.handler.close(code, reason: "bye")
+            #expect(harness.channel.isActive, "\(code) waits for the client's answer")
+        }
+    }
+
+    @Test("a burst of pings in one read is answered with one flush")
+    func pongsFlushedOncePerRead() throws {
+        final class FlushCounter: ChannelOutboundHandler {
+            typealias OutboundIn = WebSocketFrame
+            var flushes = 0
+            func flush(context: ChannelHandlerContext) {
+                flushes += 1
+                context.flush()
+            }
+        }
+        let counter = FlushCounter()
+        let harness = try Harness(before: counter)
+        for _ in 0..<10 { try harness.channel.writeInbound(WebSocketFrame(fin: true, opcode: .ping, data: ByteBuffer(string: "p"))) }
+        // EmbeddedChannel's writeInbound completes a read after each frame: ten frames, ten reads.
+        #expect(counter.flushes == 10)
+        #expect(try harness.written().count == 10)
+        counter.flushes = 0
+        harness.channel.pipeline.fireChannelRead(NIOAny(WebSocketFrame(fin: true, opcode: .ping, data: ByteBuffer(string: "p"))))
+        harness.channel.pipeline.fireChannelRead(NIOAny(WebSocketFrame(fin: true, opcode: .ping, data: ByteBuffer(string: "p"))))
+        #expect(counter.flushes == 0, "nothing flushed while the read goes on")
+        harness.channel.pipeline.fireChannelReadComplete()
+        #expect(counter.flushes == 1)
+        #expect(try harness.written().count == 2)
     }
 
     /// A client cut off without a FIN is found within the interval and the pong timeout (14 s

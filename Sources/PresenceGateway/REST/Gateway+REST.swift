@@ -19,7 +19,9 @@ extension Gateway {
             return RESTBody.Status(status: "ready")
         }
         router.get("/metrics") { _, _ in
-            Response(status: .ok, headers: [.contentType: "text/plain; version=0.0.4"], body: .init(byteBuffer: ByteBuffer(string: GatewayMetrics.render())))
+            let work = [self.sessionWork.load, self.sessionEnds.load].reduce((running: 0, waiting: 0)) { ($0.running + $1.running, $0.waiting + $1.waiting) }
+            GatewayMetrics.sample(channels: self.hub.subscriber.channels.count, work: work)
+            return Response(status: .ok, headers: [.contentType: "text/plain; version=0.0.4"], body: .init(byteBuffer: ByteBuffer(string: GatewayMetrics.render())))
         }
         router.post("/api/presence/status") { request, context in
             let user = try await self.authenticate(request)

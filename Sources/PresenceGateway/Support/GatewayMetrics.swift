@@ -33,6 +33,19 @@ enum GatewayMetrics {
         }
         connectionGauge.record(open)
     }
+    private static let channelGauge = Gauge(label: "presence_subscribed_channels")
+    private static let workRunning = Gauge(label: "presence_session_work", dimensions: [("state", "running")])
+    private static let workWaiting = Gauge(label: "presence_session_work", dimensions: [("state", "waiting")])
+
+    /// What is read at each scrape rather than counted as it changes: the pub/sub channels the
+    /// node's subscriber wants, and the session work (openings, frames, ends) running and waiting.
+    /// Both go back to their idle values once sessions end: a leak shows as a floor that rises.
+    static func sample(channels: Int, work: (running: Int, waiting: Int)) {
+        channelGauge.record(channels)
+        workRunning.record(work.running)
+        workWaiting.record(work.waiting)
+    }
+
     static func frameSent() { framesSent.increment() }
     static func transition() { transitions.increment() }
     static func delivered(latencyMilliseconds: Int64) {

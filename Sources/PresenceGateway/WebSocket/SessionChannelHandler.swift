@@ -32,6 +32,9 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
         var closeTimeout: TimeAmount
         /// Bytes written while the channel is not writable before the client counts as too slow.
         var unwritableBytes: Int
+        /// The most frames one message may come in; more is closed with 1008. Clients fragment
+        /// large messages into a few frames; a storm of tiny or empty ones only costs the node.
+        var maxFragments: Int = 64
     }
 
     /// How a connection ended: the code the client sent in its close frame, if any, and the
@@ -51,14 +54,17 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
     private let limits: Limits
     private let events: Events
     private var context: ChannelHandlerContext?
-    /// A message arriving in fragments: its first frame's opcode and the data so far.
-    private var fragments: (opcode: WebSocketOpcode, data: ByteBuffer)?
+    /// A message arriving in fragments: its first frame's opcode, the data so far and how many
+    /// frames brought it.
+    private var fragments: (opcode: WebSocketOpcode, data: ByteBuffer, count: Int)?
     private var ending = Ending()
     private var closeSent = false
     private var awaitingPong = false
     private var unwritableBytes = 0
     /// Written since the last flush.
     private var unflushed = false
+    /// Pongs written during the read under way, flushed when it completes.
+    private var pongsUnflushed = false
     private var pinger: Scheduled<Void>?
     private var pongDeadline: Scheduled<Void>?
     /// When the client last sent a frame.
@@ -117,6 +123,14 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
 
     // MARK: Inbound
 
+    func channelReadComplete(context: ChannelHandlerContext) {
+        if pongsUnflushed {
+            pongsUnflushed = false
+            context.flush()
+        }
+        context.fireChannelReadComplete()
+    }
+
     func channelRead(context: ChannelHandlerContext, data: NIOAny) {
         let frame = unwrapInboundIn(data)
         // Any frame shows the connection is alive, as a pong does.
@@ -124,17 +138,25 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
         switch frame.opcode {
         case .text, .binary:
             guard fragments == nil else { return protocolError("a new message began inside a fragmented one") }
-            receive(frame.opcode, frame.unmaskedData, fin: frame.fin)
+            receive(frame.opcode, frame.unmaskedData, fin: frame.fin, count: 1)
         case .continuation:
-            guard let started = fragments else { return protocolError("a continuation frame with no message to continue") }
+            guard var started = fragments else { return protocolError("a continuation frame with no message to continue") }
+            // Let go of the stored copy first, so that the data grows in place instead of being
+            // copied whole at each fragment.
             fragments = nil
-            var data = started.data
+            guard started.count < limits.maxFragments else {
+                return close(CloseCode.policyViolation.rawValue, reason: "a message is limited to \(limits.maxFragments) frames")
+            }
             var more = frame.unmaskedData
-            data.writeBuffer(&more)
-            receive(started.opcode, data, fin: frame.fin)
+            started.data.writeBuffer(&more)
+            receive(started.opcode, started.data, fin: frame.fin, count: started.count + 1)
         case .ping:
             guard !closeSent else { return }
-            write(WebSocketFrame(fin: true, opcode: .pong, data: frame.unmaskedData))
+            // Answered like any write: a client that pings and never reads the pongs is closed
+            // once they pass the budget, instead of piling them up in the node. Flushed once the
+            // read is over, so that a burst of pings costs one write to the socket.
+            write(context: context, data: wrapOutboundOut(WebSocketFrame(fin: true, opcode: .pong, data: frame.unmaskedData)), promise: nil)
+            pongsUnflushed = true
         case .pong:
             break
         case .connectionClose:
@@ -145,18 +167,21 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
     }
 
     /// A data frame, or a message so far: delivered when complete, kept while fragments follow.
-    private func receive(_ opcode: WebSocketOpcode, _ data: ByteBuffer, fin: Bool) {
+    private func receive(_ opcode: WebSocketOpcode, _ data: ByteBuffer, fin: Bool, count: Int) {
         guard data.readableBytes <= limits.maxMessageSize else {
             return close(CloseCode.messageTooBig.rawValue, reason: "a message is limited to \(limits.maxMessageSize) bytes")
         }
         guard fin else {
-            fragments = (opcode, data)
+            fragments = (opcode, data, count)
             return
         }
         // After the server's close, only the client's close matters.
         guard !closeSent else { return }
         if opcode == .text {
-            events.text(String(buffer: data))
+            guard let text = String(validating: data.readableBytesView, as: UTF8.self) else {
+                return close(Self.invalidPayloadCode, reason: "a text message must be valid UTF-8")
+            }
+            events.text(text)
         } else {
             events.binary()
         }
@@ -195,6 +220,8 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
 
     /// RFC 6455's code for a frame the protocol does not allow; no API close code of its own.
     static let protocolErrorCode: UInt16 = 1002
+    /// RFC 6455's code for a text message that is not UTF-8.
+    static let invalidPayloadCode: UInt16 = 1007
 
     private func protocolError(_ reason: String) {
         close(Self.protocolErrorCode, reason: reason)
@@ -243,8 +270,19 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
         context?.flush()
     }
 
+    /// Codes that fail the connection (RFC 6455 7.1.7): the client broke the protocol or a limit
+    /// (a bad frame, a text that is not UTF-8, too many fragments, too big, too slow a reader,
+    /// a flood). The close frame is written and the connection closed at once: waiting the
+    /// close timeout for its answer would only let it go on sending what the node must decode.
+    static let failingCodes: Set<UInt16> = [
+        protocolErrorCode, invalidPayloadCode, CloseCode.policyViolation.rawValue, CloseCode.messageTooBig.rawValue,
+        CloseCode.rateLimited.rawValue,
+    ]
+
     /// Sends a close frame with `code` once, then waits for the client's close for the close
-    /// timeout; a client that sends none, or reads nothing, has its connection dropped then.
+    /// timeout; a client that sends none, or reads nothing, has its connection dropped then. A
+    /// code of ``failingCodes`` waits for nothing: the connection ends once the frame is written
+    /// (at once when the client reads nothing and it cannot be).
     func close(_ code: UInt16, reason: String) {
         guard !closeSent, let context else { return }
         closeSent = true
@@ -256,7 +294,15 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
         var reason = Substring(reason)
         while reason.utf8.count > 123 { reason = reason.dropLast() }
         data.writeString(String(reason))
-        context.writeAndFlush(wrapOutboundOut(WebSocketFrame(fin: true, opcode: .connectionClose, data: data)), promise: nil)
+        let written = context.writeAndFlush(wrapOutboundOut(WebSocketFrame(fin: true, opcode: .connectionClose, data: data)))
+        if Self.failingCodes.contains(code) {
+            if context.channel.isWritable {
+                written.assumeIsolated().whenComplete { [weak self] _ in self?.context?.close(promise: nil) }
+            } else {
+                context.close(promise: nil)
+                return
+            }
+        }
         scheduleWatchdog(context)
     }
 
