@@ -59,6 +59,7 @@ test: build-tests check-deploy fuzz-build
 	     timeout --kill-after=10 600 $(SWIFT) test --skip-build --no-parallel $(BUILD_FLAGS) --filter "PresenceEngineTests|PresenceGatewayTests"'
 	scripts/with-redis-cluster scripts/test-run cluster-pubsub timeout --kill-after=10 300 $(SWIFT) test --skip-build $(BUILD_FLAGS) --filter ClusterSubscriberTests
 	scripts/with-redis-cluster scripts/test-run cluster-faults timeout --kill-after=10 300 $(SWIFT) test --skip-build $(BUILD_FLAGS) --filter ClusterGatewayTests
+	scripts/with-redis-cluster scripts/test-run cluster-chaos timeout --kill-after=10 600 $(SWIFT) test --skip-build --no-parallel $(BUILD_FLAGS) --filter "ChaosTests/chaosOnCluster"
 	PRESENCE_TEST_CLUSTER_CLOCK_OFFSET_MS=5000 scripts/with-redis-cluster scripts/test-run cluster-clocks timeout --kill-after=10 120 $(SWIFT) test --skip-build $(BUILD_FLAGS) --filter ClusterClockTests
 
 # schemathesis against openapi.yaml on a live node: no 5xx, every answer as documented. A short

@@ -1,18 +1,23 @@
 import ClientTestSupport
 import Foundation
 import PresenceClient
+import RedisClient
 import RedisTestSupport
 import Testing
 
 /// Random faults over three gateway processes (one 2 s behind, one true, one 2 s ahead) and a
 /// Redis of their own, with SDK clients that all watch each other: status changes, handoffs,
 /// drops, reconnects, sign-outs, kill -9 of a node and its restart under the same id, FLUSHALL,
-/// and the loss of single keys. At quiet checkpoints REST on every node and every connected
-/// watcher must agree with the truth (no ghost, nobody lost), and no watcher may ever hear a user
-/// go offline whom nothing took offline (no flicker).
+/// the loss of single keys, and cuts between one node and Redis (packets dropped, no reset:
+/// short ones within the lease, long ones past it). On a Redis Cluster the cuts give way to slot
+/// migrations: a user's or a node's slot moved with its keys to another primary. At quiet
+/// checkpoints REST on every node and every connected watcher must agree with the truth (no
+/// ghost, nobody lost), and no watcher may ever hear a user go offline whom nothing took offline
+/// (no flicker).
 ///
 /// The seed is printed; `PRESENCE_CHAOS_SEED` replays one, `PRESENCE_CHAOS_OPS` sets the length.
-/// Run with the heavy tests.
+/// Run with the heavy tests (cuts need root and iptables; the cluster run needs
+/// `scripts/with-redis-cluster`).
 @Suite("Chaos over three nodes", .serialized)
 struct ChaosTests {
     static let seed = UInt64(ProcessInfo.processInfo.environment["PRESENCE_CHAOS_SEED"] ?? "") ?? 20_261_124
@@ -30,9 +35,21 @@ struct ChaosTests {
         }
     }
 
+    /// Where the nodes keep presence.
+    enum Backend {
+        /// A redis-server of the run's own; each node reaches it on an address of its own
+        /// (127.0.0.2-4), so that iptables can cut one node off.
+        case single
+        /// The Redis Cluster of `scripts/with-redis-cluster`, whole to this run.
+        case cluster
+    }
+
     final class World: @unchecked Sendable {
         // Safe: touched only by the test's own task, one step at a time.
-        let redis: RedisServerProcess
+        let backend: Backend
+        let redis: RedisServerProcess?
+        /// Per node, the rules that cut it off from Redis (none on a cluster, or without root).
+        let partitions: [Partition]
         let environment: [String: String]
         let skews = [-2, 0, 2]
         var nodes: [GatewayProcess?] = []
@@ -78,16 +95,51 @@ struct ChaosTests {
         var scanned: [ObjectIdentifier: Int] = [:]
         let users = (0..<12).map { "u\($0)" }
 
-        init() throws {
-            redis = try RedisServerProcess()
-            environment = nodeEnvironment(prefix: TestRedis.uniquePrefix("chaos"), redisURL: redis.url(), extra: [
+        init(_ backend: Backend) throws {
+            self.backend = backend
+            let url: String
+            switch backend {
+            case .single:
+                let server = try RedisServerProcess(arguments: Partition.available ? ["--bind", "127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4"] : [])
+                redis = server
+                url = server.url()
+                partitions = Partition.available ? (0..<3).map { Partition(port: server.port, address: "127.0.0.\($0 + 2)") } : []
+            case .cluster:
+                redis = nil
+                url = try TestRedisCluster.url ?? { throw GatewayProcessError("no cluster") }()
+                partitions = []
+            }
+            environment = nodeEnvironment(prefix: TestRedis.uniquePrefix("chaos"), redisURL: url, extra: [
                 "PRESENCE_VISIBILITY": "open", "PRESENCE_LEASE_TTL": "\(ChaosTests.lease)", "PRESENCE_LINGER": "\(ChaosTests.linger)",
             ])
         }
 
+        deinit { for partition in partitions { partition.heal() } }
+
+        var prefix: String { environment["PRESENCE_KEY_PREFIX"]! }
+
+        /// The cluster's primaries now (failed ones left out).
+        func primaries() throws -> [TestRedisCluster.Node] {
+            try TestRedisCluster.nodes(askingPort: TestRedisCluster.seeds[0].port).filter { $0.isPrimary && !$0.isFailed }
+        }
+
+        /// Every key gone, on every primary.
+        func flushAll() throws {
+            if let redis { _ = try redis.cli("FLUSHALL"); return }
+            for primary in try primaries() { try TestRedisCluster.cli(port: primary.port, "FLUSHALL") }
+        }
+
+        /// One key gone.
+        func delete(_ key: String) throws {
+            if let redis { _ = try redis.cli("DEL", key); return }
+            let owner = try TestRedisCluster.owner(of: HashSlot(of: key).value, askingPort: TestRedisCluster.seeds[0].port)
+            if let owner { try TestRedisCluster.cli(port: owner.port, "DEL", key) }
+        }
+
         func startNode(_ index: Int) async throws {
             let skew = skews[index]
-            let variables = skew == 0 ? environment : environment.merging(try SkewedClock.environment(offset: skew)) { _, new in new }
+            var variables = skew == 0 ? environment : environment.merging(try SkewedClock.environment(offset: skew)) { _, new in new }
+            if let redis, !partitions.isEmpty { variables["PRESENCE_REDIS_URL"] = "redis://\(partitions[index].address):\(redis.port)/0" }
             let node = try await GatewayProcess(nodeID: "node\(index)", environment: variables, port: index < ports.count ? ports[index] : nil)
             if nodes.count <= index {
                 nodes.append(node)
@@ -164,11 +216,20 @@ struct ChaosTests {
         }
     }
 
-    @Test("random faults: no ghost, nobody lost, no flicker; watchers agree with REST at every quiet checkpoint")
+    @Test("random faults, cuts between a node and Redis among them: no ghost, nobody lost, no flicker; watchers agree with REST at every quiet checkpoint")
     func chaos() async throws {
-        print("chaos: seed \(Self.seed), \(Self.operations) operations (PRESENCE_CHAOS_SEED, PRESENCE_CHAOS_OPS)")
+        try await run(World(.single))
+    }
+
+    @Test("random faults on a Redis Cluster, slot migrations among them: no ghost, nobody lost, no flicker; watchers agree with REST at every quiet checkpoint",
+          .enabled(if: TestRedisCluster.isAvailable, "needs scripts/with-redis-cluster"))
+    func chaosOnCluster() async throws {
+        try await run(World(.cluster))
+    }
+
+    func run(_ world: World) async throws {
+        print("chaos (\(world.backend)): seed \(Self.seed), \(Self.operations) operations (PRESENCE_CHAOS_SEED, PRESENCE_CHAOS_OPS)\(world.backend == .single && world.partitions.isEmpty ? "; no cuts: they need root and iptables" : "")")
         var random = SeededRandom(seed: Self.seed)
-        let world = try World()
         for index in 0..<3 { try await world.startNode(index) }
         for (index, user) in world.users.enumerated() { try await world.connect(user, on: world.live[index % 3]) }
         let token = try await mint("chaos-reader")
@@ -192,8 +253,9 @@ struct ChaosTests {
             world.recordLost = []
         }
 
+        var lastCheckpoint = 0
         for step in 1...Self.operations {
-            let roll = random.below(100)
+            let roll = random.below(106)
             let user = random.pick(world.users)
             let state = world.truth[user] ?? .gone
             switch roll {
@@ -252,7 +314,7 @@ struct ChaosTests {
                 world.note("* node\(index) restarted")
                 counts["restart under the same id", default: 0] += 1
             case 90..<92:
-                _ = try world.redis.cli("FLUSHALL")
+                try world.flushAll()
                 world.note("* FLUSHALL")
                 world.flushes.append(.now)
                 // A node killed just before: its clients are still on their way to another node,
@@ -262,20 +324,56 @@ struct ChaosTests {
             case 92..<97:
                 // One key lost: a user's devices hash, or a node's device index.
                 if random.below(2) == 0 {
-                    _ = try world.redis.cli("DEL", "\(world.environment["PRESENCE_KEY_PREFIX"]!):{u:\(user)}:devices")
+                    try world.delete("\(world.prefix):{u:\(user)}:devices")
                     world.note("\(user) devices hash lost")
                     world.recordLost.insert(user)
                 } else if let node = world.live.first {
-                    _ = try world.redis.cli("DEL", "\(world.environment["PRESENCE_KEY_PREFIX"]!):{n:\(node.nodeID)}:devices")
+                    try world.delete("\(world.prefix):{n:\(node.nodeID)}:devices")
                     world.note("* \(node.nodeID) device index lost")
                 }
                 counts["partial loss", default: 0] += 1
+            case 100..<103 where !world.partitions.isEmpty:
+                // Shorter than the lease minus one renewal period: nobody may be shown offline.
+                let index = random.below(3)
+                guard world.nodes[index] != nil else { continue }
+                try world.partitions[index].cut()
+                world.note("* node\(index) cut from Redis for 1.2 s")
+                try await Task.sleep(for: .milliseconds(1200))
+                world.partitions[index].heal()
+                world.note("* node\(index) reaches Redis again")
+                counts["short cut", default: 0] += 1
+            case 103..<106 where !world.partitions.isEmpty:
+                // Past the lease: other nodes reap the node's users (which of them it holds, the
+                // test does not know); once it reaches Redis again it writes them back.
+                let index = random.below(3)
+                guard world.nodes[index] != nil else { continue }
+                try world.partitions[index].cut()
+                world.mayGoOffline.formUnion(world.users)
+                world.note("* node\(index) cut from Redis for 5 s")
+                try await Task.sleep(for: .seconds(5))
+                world.partitions[index].heal()
+                world.note("* node\(index) reaches Redis again")
+                counts["long cut", default: 0] += 1
+            case 100..<106 where world.backend == .cluster:
+                // A user's slot (their devices and state) or a node's (its lease and index),
+                // moved with its keys to another primary while everything runs.
+                let tag = random.below(3) == 0 ? "{n:\(random.pick(world.live).nodeID)}" : "{u:\(user)}"
+                let slot = HashSlot(of: tag).value
+                let targets = try world.primaries().filter { !$0.serves(slot) }
+                guard !targets.isEmpty else { continue }
+                let target = random.pick(targets)
+                let source = try TestRedisCluster.moveSlot(slot, to: target.port)
+                world.note("* slot \(slot) (\(tag)) moved from \(source.map(String.init) ?? "?") to \(target.port)")
+                counts["slot migration", default: 0] += 1
             default:
                 try await Task.sleep(for: .milliseconds(200))
                 counts["pause", default: 0] += 1
             }
             try await Task.sleep(for: .milliseconds(UInt64(random.below(150))))
-            if step % 40 == 0 {
+            // Every 40 steps, or the first step after that is not skipped (a skipped step, one
+            // whose user was in the wrong state, goes straight to the next).
+            if step - lastCheckpoint >= 40 {
+                lastCheckpoint = step
                 world.note("* checkpoint")
                 try await checkpoint()
             }
@@ -286,7 +384,9 @@ struct ChaosTests {
         print("chaos: \(counts.sorted { $0.key < $1.key }.map { "\($0.key) \($0.value)" }.joined(separator: ", "))")
         print("chaos: \(checkpoints) checkpoints, slowest convergence \(slowest), flickers \(world.flickers.count), offline heard while a user's record was lost \(world.lossOffline.count)")
         #expect(world.flickers.isEmpty, "flickers:\n\(world.flickers.prefix(20).joined(separator: "\n"))")
-        #expect(counts["kill -9", default: 0] > 0 && counts["FLUSHALL", default: 0] > 0 && counts["partial loss", default: 0] > 0 && counts["handoff", default: 0] > 0,
-                "the run tried every kind of fault: \(counts)")
+        var kinds = ["kill -9", "FLUSHALL", "partial loss", "handoff"]
+        if !world.partitions.isEmpty { kinds += ["short cut", "long cut"] }
+        if world.backend == .cluster { kinds.append("slot migration") }
+        #expect(kinds.allSatisfy { counts[$0, default: 0] > 0 }, "the run tried every kind of fault (\(kinds)): \(counts)")
     }
 }

@@ -134,17 +134,19 @@ struct PartitionTests {
     }
 }
 
-/// The iptables rules that drop every packet between 127.0.0.2 and Redis's port, both ways.
+/// The iptables rules that drop every packet between `address` (a node's own loopback address
+/// for Redis) and Redis's port, both ways.
 struct Partition: Sendable {
     let port: Int
+    var address = "127.0.0.2"
 
     /// Root, and an iptables that can read its INPUT chain (a kernel with netfilter).
     static let available: Bool = getuid() == 0 && (try? iptables(["-L", "INPUT", "-n"])) != nil
 
     private var rules: [[String]] {
         [
-            ["INPUT", "-p", "tcp", "-d", "127.0.0.2", "--dport", "\(port)", "-j", "DROP"],
-            ["INPUT", "-p", "tcp", "-s", "127.0.0.2", "--sport", "\(port)", "-j", "DROP"],
+            ["INPUT", "-p", "tcp", "-d", address, "--dport", "\(port)", "-j", "DROP"],
+            ["INPUT", "-p", "tcp", "-s", address, "--sport", "\(port)", "-j", "DROP"],
         ]
     }
 

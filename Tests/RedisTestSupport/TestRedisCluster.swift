@@ -72,6 +72,38 @@ public enum TestRedisCluster {
         try nodes(askingPort: port).first { $0.isPrimary && !$0.isFailed && $0.serves(slot) }
     }
 
+    /// Moves `slot` with its keys to the primary on `port`, as `redis-cli --cluster reshard`
+    /// does: the target imports, the source migrates, the keys go over in batches, and the slot
+    /// is given to the target (the target first, then the source, then every other primary).
+    /// Returns the primary it came from; `nil` when `port` already served it.
+    @discardableResult
+    public static func moveSlot(_ slot: Int, to port: Int) throws -> Int? {
+        let nodes = try nodes(askingPort: port)
+        guard let target = nodes.first(where: { $0.port == port && $0.isPrimary }) else {
+            throw RedisError(.unavailable, "no primary on port \(port)")
+        }
+        guard let source = nodes.first(where: { $0.isPrimary && !$0.isFailed && $0.serves(slot) }) else {
+            throw RedisError(.unavailable, "no primary serves slot \(slot)")
+        }
+        guard source.port != port else { return nil }
+        for (at, state, id) in [(target.port, "IMPORTING", source.id), (source.port, "MIGRATING", target.id)] {
+            let answer = try cli(port: at, "CLUSTER", "SETSLOT", "\(slot)", state, id)
+            guard answer == "OK" else { throw RedisError(.unavailable, "SETSLOT \(slot) \(state) on \(at): \(answer)") }
+        }
+        while true {
+            let keys = try cli(port: source.port, "CLUSTER", "GETKEYSINSLOT", "\(slot)", "100").split(whereSeparator: \.isNewline).map(String.init)
+            if keys.isEmpty { break }
+            let answer = try cli(port: source.port, ["MIGRATE", "127.0.0.1", "\(port)", "", "0", "5000", "KEYS"] + keys)
+            guard answer == "OK" || answer == "NOKEY" else { throw RedisError(.unavailable, "MIGRATE from \(source.port): \(answer)") }
+        }
+        let others = nodes.filter { $0.isPrimary && !$0.isFailed && $0.port != port && $0.port != source.port }.map(\.port)
+        for at in [port, source.port] + others {
+            let answer = try cli(port: at, "CLUSTER", "SETSLOT", "\(slot)", "NODE", target.id)
+            guard answer == "OK" else { throw RedisError(.unavailable, "SETSLOT \(slot) NODE on \(at): \(answer)") }
+        }
+        return source.port
+    }
+
     /// Runs `redis-cli -p port arguments...`; its output, trimmed.
     @discardableResult
     public static func cli(port: Int, _ arguments: String...) throws -> String {
