@@ -51,6 +51,7 @@ struct IdleScenario: AsyncParsableCommand {
     @Option(help: "Sessions.") var sessions = 10_000
     @Option(help: "Users each session watches.") var watch = 10
     @Option(help: "Seconds to let the node settle before measuring.") var settle = 5
+    @Option(help: "Seconds over which to measure the node's CPU while every session is idle (its pings and their pongs only); 0 to skip.") var cpuWindow = 0
 
     func run() async throws {
         let limit = raiseFileLimit()
@@ -82,14 +83,27 @@ struct IdleScenario: AsyncParsableCommand {
         }
         let perSession = Double(rssAfter - rssBefore) / Double(sessions)
         let perUser = (memoryAfter - memoryBefore) / Double(sessions)
+        // The cost of idle sessions: nothing changes, so the node only pings each session after
+        // each ping interval of silence (10 s) and takes its pong.
+        var idleCPU: [(String, String)] = []
+        var idleJSON: [String: Any] = [:]
+        if cpuWindow > 0 {
+            let cpuBefore = nodes.cpuSeconds
+            try await Task.sleep(for: .seconds(cpuWindow))
+            let used = nodes.cpuSeconds - cpuBefore
+            let perSessionMinute = used / Double(sessions) / (Double(cpuWindow) / 60)
+            idleCPU = [("node CPU while idle", String(format: "%.3f s in %d s: %.2f%% of a core, %.1f µs per session per minute", used, cpuWindow,
+                                                        used / Double(cpuWindow) * 100, perSessionMinute * 1e6))]
+            idleJSON = ["idle_cpu_seconds": used, "idle_cpu_window_seconds": cpuWindow, "idle_cpu_us_per_session_minute": perSessionMinute * 1e6]
+        }
         try report("idle: \(sessions) sessions on one node, each watching \(watch) users", [
             ("all sessions open and subscribed", subscribed ? "yes" : "NO (\(answers.count) of \(sessions * 2) snapshots)"),
             ("node RSS before / after", "\(rssBefore / 1_048_576) MiB / \(rssAfter / 1_048_576) MiB"),
             ("node memory per session", String(format: "%.1f KiB", perSession / 1024)),
             ("Redis memory per online user", String(format: "%.0f bytes (%d keys added)", perUser, keysAfter - keysBefore)),
-        ], json: ["scenario": "idle", "sessions": sessions, "watch": watch, "subscribed": subscribed,
+        ] + idleCPU, json: ["scenario": "idle", "sessions": sessions, "watch": watch, "subscribed": subscribed,
                   "node_rss_before_bytes": rssBefore, "node_rss_after_bytes": rssAfter, "node_bytes_per_session": perSession,
-                  "redis_bytes_per_user": perUser, "redis_keys_added": keysAfter - keysBefore], to: options.json)
+                  "redis_bytes_per_user": perUser, "redis_keys_added": keysAfter - keysBefore].merging(idleJSON) { $1 }, to: options.json)
         await fleet.shutdown()
     }
 }

@@ -92,44 +92,16 @@ struct SessionStarter: Sendable {
 /// One session from its upgrade to its end: its opening (token, device, the engine's record),
 /// its messages, handled in order by one short-lived task at a time, and its end.
 final class SessionRun: Sendable {
-    enum Message: Sendable {
-        case text(String)
-        case binary
-    }
-
     private let gateway: Gateway
     private let request: Request
-    private let state = NIOLockedValueBox(State())
+    private let state: NIOLockedValueBox<State>
 
     private struct State {
         /// Counted against the node's session limit.
         var admitted = false
-        /// Set once opening has succeeded.
-        var open: Open?
-        /// Opening has ended, opened or not.
-        var openingOver = false
-        /// Messages not handled yet: those before the session is open wait for it.
-        var queue: [Message] = []
-        /// The bytes of the text messages in `queue`.
-        var queuedBytes = 0
-        /// Whether a task is handling messages.
-        var handling = false
-        /// A message ended the session: what follows is dropped.
-        var stopped = false
-        /// How the connection ended.
-        var ending: SessionChannelHandler.Ending?
-        var finished = false
-        /// The connection, from the upgrade on: closed from here when the queue overflows.
+        /// The connection, from the upgrade on: closed from here when the inbox overflows.
         var connection: SessionConnection?
-
-        /// Whether a message waits that may be handled now.
-        var canHandle: Bool { !stopped && ending == nil && !queue.isEmpty && open != nil }
-
-        /// Drops every message waiting.
-        mutating func dropQueue() {
-            queue.removeAll()
-            queuedBytes = 0
-        }
+        var lifecycle: SessionLifecycle<Open>
     }
 
     /// At most this many messages, or this many bytes of them, wait to be handled (while the
@@ -147,6 +119,22 @@ final class SessionRun: Sendable {
     init(gateway: Gateway, request: Request) {
         self.gateway = gateway
         self.request = request
+        state = NIOLockedValueBox(State(lifecycle: SessionLifecycle(limits: .init(messages: Self.queueLimit.messages, bytes: Self.queueLimit.bytes))))
+    }
+
+    /// Runs what the lifecycle asked for.
+    private func run(_ action: SessionLifecycle<Open>.Action) {
+        switch action {
+        case .none, .handle:
+            break
+        case .startHandling, .handleAgain:
+            gateway.sessionWork.start { await self.handleMessages() }
+        case .overflow:
+            GatewayMetrics.refused("queue_overflow")
+            state.withLockedValue { $0.connection }?.close(CloseCode.rateLimited.rawValue, reason: "too many messages waiting to be handled")
+        case .finish(let open, let ending):
+            gateway.sessionEnds.start { await self.finish(open, ending) }
+        }
     }
 
     /// Starts opening the session on `connection` (counted from here against the node's limit).
@@ -167,61 +155,20 @@ final class SessionRun: Sendable {
     }
 
     /// A message from the client (on the connection's loop).
-    func received(_ message: Message) {
-        enum Next { case nothing, handle, overflow(SessionConnection?) }
-        let next = state.withLockedValue { state -> Next in
-            guard !state.stopped, state.ending == nil else { return .nothing }
-            if case .text(let text) = message { state.queuedBytes += text.utf8.count }
-            state.queue.append(message)
-            guard state.queue.count <= Self.queueLimit.messages, state.queuedBytes <= Self.queueLimit.bytes else {
-                state.stopped = true
-                state.dropQueue()
-                return .overflow(state.connection)
-            }
-            guard state.open != nil, !state.handling else { return .nothing }
-            state.handling = true
-            return .handle
-        }
-        switch next {
-        case .nothing: break
-        case .handle: gateway.sessionWork.start { await self.handleMessages() }
-        case .overflow(let connection):
-            GatewayMetrics.refused("queue_overflow")
-            connection?.close(CloseCode.rateLimited.rawValue, reason: "too many messages waiting to be handled")
-        }
+    func received(_ message: SessionMessage) {
+        run(state.withLockedValue { $0.lifecycle.received(message) })
     }
 
-    /// Whether the client has gone (its connection ended, or it was closed for overflowing).
-    private var clientGone: Bool { state.withLockedValue { $0.ending != nil || $0.stopped } }
+    /// Whether the client has gone (its connection ended, or it is being closed).
+    private var clientGone: Bool { state.withLockedValue { $0.lifecycle.clientGone } }
 
     /// The connection ended (on its loop).
     func ended(_ ending: SessionChannelHandler.Ending) {
-        let finish = state.withLockedValue { state -> Bool in
-            state.ending = ending
-            state.dropQueue()
-            return Self.mayFinish(&state)
-        }
-        if finish { gateway.sessionEnds.start { await self.finish() } }
-    }
-
-    /// Whether the session's end can be settled now: the connection ended, opening is over and
-    /// no message is being handled. True once.
-    private static func mayFinish(_ state: inout State) -> Bool {
-        guard state.ending != nil, state.openingOver, !state.handling, !state.finished else { return false }
-        state.finished = true
-        return true
+        run(state.withLockedValue { $0.lifecycle.connectionEnded(ending) })
     }
 
     private func openingEnded(_ open: Open? = nil) {
-        let (handle, finish) = state.withLockedValue { state -> (Bool, Bool) in
-            state.open = open
-            state.openingOver = true
-            let handle = open != nil && !state.queue.isEmpty && state.ending == nil
-            if handle { state.handling = true }
-            return (handle, Self.mayFinish(&state))
-        }
-        if handle { gateway.sessionWork.start { await self.handleMessages() } }
-        if finish { gateway.sessionEnds.start { await self.finish() } }
+        run(state.withLockedValue { $0.lifecycle.openingEnded(open) })
     }
 
     /// Closes a session that never started. The close follows the 101 after a short pause:
@@ -305,49 +252,26 @@ final class SessionRun: Sendable {
     /// Handles the next queued message, then gives its turn of the gate back and queues for the
     /// next one: a session with many messages, each awaiting a slow Redis, takes one turn at a
     /// time like any other, and does not hold a slot while others' messages wait. The only task
-    /// handling this session's messages (``State/handling`` stays set between its turns).
+    /// handling this session's messages (see ``SessionLifecycle``).
     private func handleMessages() async {
-        let next = state.withLockedValue { state -> (Message, Open)? in
-            guard state.canHandle, let open = state.open else {
-                state.handling = false
-                return nil
-            }
-            let message = state.queue.removeFirst()
-            if case .text(let text) = message { state.queuedBytes -= text.utf8.count }
-            return (message, open)
+        let next = state.withLockedValue { $0.lifecycle.nextMessage() }
+        guard case .handle(let message, let open) = next else { return run(next) }
+        let goesOn: Bool
+        switch message {
+        case .text(let text): goesOn = await open.frames.handle(text)
+        case .binary: goesOn = open.frames.handleBinary()
         }
-        if let (message, open) = next {
-            let goesOn: Bool
-            switch message {
-            case .text(let text): goesOn = await open.frames.handle(text)
-            case .binary: goesOn = open.frames.handleBinary()
-            }
-            if let probe = gateway.afterMessageHandled.withLockedValue({ $0 }) { await probe(open.session) }
-            if !goesOn {
-                state.withLockedValue { state in
-                    state.stopped = true
-                    state.dropQueue()
-                }
-                open.session.close(.normal, reason: "")
-            }
-            let more = state.withLockedValue { state -> Bool in
-                if !state.canHandle { state.handling = false }
-                return state.canHandle
-            }
-            if more {
-                gateway.sessionWork.start { await self.handleMessages() }
-                return
-            }
-        }
-        if state.withLockedValue({ Self.mayFinish(&$0) }) { gateway.sessionEnds.start { await self.finish() } }
+        if let probe = gateway.afterMessageHandled.withLockedValue({ $0 }) { await probe(open.session) }
+        if !goesOn { open.session.close(.normal, reason: "") }
+        run(state.withLockedValue { $0.lifecycle.handled(goesOn: goesOn) })
     }
 
     /// After the connection ended: the session leaves the hub and its device is closed, at once
     /// for a clean close (the client's 1000, a sign-out, an admin disconnect), else after the
     /// linger.
-    private func finish() async {
-        let (open, ending, admitted) = state.withLockedValue { ($0.open, $0.ending, $0.admitted) }
-        if let open, let ending {
+    private func finish(_ open: Open?, _ ending: SessionChannelHandler.Ending) async {
+        let admitted = state.withLockedValue { $0.admitted }
+        if let open {
             let session = open.session
             session.close(nil, reason: "")
             await gateway.hub.unregister(session)
@@ -361,11 +285,9 @@ final class SessionRun: Sendable {
         }
         if admitted { gateway.hub.leave() }
         // The handler's events hold this run, and the run (through its session and its
-        // connection) the handler: let go, or both stay for good.
-        state.withLockedValue { state in
-            state.open = nil
-            state.connection = nil
-        }
+        // connection) the handler: let go, or both stay for good. (The lifecycle, finished, holds
+        // nothing.)
+        state.withLockedValue { $0.connection = nil }
     }
 }
 
