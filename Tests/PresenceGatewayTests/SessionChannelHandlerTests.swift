@@ -260,15 +260,7 @@ struct SessionChannelHandlerTests {
 
     @Test("a burst of pings in one read is answered with one flush")
     func pongsFlushedOncePerRead() throws {
-        final class FlushCounter: ChannelOutboundHandler {
-            typealias OutboundIn = WebSocketFrame
-            var flushes = 0
-            func flush(context: ChannelHandlerContext) {
-                flushes += 1
-                context.flush()
-            }
-        }
-        let counter = FlushCounter()
+        let counter = LoopMailboxTests.FlushCounter()
         let harness = try Harness(before: counter)
         for _ in 0..<10 { try harness.channel.writeInbound(WebSocketFrame(fin: true, opcode: .ping, data: ByteBuffer(string: "p"))) }
         // EmbeddedChannel's writeInbound completes a read after each frame: ten frames, ten reads.
