@@ -111,6 +111,10 @@ extension PresenceEngine {
             return .live(until: until)
         }
         let leaseNow = lease.now
+        // Ages are sent as of each batch, not of this check: a reap takes a while, and an age
+        // taken here would put the lease's end later by that while on each user's clock, and
+        // devices a restarted process wrote meanwhile would be taken as the dead one's.
+        let checkedAt = clock.nowMilliseconds()
         // A predecessor's lease may still run: everything written under the node id up to now
         // is its.
         let leaseEnded = leaseEnded ?? leaseNow
@@ -146,8 +150,9 @@ extension PresenceEngine {
             if linger > .zero {
                 try await indexDeadlines(batch.map { ($0, byUser[$0] ?? []) }, after: linger)
             }
+            let since = clock.nowMilliseconds() - checkedAt
             let calls = batch.map { user in
-                ReapNode(user: user, node: node, renewedAgo: leaseNow - renewed, endedAgo: leaseNow - leaseEnded, linger: linger)
+                ReapNode(user: user, node: node, renewedAgo: leaseNow - renewed + since, endedAgo: leaseNow - leaseEnded + since, linger: linger)
             }
             var settling: [PresenceChange] = []
             for (user, result) in zip(batch, try await evaluate(calls)) {
