@@ -93,7 +93,7 @@ struct MembershipBench: AsyncParsableCommand {
             churner.cancel()
             try await Task.sleep(for: .seconds(2))
             endProgress()
-            if churn { print("  \(changes.withLockedValue { $0 }) membership changes to the group (\(membershipRate)/s; each published to every member)") }
+            if churn { print("  \(changes.withLockedValue { $0 }) membership changes to the group (\(membershipRate)/s; the group stays large, so each goes to the joining or leaving user's channel, not every member's)") }
             return latencies.withLockedValue { values in
                 defer { values = [] }
                 sent.withLockedValue { $0 = [] }

@@ -33,10 +33,12 @@ struct EngineCluster {
 
     /// An engine for `node`; with `skew`, its own clock is that many milliseconds off (see
     /// ``OffsetClock``).
-    func engine(node: String, visibility: Visibility = .conversations, maxDevices: Int = 32, lease: Duration = .seconds(10), skew: Int64 = 0) -> PresenceEngine {
+    func engine(node: String, visibility: Visibility = .conversations, maxDevices: Int = 32, lease: Duration = .seconds(10), skew: Int64 = 0,
+                largeGroup: Int = 1_000) -> PresenceEngine {
         PresenceEngine(
             redis: redis,
-            configuration: PresenceConfiguration(keyPrefix: prefix, nodeID: node, visibility: visibility, leaseTTL: lease, maxDevicesPerUser: maxDevices),
+            configuration: PresenceConfiguration(keyPrefix: prefix, nodeID: node, visibility: visibility, leaseTTL: lease, maxDevicesPerUser: maxDevices,
+                                                 largeGroup: largeGroup),
             clock: skew == 0 ? clock : OffsetClock(base: clock, offset: skew),
             logger: TestRedis.logger()
         )

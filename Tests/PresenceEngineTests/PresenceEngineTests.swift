@@ -754,6 +754,43 @@ struct PresenceEngineTests {
         }
     }
 
+    @Test("a change that leaves a group large is published to the added and removed users' channels only; any other, to every member's")
+    func largeGroupMembershipChannels() async throws {
+        try await EngineCluster.with { cluster in
+            let engine = cluster.engine(node: "n1", largeGroup: 3)
+            try await engine.setMembers(of: "big", to: ["ann", "ben", "cat", "dov", "eve"])
+            try await engine.setMembers(of: "few", to: ["ann", "ben"])
+            let users = ["ann", "ben", "cat", "dov", "eve", "fay"]
+            let heard = NIOLockedValueBox<[String: [String]]>([:])
+            try await withRedisSubscriber(for: engine.redis, logger: TestRedis.logger()) { subscriber in
+                try await subscriber.subscribe(users.map { engine.keys.userChannel($0) })
+                let listener = Task {
+                    for await event in subscriber.events {
+                        guard case .message(let channel, let payload) = event, let change = engine.decodeMembership(payload),
+                              let user = engine.keys.user(fromKey: channel, suffix: "events") else { continue }
+                        let line = "\(change.conversationID) +\(change.added.joined(separator: ",")) -\(change.removed.joined(separator: ","))\(change.large ? " large" : "")"
+                        heard.withLockedValue { $0[user, default: []].append(line) }
+                    }
+                }
+                defer { listener.cancel() }
+                try await engine.removeMember(from: "big", "ben")        // 5 → 4: large before and after
+                try await engine.addMembers(to: "big", ["fay"])          // 4 → 5
+                try await engine.removeMember(from: "big", "fay")        // 5 → 4
+                try await engine.removeMember(from: "big", "eve")        // 4 → 3: no longer large
+                try await engine.addMembers(to: "few", ["cat"])          // a small group
+                _ = await eventually(timeout: .seconds(3)) { heard.withLockedValue { $0.values.map(\.count).reduce(0, +) } >= 11 }
+                try await Task.sleep(for: .milliseconds(200))
+            }
+            let got = heard.withLockedValue { $0 }
+            #expect(got["ben"] == ["big + -ben large", "few +cat -"], "\(got)")
+            #expect(got["fay"] == ["big +fay - large", "big + -fay large"], "\(got)")
+            #expect(got["ann"] == ["big + -eve", "few +cat -"], "\(got)")
+            #expect(got["cat"] == ["big + -eve", "few +cat -"], "\(got)")
+            #expect(got["dov"] == ["big + -eve"], "\(got)")
+            #expect(got["eve"] == ["big + -eve"], "\(got)")
+        }
+    }
+
     @Test("the per-user device limit refuses one more device with a clear error")
     func deviceLimit() async throws {
         try await EngineCluster.with { cluster in

@@ -180,6 +180,34 @@ struct ConversationTests {
         }
     }
 
+    @Test("someone removed from a large group is no longer shown to those who could see them only through it, on another node too")
+    func largeGroupDeparture() async throws {
+        try await withNodes(2, configure: { $0.largeGroup = 3 }) { ports in
+            _ = try await call(ports[0], "PUT", "/api/admin/conversations/big", token: adminToken, body: #"{"member_ids":["alice","bob","carol","dan","frank"]}"#)
+            _ = try await call(ports[0], "PUT", "/api/admin/conversations/small", token: adminToken, body: #"{"member_ids":["bob","carol"]}"#)
+            let alice = TestSocket(port: ports[1], token: try await token("alice"), device: "phone")
+            let carol = TestSocket(port: ports[1], token: try await token("carol"), device: "phone")
+            _ = try await alice.next("initial_state")
+            _ = try await carol.next("initial_state")
+            alice.send("subscribe", ["user_ids": ["bob"]], id: "b")
+            #expect(try await alice.next("initial_state").presences.map { $0["user_id"] as? String } == ["bob"], "alice may see bob through the big group")
+            let bob = try await token("bob")
+            _ = try await call(ports[0], "POST", "/api/presence/status", token: bob, body: #"{"status":"online"}"#)
+            #expect(try await alice.next("presence_update").status == "online")
+            #expect(try await carol.next("presence_update").status == "online")
+
+            // 5 → 4 members: still large, so the change goes to bob's channel alone, which alice
+            // and carol hear because they watch him. Carol still shares the small group with him.
+            #expect(try await call(ports[0], "DELETE", "/api/admin/conversations/big/members/bob", token: adminToken).status == 200)
+            try await Task.sleep(for: .seconds(1))
+            _ = try await call(ports[0], "POST", "/api/presence/status", token: bob, body: #"{"status":"away"}"#)
+            #expect(try await carol.next("presence_update").status == "away", "carol still sees bob")
+            #expect(await alice.staysQuiet(for: .milliseconds(300)), "alice no longer does")
+            let read = try await call(ports[1], "GET", "/api/presence/users/bob", token: try await token("alice"))
+            #expect(read.status == 404, "nor over REST")
+        }
+    }
+
     @Test("only members may type or subscribe to a conversation")
     func membersOnly() async throws {
         try await withNodes(1) { ports in

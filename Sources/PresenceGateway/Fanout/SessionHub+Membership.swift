@@ -11,14 +11,22 @@ extension SessionHub {
     struct PendingMembership {
         var users: Set<String> = []
         var conversations: Set<String> = []
+        /// Users removed from a large group: whoever watches them checks they may still.
+        var departed: Set<String> = []
 
-        var isEmpty: Bool { users.isEmpty && conversations.isEmpty }
+        var isEmpty: Bool { users.isEmpty && conversations.isEmpty && departed.isEmpty }
     }
 
     /// A membership change concerning `user` (their conversations changed): their sessions'
     /// contacts are read again.
     func queueMembership(user: String) {
         pendingMembership.withLockedValue { _ = $0.users.insert(user) }
+        membershipWakeups.yield()
+    }
+
+    /// `user` left a large group: the sessions watching them check whether they may still.
+    func queueDeparture(_ user: String) {
+        pendingMembership.withLockedValue { _ = $0.departed.insert(user) }
         membershipWakeups.yield()
     }
 
@@ -42,8 +50,9 @@ extension SessionHub {
         }
     }
 
-    /// Reads each conversation's members once for its followers, and each user's contacts once
-    /// for their sessions. A read that fails is left to the catch-up that follows a reconnect.
+    /// Reads each conversation's members once for its followers, each user's contacts once for
+    /// their sessions, and for each user who left a large group, whether each user watching
+    /// them here may still. A read that fails is left to the catch-up that follows a reconnect.
     func applyMembershipChanges(_ work: PendingMembership) async {
         if let probe = beforeMembershipWork.withLockedValue({ $0 }) { await probe() }
         for conversation in work.conversations.sorted() {
@@ -61,6 +70,16 @@ extension SessionHub {
                 for session in own where !session.isClosing { await applyContacts(session, contacts) }
             }
             for session in own { session.visibilityCheck(ended: true) }
+        }
+        for departed in work.departed.sorted() {
+            // One read per watching user, for all of that user's sessions here.
+            for (user, sessions) in Dictionary(grouping: watchers(of: departed), by: \.userID).sorted(by: { $0.key < $1.key }) {
+                for session in sessions { session.visibilityCheck(ended: false) }
+                if let still = try? await engine.visible(to: user, among: [departed]), !still.contains(departed) {
+                    for session in sessions { await unwatch(session, [departed]) }
+                }
+                for session in sessions { session.visibilityCheck(ended: true) }
+            }
         }
     }
 

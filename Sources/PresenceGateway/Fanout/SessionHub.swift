@@ -207,6 +207,13 @@ final class SessionHub: Service, Sendable {
         state.withLockedValue { state in (state.own[user] ?? []).compactMap { state.sessions[$0] } }
     }
 
+    /// The sessions on this node watching `user`, other than the user's own.
+    func watchers(of user: String) -> [Session] {
+        state.withLockedValue { state in
+            (state.watchers[user] ?? []).compactMap { state.sessions[$0] }.filter { $0.userID != user }
+        }
+    }
+
     /// The sessions following `conversation` on this node.
     func followers(of conversation: String) -> [Session] {
         state.withLockedValue { state in (state.followers[conversation] ?? []).compactMap { state.sessions[$0] } }
@@ -304,8 +311,11 @@ final class SessionHub: Service, Sendable {
                 }
                 if remembered.statusChanged { session.sendGroupCounts(involving: user) }
             }
-        } else if engine.decodeMembership(payload) != nil {
+        } else if let membership = engine.decodeMembership(payload) {
             queueMembership(user: user)
+            // A large group's change comes only on the added and removed users' channels: those
+            // watching a removed user here may have seen them through that group alone.
+            if membership.large, membership.removed.contains(user) { queueDeparture(user) }
         }
     }
 
