@@ -115,6 +115,7 @@ extension PresenceEngine {
         // taken here would put the lease's end later by that while on each user's clock, and
         // devices a restarted process wrote meanwhile would be taken as the dead one's.
         let checkedAt = clock.nowMilliseconds()
+        if let probe = afterLeaseChecked.withLockedValue({ $0 }) { await probe() }
         // A predecessor's lease may still run: everything written under the node id up to now
         // is its.
         let leaseEnded = leaseEnded ?? leaseNow

@@ -49,6 +49,9 @@ public final class PresenceEngine: Sendable {
     let auditCursor = NIOLockedValueBox("")
     /// An audit asked for outside the schedule (``requestAudit()``).
     let auditRequested = NIOLockedValueBox(false)
+    /// Runs in a reap of a dead node between its lease check and the reading of its devices,
+    /// when set: tests let time pass and sessions arrive there.
+    let afterLeaseChecked = NIOLockedValueBox<(@Sendable () async -> Void)?>(nil)
     /// What the node's upkeep found (``UpkeepEvent``), for the gateway to act on.
     public let upkeepEvents: AsyncStream<UpkeepEvent>
     let upkeep: AsyncStream<UpkeepEvent>.Continuation

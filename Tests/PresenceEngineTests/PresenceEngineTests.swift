@@ -258,6 +258,38 @@ struct PresenceEngineTests {
         }
     }
 
+    @Test("a reap that takes a while: a device the restarted process wrote after the lease check is still taken as the new process's")
+    func slowReapOfReusedNodeID() async throws {
+        try await EngineCluster.with { cluster in
+            let old = cluster.engine(node: "node-3")
+            let survivor = cluster.engine(node: "survivor")
+            try await old.registerNode()
+            try await survivor.registerNode()
+            _ = try await old.connect(user: "ned", device: "phone", session: "old-1")
+            cluster.clock.advance(.seconds(1))
+            try await old.deregisterNode()
+            cluster.clock.advance(.milliseconds(200))
+            // Between the reaper's lease check and its work on the users: the restarted process
+            // takes a session, then the reap goes on half a second later (a big index, a slow
+            // Redis). The lease ended 200 ms before the check; the device came after it.
+            let restarted = cluster.engine(node: "node-3")
+            survivor.afterLeaseChecked.withLockedValue { probe in
+                probe = {
+                    _ = try? await restarted.connect(user: "ona", device: "phone", session: "new-1")
+                    cluster.clock.advance(.milliseconds(500))
+                }
+            }
+            #expect(try await survivor.reapOnce().nodes == ["node-3"])
+            #expect(try await survivor.views(of: "ona").real.status == .online, "written after the lease ended: the new process's")
+            #expect(try await survivor.views(of: "ned").real.status == .online, "the old process's lingers")
+            cluster.clock.advance(old.configuration.linger + .milliseconds(100))
+            survivor.afterLeaseChecked.withLockedValue { $0 = nil }
+            _ = try await survivor.reapOnce()
+            #expect(try await survivor.views(of: "ned").real.status == .offline, "and goes after the linger")
+            #expect(try await survivor.views(of: "ona").real.status == .online)
+        }
+    }
+
     @Test("a reaper whose lease TTL differs from the dead node's still reaps it")
     func mixedLeaseTTLs() async throws {
         try await EngineCluster.with { cluster in
