@@ -229,22 +229,18 @@ struct ClusterGatewayTests {
         // By hand: the slot of mover0's keys, from its primary to another one.
         let anyPort = try #require(Self.livePort())
         let slot = Int(HashSlot(of: keys.devices(users[0])).value)
-        let source = try #require(try TestRedisCluster.owner(of: slot, askingPort: anyPort))
-        let target = try #require(try TestRedisCluster.nodes(askingPort: anyPort).first { $0.isPrimary && !$0.isFailed && $0.port != source.port })
-        #expect(try TestRedisCluster.cli(port: target.port, "CLUSTER", "SETSLOT", "\(slot)", "IMPORTING", source.id) == "OK")
-        #expect(try TestRedisCluster.cli(port: source.port, "CLUSTER", "SETSLOT", "\(slot)", "MIGRATING", target.id) == "OK")
-        let inSlot = try TestRedisCluster.cli(port: source.port, "CLUSTER", "GETKEYSINSLOT", "\(slot)", "100").split(whereSeparator: \.isNewline).map(String.init)
+        let owner = try #require(try TestRedisCluster.owner(of: slot, askingPort: anyPort))
+        let other = try #require(try TestRedisCluster.nodes(askingPort: anyPort).first { $0.isPrimary && !$0.isFailed && $0.port != owner.port })
+        let move = try #require(try TestRedisCluster.SlotMove.begin(slot, to: other.port))
+        let (source, target) = (move.source, move.target)
+        let inSlot = try move.keysLeft()
         #expect(inSlot.contains(keys.devices(users[0])), "the slot holds mover0's devices: \(inSlot)")
         // Half of the keys moved: mover0's scripts now find their keys split (TRYAGAIN) or gone (ASK).
-        let half = inSlot.filter { $0 == keys.devices(users[0]) }
-        _ = try TestRedisCluster.cli(port: source.port, ["MIGRATE", "127.0.0.1", "\(target.port)", "", "0", "5000", "KEYS"] + half)
+        try move.migrate(inSlot.filter { $0 == keys.devices(users[0]) })
         await clients[0].client.setStatus(.away)
         try await Task.sleep(for: .milliseconds(300))
-        let rest = try TestRedisCluster.cli(port: source.port, "CLUSTER", "GETKEYSINSLOT", "\(slot)", "100").split(whereSeparator: \.isNewline).map(String.init)
-        if !rest.isEmpty { _ = try TestRedisCluster.cli(port: source.port, ["MIGRATE", "127.0.0.1", "\(target.port)", "", "0", "5000", "KEYS"] + rest) }
-        for port in TestRedisCluster.ports {
-            _ = try? TestRedisCluster.cli(port: port, "CLUSTER", "SETSLOT", "\(slot)", "NODE", target.id)
-        }
+        try move.migrateAll()
+        try move.finish()
         let redirected = try TestRedisCluster.cli(port: source.port, "INFO", "errorstats").split(whereSeparator: \.isNewline).filter { $0.contains("TRYAGAIN") || $0.contains("ASK") }
         print("cluster gateway: the source of the hand-moved slot answered \(redirected)")
         #expect(!redirected.isEmpty, "the node's commands met the half-moved slot (TRYAGAIN or ASK)")

@@ -232,16 +232,6 @@ struct ClusterRouterTests {
         fatalError("no tag found for \(node)")
     }
 
-    /// The node ID of the server on `port`.
-    private func nodeID(_ port: Int) throws -> String {
-        try TestRedisCluster.cli(port: port, "CLUSTER", "MYID")
-    }
-
-    /// The ports of every live primary, as the node on `port` sees them.
-    private func livePrimaryPorts(askingPort port: Int) throws -> [Int] {
-        try TestRedisCluster.nodes(askingPort: port).filter { $0.isPrimary && !$0.isFailed }.map(\.port)
-    }
-
     @Test("10,000 keys written and read back land on all 3 primaries, in the slots Redis computes", .timeLimit(.minutes(1)))
     func keysOnEveryPrimary() async throws {
         let prefix = TestRedis.uniquePrefix("spread")
@@ -398,21 +388,12 @@ struct ClusterRouterTests {
     /// reshard` would, in steps: `beforeFinishing` runs while the slot is half migrated (only
     /// `migrateFirst` moved).
     private func migrate(slot: Int, from source: Int, to target: Int, migrateFirst: [String], rest: [String], beforeFinishing: () async throws -> Void = {}) async throws {
-        let sourceID = try nodeID(source)
-        let targetID = try nodeID(target)
-        #expect(try TestRedisCluster.cli(port: target, "CLUSTER", "SETSLOT", "\(slot)", "IMPORTING", sourceID) == "OK")
-        #expect(try TestRedisCluster.cli(port: source, "CLUSTER", "SETSLOT", "\(slot)", "MIGRATING", targetID) == "OK")
-        if !migrateFirst.isEmpty {
-            #expect(try TestRedisCluster.cli(port: source, ["MIGRATE", "127.0.0.1", "\(target)", "", "0", "5000", "KEYS"] + migrateFirst) == "OK")
-        }
+        let move = try #require(try TestRedisCluster.SlotMove.begin(slot, to: target))
+        #expect(move.source.port == source)
+        try move.migrate(migrateFirst)
         try await beforeFinishing()
-        if !rest.isEmpty {
-            #expect(try TestRedisCluster.cli(port: source, ["MIGRATE", "127.0.0.1", "\(target)", "", "0", "5000", "KEYS"] + rest) == "OK")
-        }
-        // The new owner first, then the old one, then everyone else, as the reshard tool does.
-        for port in [target, source] + (try livePrimaryPorts(askingPort: source)).filter({ $0 != target && $0 != source }) {
-            #expect(try TestRedisCluster.cli(port: port, "CLUSTER", "SETSLOT", "\(slot)", "NODE", targetID) == "OK")
-        }
+        try move.migrate(rest)
+        try move.finish()
     }
 
     @Test("MOVED: after a slot migrates by hand, its keys are read and written on the new primary and the map follows", .timeLimit(.minutes(1)))

@@ -260,16 +260,6 @@ struct ClusterSubscriberTests {
         }
     }
 
-    /// Sets `slot` importing on `target` and migrating on `source` (its keys, none here, would
-    /// move next); returns the target's node id.
-    private static func halfMove(_ slot: HashSlot, from source: ClusterNodeAddress, to target: ClusterNodeAddress) throws -> String {
-        let sourceID = try TestRedisCluster.cli(port: source.port, "CLUSTER", "MYID")
-        let targetID = try TestRedisCluster.cli(port: target.port, "CLUSTER", "MYID")
-        #expect(try TestRedisCluster.cli(port: target.port, "CLUSTER", "SETSLOT", "\(slot)", "IMPORTING", sourceID) == "OK")
-        #expect(try TestRedisCluster.cli(port: source.port, "CLUSTER", "SETSLOT", "\(slot)", "MIGRATING", targetID) == "OK")
-        return targetID
-    }
-
     @Test("a slot migrated by hand: Redis drops the channel, it is subscribed at the new primary and announced", .timeLimit(.minutes(1)))
     func migratedSlot() async throws {
         let prefix = TestRedis.uniquePrefix("ssub-moved")
@@ -284,13 +274,10 @@ struct ClusterSubscriberTests {
             try await subscriber.subscribe([moving, staying])
             #expect(subscriber.isConnected)
 
-            let targetID = try Self.halfMove(slot, from: source, to: target)
-            let others = try TestRedisCluster.nodes(askingPort: source.port).filter { $0.isPrimary && !$0.isFailed }.map(\.port)
+            // The slot's keys (none here) would move between these two steps.
+            let move = try #require(try TestRedisCluster.SlotMove.begin(Int(slot.value), to: target.port))
             var moved = ContinuousClock.now
-            for port in [target.port, source.port] + others.filter({ $0 != target.port && $0 != source.port }) {
-                if port == source.port { moved = ContinuousClock.now }
-                #expect(try TestRedisCluster.cli(port: port, "CLUSTER", "SETSLOT", "\(slot)", "NODE", targetID) == "OK")
-            }
+            try move.finish { moved = ContinuousClock.now }
             #expect(await eventually(timeout: .seconds(10)) { received.resubscribed.contains(moving) })
             let elapsed = ContinuousClock.now - moved
             print("migration: channel subscribed again at the new primary \(elapsed) after SETSLOT NODE on the old one")
@@ -315,11 +302,8 @@ struct ClusterSubscriberTests {
             let target = primaries[1]
             let channel = channel(on: source, router, prefix: prefix)
             let slot = HashSlot(of: channel)
-            _ = try Self.halfMove(slot, from: source, to: target)
-            defer {
-                _ = try? TestRedisCluster.cli(port: source.port, "CLUSTER", "SETSLOT", "\(slot)", "STABLE")
-                _ = try? TestRedisCluster.cli(port: target.port, "CLUSTER", "SETSLOT", "\(slot)", "STABLE")
-            }
+            let move = try #require(try TestRedisCluster.SlotMove.begin(Int(slot.value), to: target.port))
+            defer { move.abandon() }
             // The slot's owner still serves it; the subscribe may report the refusal it met on
             // the way, but the channel must end up subscribed there.
             var outcome = "ok"

@@ -73,35 +73,79 @@ public enum TestRedisCluster {
     }
 
     /// Moves `slot` with its keys to the primary on `port`, as `redis-cli --cluster reshard`
-    /// does: the target imports, the source migrates, the keys go over in batches, and the slot
-    /// is given to the target (the target first, then the source, then every other primary).
-    /// Returns the primary it came from; `nil` when `port` already served it.
+    /// does (see ``SlotMove``). Returns the primary it came from; `nil` when `port` already
+    /// served it.
     @discardableResult
     public static func moveSlot(_ slot: Int, to port: Int) throws -> Int? {
-        let nodes = try nodes(askingPort: port)
-        guard let target = nodes.first(where: { $0.port == port && $0.isPrimary }) else {
-            throw RedisError(.unavailable, "no primary on port \(port)")
+        guard let move = try SlotMove.begin(slot, to: port) else { return nil }
+        try move.migrateAll()
+        try move.finish()
+        return move.source.port
+    }
+
+    /// A slot's move between primaries in the steps `redis-cli --cluster reshard` takes, for
+    /// tests that act between them: the target imports and the source migrates, the keys go over
+    /// in batches, and the slot is given to the target (the target first, then the source, then
+    /// every other primary). Each step throws when a node does not answer OK.
+    public struct SlotMove: Sendable {
+        public let slot: Int
+        public let source: Node
+        public let target: Node
+        /// The other live primaries, told last.
+        let others: [Int]
+
+        /// Marks `slot` importing on the primary on `port` and migrating on its owner; `nil`
+        /// when `port` serves it already.
+        public static func begin(_ slot: Int, to port: Int) throws -> SlotMove? {
+            let nodes = try TestRedisCluster.nodes(askingPort: port)
+            guard let target = nodes.first(where: { $0.port == port && $0.isPrimary }) else {
+                throw RedisError(.unavailable, "no primary on port \(port)")
+            }
+            guard let source = nodes.first(where: { $0.isPrimary && !$0.isFailed && $0.serves(slot) }) else {
+                throw RedisError(.unavailable, "no primary serves slot \(slot)")
+            }
+            guard source.port != port else { return nil }
+            for (at, state, id) in [(target.port, "IMPORTING", source.id), (source.port, "MIGRATING", target.id)] {
+                try Self.expectOK(cli(port: at, "CLUSTER", "SETSLOT", "\(slot)", state, id), "SETSLOT \(slot) \(state) on \(at)")
+            }
+            let others = nodes.filter { $0.isPrimary && !$0.isFailed && $0.port != port && $0.port != source.port }.map(\.port)
+            return SlotMove(slot: slot, source: source, target: target, others: others)
         }
-        guard let source = nodes.first(where: { $0.isPrimary && !$0.isFailed && $0.serves(slot) }) else {
-            throw RedisError(.unavailable, "no primary serves slot \(slot)")
+
+        /// Keys of the slot still on the source, at most `count`.
+        public func keysLeft(count: Int = 100) throws -> [String] {
+            try cli(port: source.port, "CLUSTER", "GETKEYSINSLOT", "\(slot)", "\(count)").split(whereSeparator: \.isNewline).map(String.init)
         }
-        guard source.port != port else { return nil }
-        for (at, state, id) in [(target.port, "IMPORTING", source.id), (source.port, "MIGRATING", target.id)] {
-            let answer = try cli(port: at, "CLUSTER", "SETSLOT", "\(slot)", state, id)
-            guard answer == "OK" else { throw RedisError(.unavailable, "SETSLOT \(slot) \(state) on \(at): \(answer)") }
-        }
-        while true {
-            let keys = try cli(port: source.port, "CLUSTER", "GETKEYSINSLOT", "\(slot)", "100").split(whereSeparator: \.isNewline).map(String.init)
-            if keys.isEmpty { break }
-            let answer = try cli(port: source.port, ["MIGRATE", "127.0.0.1", "\(port)", "", "0", "5000", "KEYS"] + keys)
+
+        /// Moves `keys` to the target (none: nothing).
+        public func migrate(_ keys: [String]) throws {
+            guard !keys.isEmpty else { return }
+            let answer = try cli(port: source.port, ["MIGRATE", "127.0.0.1", "\(target.port)", "", "0", "5000", "KEYS"] + keys)
             guard answer == "OK" || answer == "NOKEY" else { throw RedisError(.unavailable, "MIGRATE from \(source.port): \(answer)") }
         }
-        let others = nodes.filter { $0.isPrimary && !$0.isFailed && $0.port != port && $0.port != source.port }.map(\.port)
-        for at in [port, source.port] + others {
-            let answer = try cli(port: at, "CLUSTER", "SETSLOT", "\(slot)", "NODE", target.id)
-            guard answer == "OK" else { throw RedisError(.unavailable, "SETSLOT \(slot) NODE on \(at): \(answer)") }
+
+        /// Moves every key left, in batches.
+        public func migrateAll() throws {
+            while case let keys = try keysLeft(), !keys.isEmpty { try migrate(keys) }
         }
-        return source.port
+
+        /// Gives the slot to the target: the target first, then the source (`givingUp` runs just
+        /// before: from then on the source refuses the slot), then every other primary.
+        public func finish(givingUp: () -> Void = {}) throws {
+            for at in [target.port, source.port] + others {
+                if at == source.port { givingUp() }
+                try Self.expectOK(cli(port: at, "CLUSTER", "SETSLOT", "\(slot)", "NODE", target.id), "SETSLOT \(slot) NODE on \(at)")
+            }
+        }
+
+        /// Leaves a move half made: the slot stays the source's.
+        public func abandon() {
+            for at in [source.port, target.port] { _ = try? cli(port: at, "CLUSTER", "SETSLOT", "\(slot)", "STABLE") }
+        }
+
+        private static func expectOK(_ answer: String, _ what: String) throws {
+            guard answer == "OK" else { throw RedisError(.unavailable, "\(what): \(answer)") }
+        }
     }
 
     /// Runs `redis-cli -p port arguments...`; its output, trimmed.
