@@ -26,6 +26,16 @@ public struct PresenceConfiguration: Sendable {
     /// Safety-net TTL on a user's devices and a node's keys: nothing live outlasts every node by
     /// more than this. Nodes refresh it for the devices they hold every third of it.
     public var deviceKeyTTL: Duration
+    /// Messages kept per conversation; older ones are trimmed.
+    public var messageHistory: Int
+    /// How long a conversation's history lives after its last message.
+    public var messageTTL: Duration
+    /// How long a sender's `client_message_id` is remembered.
+    public var messageDedupTTL: Duration
+    /// The largest message `text`, in UTF-8 bytes.
+    public var messageMaxBytes: Int
+    /// Replicas an acknowledged message must have reached (`WAIT`), 0 for none.
+    public var messageReplicas: Int
 
     /// After Redis was unreachable, how long a node leaves lapsed nodes unreaped and keeps from
     /// telling watchers "offline" on a re-read: time for every live node to reconnect (the Redis
@@ -49,7 +59,12 @@ public struct PresenceConfiguration: Sendable {
         reaperInterval: Duration = .milliseconds(500),
         maxDevicesPerUser: Int = 32,
         deviceKeyTTL: Duration = .seconds(24 * 3600),
-        largeGroup: Int = 1_000
+        largeGroup: Int = 1_000,
+        messageHistory: Int = 10_000,
+        messageTTL: Duration = .seconds(30 * 86_400),
+        messageDedupTTL: Duration = .seconds(7 * 86_400),
+        messageMaxBytes: Int = 16_384,
+        messageReplicas: Int = 0
     ) {
         self.keyPrefix = keyPrefix
         self.nodeID = nodeID
@@ -62,6 +77,11 @@ public struct PresenceConfiguration: Sendable {
         self.maxDevicesPerUser = maxDevicesPerUser
         self.deviceKeyTTL = deviceKeyTTL
         self.largeGroup = largeGroup
+        self.messageHistory = messageHistory
+        self.messageTTL = messageTTL
+        self.messageDedupTTL = messageDedupTTL
+        self.messageMaxBytes = messageMaxBytes
+        self.messageReplicas = messageReplicas
     }
 
     /// Throws ``PresenceError/Code/invalidRequest`` naming the first value out of range.
@@ -79,6 +99,11 @@ public struct PresenceConfiguration: Sendable {
         }
         guard maxDevicesPerUser >= 0 else { throw PresenceError(.invalidRequest, "the device limit must not be negative") }
         guard deviceKeyTTL >= leaseTTL * 3 else { throw PresenceError(.invalidRequest, "the device key TTL must be at least 3 lease TTLs") }
+        guard (1...1_000_000).contains(messageHistory) else { throw PresenceError(.invalidRequest, "the message history must keep 1 to 1,000,000 messages") }
+        guard messageTTL >= .seconds(1) else { throw PresenceError(.invalidRequest, "the message TTL must be at least 1 second") }
+        guard messageDedupTTL >= .seconds(1) else { throw PresenceError(.invalidRequest, "the message dedup TTL must be at least 1 second") }
+        guard (1...1_048_576).contains(messageMaxBytes) else { throw PresenceError(.invalidRequest, "the largest message must be 1 to 1,048,576 bytes") }
+        guard (0...16).contains(messageReplicas) else { throw PresenceError(.invalidRequest, "message replicas must be 0 to 16") }
     }
 }
 

@@ -83,7 +83,8 @@ extension PresenceEngine {
         _ = try await applyMembership(conversation, adding: [], removing: Set(members), notifying: Set(members), create: false)
         _ = try await run {
             try await self.redis.pipeline([
-                ["DEL", RedisArgument(keys.members(conversation)), RedisArgument(keys.typing(conversation))],
+                ["DEL", RedisArgument(keys.members(conversation)), RedisArgument(keys.typing(conversation)), RedisArgument(keys.history(conversation)),
+                 RedisArgument(keys.historyMeta(conversation)), RedisArgument(keys.cursors(conversation))],
                 ["SREM", RedisArgument(keys.conversations), RedisArgument(conversation)],
             ])
         }
@@ -214,11 +215,17 @@ extension PresenceEngine {
             events.append([publish, RedisArgument(keys.conversationChannel(conversation)), message])
             for user in recipients.sorted() { events.append([publish, RedisArgument(keys.userChannel(user)), message]) }
         }
-        for step in [revoke, members, grant, events] where !step.isEmpty {
+        for (index, step) in [revoke, members, grant, events].enumerated() {
             for start in stride(from: 0, to: step.count, by: 1000) {
                 let results = try await run { try await self.redis.pipeline(Array(step[start..<min(start + 1000, step.count)])) }
                 for result in results {
                     if case .failure(let error) = result { throw Self.presenceError(error) }
+                }
+            }
+            // New members' cursors start at the history's last seq, once they are members.
+            if index == 1, !event.added.isEmpty {
+                for start in stride(from: 0, to: event.added.count, by: 1000) {
+                    try await evaluate(StartCursors(conversation: conversation, users: Array(event.added[start..<min(start + 1000, event.added.count)])))
                 }
             }
         }

@@ -29,6 +29,20 @@ public struct PresenceKeys: Sendable {
     public func typing(_ conversation: String) -> String { "\(prefix):{c:\(conversation)}:typing" }
     /// Channel of a conversation's events (membership changes, typing).
     public func conversationChannel(_ conversation: String) -> String { "\(prefix):{c:\(conversation)}:events" }
+    /// Stream: a conversation's kept messages, entry id `seq-0`.
+    public func history(_ conversation: String) -> String { "\(prefix):{c:\(conversation)}:history" }
+    /// Hash: `epoch`, `seq` (the last seq given) of a conversation's history.
+    public func historyMeta(_ conversation: String) -> String { "\(prefix):{c:\(conversation)}:history_meta" }
+    /// Hash: user → `epoch|delivered|read`, a member's cursors in a conversation.
+    public func cursors(_ conversation: String) -> String { "\(prefix):{c:\(conversation)}:cursors" }
+    /// Hash with a TTL: the whole message a sender's `client_message_id` made, for retries. The
+    /// sender's id is written with its length, so that no two pairs make the same key.
+    public func sent(_ conversation: String, sender: String, clientMessageID: String) -> String {
+        "\(prefix):{c:\(conversation)}:sent:\(sender.utf8.count):\(sender):\(clientMessageID)"
+    }
+    /// Channel of a conversation's messages and receipts, which every node holding a member's
+    /// session subscribes to.
+    public func messageChannel(_ conversation: String) -> String { "\(prefix):{c:\(conversation)}:messages" }
 
     /// String with a TTL: the node's lease; its value is the lease end its last renewal set (ms).
     public func lease(_ node: String) -> String { "\(prefix):{n:\(node)}:lease" }

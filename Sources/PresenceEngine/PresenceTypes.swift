@@ -99,6 +99,10 @@ public struct PresenceError: Error, Sendable, CustomStringConvertible {
         case limitReached = "limit_reached"
         /// The caller is not allowed to do this (403), e.g. typing in a conversation they are not in.
         case forbidden
+        /// No such thing (404), e.g. a conversation that does not exist.
+        case notFound = "not_found"
+        /// A value over its size limit (413), e.g. a message's text.
+        case payloadTooLarge = "payload_too_large"
         /// Something that should not happen (500).
         case `internal`
     }

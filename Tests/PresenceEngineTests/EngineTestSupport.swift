@@ -34,11 +34,11 @@ struct EngineCluster {
     /// An engine for `node`; with `skew`, its own clock is that many milliseconds off (see
     /// ``OffsetClock``).
     func engine(node: String, visibility: Visibility = .conversations, maxDevices: Int = 32, lease: Duration = .seconds(10), skew: Int64 = 0,
-                largeGroup: Int = 1_000) -> PresenceEngine {
+                largeGroup: Int = 1_000, messageHistory: Int = 10_000, messageMaxBytes: Int = 16_384) -> PresenceEngine {
         PresenceEngine(
             redis: redis,
             configuration: PresenceConfiguration(keyPrefix: prefix, nodeID: node, visibility: visibility, leaseTTL: lease, maxDevicesPerUser: maxDevices,
-                                                 largeGroup: largeGroup),
+                                                 largeGroup: largeGroup, messageHistory: messageHistory, messageMaxBytes: messageMaxBytes),
             clock: skew == 0 ? clock : OffsetClock(base: clock, offset: skew),
             logger: TestRedis.logger()
         )

@@ -1,0 +1,464 @@
+import PresenceProtocol
+import RedisClient
+
+// A conversation's messages, each change one script on the conversation's slot: its members,
+// the history (a stream whose entry ids are the seqs), the history's meta (epoch and last seq),
+// the members' cursors and the senders' retry records share the `{c:ID}` hash tag, so that a
+// send is checked, numbered, stored, published and remembered at once, on a Redis Cluster too.
+//
+// Stream entry fields: `i` id, `u` sender, `c` client message id, `t` type, `x` text, `g` image
+// URL, `k` client's creation moment (ms), `a` stored moment (ms, Redis's clock).
+
+/// A message as the history keeps it.
+public struct StoredMessage: Sendable, Equatable {
+    public var conversationID: String
+    public var epoch: String
+    public var seq: Int64
+    public var id: String
+    public var senderID: String
+    public var clientMessageID: String
+    public var type: MessageType
+    public var text: String
+    public var imageURL: String?
+    /// When Redis stored it, ms since 1970.
+    public var createdAt: Int64
+    /// As the client said it made it, ms since 1970.
+    public var clientCreatedAt: Int64?
+
+    /// Reads the flat field list of a stream entry or a retry record (`seq` given apart for an
+    /// entry, whose id holds it).
+    init?(conversation: String, epoch: String, seq: Int64?, fields: [String]) {
+        var values: [String: String] = [:]
+        for index in stride(from: 0, to: fields.count - 1, by: 2) { values[fields[index]] = fields[index + 1] }
+        guard let seq = seq ?? values["s"].flatMap({ Int64($0) }), let id = values["i"], let sender = values["u"],
+              let clientID = values["c"], let type = values["t"].flatMap(MessageType.init(rawValue:)), let text = values["x"],
+              let created = values["a"].flatMap({ Int64($0) }) else { return nil }
+        self.conversationID = conversation
+        self.epoch = values["e"] ?? epoch
+        self.seq = seq
+        self.id = id
+        self.senderID = sender
+        self.clientMessageID = clientID
+        self.type = type
+        self.text = text
+        self.imageURL = values["g"]
+        self.createdAt = created
+        self.clientCreatedAt = values["k"].flatMap { Int64($0) }
+    }
+
+    /// Reads a stream entry, `[id, [field, value, ...]]`.
+    init?(conversation: String, epoch: String, entry: RESPValue) {
+        guard let parts = entry.array, parts.count == 2, let entryID = parts[0].string,
+              let seq = entryID.split(separator: "-").first.flatMap({ Int64($0) }) else { return nil }
+        self.init(conversation: conversation, epoch: epoch, seq: seq, fields: parts[1].strings)
+    }
+}
+
+/// `text` or `image`.
+public enum MessageType: String, Sendable, CaseIterable {
+    case text, image
+}
+
+/// Which part of a history to read.
+public enum HistoryRange: Sendable, Equatable {
+    /// The oldest kept after this seq.
+    case after(Int64)
+    /// The newest before this seq.
+    case before(Int64)
+    /// The newest.
+    case latest
+}
+
+/// A page of a conversation's history, in seq order.
+public struct HistoryPage: Sendable, Equatable {
+    public var epoch: String
+    public var lastSeq: Int64
+    /// The oldest seq kept; `lastSeq + 1` when none is.
+    public var firstSeq: Int64
+    public var messages: [StoredMessage]
+}
+
+/// What a send carries besides its conversation and sender.
+public struct OutgoingMessage: Sendable {
+    public var clientMessageID: String
+    public var type: MessageType
+    public var text: String
+    public var imageURL: String?
+    public var clientCreatedAt: Int64?
+
+    public init(clientMessageID: String, type: MessageType = .text, text: String, imageURL: String? = nil, clientCreatedAt: Int64? = nil) {
+        self.clientMessageID = clientMessageID
+        self.type = type
+        self.text = text
+        self.imageURL = imageURL
+        self.clientCreatedAt = clientCreatedAt
+    }
+}
+
+/// Lua the message scripts share: the conversation's checks and its history's epoch.
+enum MessageLua {
+    /// `refused(members, user)`: 'missing' without the conversation, 'forbidden' for a
+    /// non-member, else nil. `current(meta)`: the epoch and last seq, both nil for no history.
+    /// `cursorOf(raw, epoch)`: a stored cursor's delivered and read seqs, 0 and 0 when it
+    /// belongs to another epoch.
+    static let common = """
+    local function refused(members, user)
+      if redis.call('EXISTS', members) == 0 then return 'missing' end
+      if redis.call('SISMEMBER', members, user) == 0 then return 'forbidden' end
+      return nil
+    end
+    local function current(meta)
+      local m = redis.call('HMGET', meta, 'epoch', 'seq')
+      if not m[1] then return nil, nil end
+      return m[1], tonumber(m[2]) or 0
+    end
+    local function cursorOf(raw, epoch)
+      if not raw then return 0, 0 end
+      local e, d, r = string.match(raw, '^(.*)|(%d+)|(%d+)$')
+      if e ~= epoch then return 0, 0 end
+      return tonumber(d), tonumber(r)
+    end
+
+    """
+}
+
+/// Sends one message: checks membership and the sender's earlier send of the same client id,
+/// numbers it from the history's meta, stores it (trimming the oldest), remembers it for
+/// retries, moves the sender's cursors to it, and publishes it on the conversation's message
+/// channel.
+struct SendMessage: ScriptCall {
+    enum Outcome {
+        case stored(StoredMessage)
+        case duplicate(StoredMessage)
+        case notMember
+        case noConversation
+    }
+
+    var conversation: String
+    var sender: String
+    var message: OutgoingMessage
+    /// The epoch to start if the history has none (a new one, never used before).
+    var newEpoch: String
+
+    func keys(_ context: ScriptContext) -> [String] {
+        let keys = context.keys
+        return [keys.members(conversation), keys.historyMeta(conversation), keys.history(conversation),
+                keys.sent(conversation, sender: sender, clientMessageID: message.clientMessageID), keys.cursors(conversation)]
+    }
+
+    func arguments(_ context: ScriptContext) -> [RedisArgument] {
+        let configuration = context.configuration
+        return [
+            context.now, RedisArgument(conversation), RedisArgument(sender), RedisArgument(message.clientMessageID),
+            RedisArgument(message.type.rawValue), RedisArgument(message.text), RedisArgument(message.imageURL ?? ""),
+            RedisArgument(message.clientCreatedAt.map { String($0) } ?? ""), RedisArgument(configuration.messageHistory),
+            ScriptContext.milliseconds(configuration.messageTTL), ScriptContext.milliseconds(configuration.messageDedupTTL),
+            RedisArgument(context.keys.messageChannel(conversation)), RedisArgument(newEpoch),
+        ]
+    }
+
+    func decode(_ reply: RESPValue) throws(PresenceError) -> Outcome {
+        let parts = reply.array ?? []
+        switch parts.first?.string {
+        case "missing": return .noConversation
+        case "forbidden": return .notMember
+        case "stored", "duplicate":
+            guard parts.count == 3, let epoch = parts[1].string,
+                  let stored = StoredMessage(conversation: conversation, epoch: epoch, seq: nil, fields: parts[2].strings) else { break }
+            return parts[0].string == "stored" ? .stored(stored) : .duplicate(stored)
+        default: break
+        }
+        throw PresenceError(.internal, "unexpected reply from the send script: \(reply)")
+    }
+
+    static let script = RedisScript(ScriptLua.clock + MessageLua.common + """
+    local now, conversation, sender, clientID = clock(ARGV[1]), ARGV[2], ARGV[3], ARGV[4]
+    local kind, text, image, clientAt = ARGV[5], ARGV[6], ARGV[7], ARGV[8]
+    local keep, ttl, dedupTTL, channel, newEpoch = ARGV[9], tonumber(ARGV[10]), tonumber(ARGV[11]), ARGV[12], ARGV[13]
+    local no = refused(KEYS[1], sender)
+    if no then return {no} end
+    local epoch, last = current(KEYS[2])
+    -- A retry of a send this epoch kept: the stored message, whatever the retry carries. A record
+    -- of an epoch since lost (the conversation deleted and made again) is no longer a send of
+    -- this history.
+    local earlier = redis.call('HGETALL', KEYS[4])
+    if #earlier > 0 then
+      local e = redis.call('HGET', KEYS[4], 'e')
+      if e == epoch then return {'duplicate', e, earlier} end
+    end
+    if not epoch then
+      -- No history: a new epoch, and nothing left over from an earlier one.
+      epoch, last = newEpoch, 0
+      redis.call('DEL', KEYS[3], KEYS[5])
+    end
+    local seq = last + 1
+    local id = epoch .. '-' .. seq
+    redis.call('HSET', KEYS[2], 'epoch', epoch, 'seq', seq)
+    local fields = {'i', id, 'u', sender, 'c', clientID, 't', kind, 'x', text, 'a', now}
+    if image ~= '' then table.insert(fields, 'g'); table.insert(fields, image) end
+    if clientAt ~= '' then table.insert(fields, 'k'); table.insert(fields, clientAt) end
+    redis.call('XADD', KEYS[3], 'MAXLEN', keep, seq .. '-0', unpack(fields))
+    redis.call('HSET', KEYS[5], sender, epoch .. '|' .. seq .. '|' .. seq)
+    for _, key in ipairs({KEYS[2], KEYS[3], KEYS[5]}) do redis.call('PEXPIRE', key, ttl) end
+    local record = {'e', epoch, 's', seq}
+    for _, value in ipairs(fields) do table.insert(record, value) end
+    redis.call('DEL', KEYS[4])
+    redis.call('HSET', KEYS[4], unpack(record))
+    redis.call('PEXPIRE', KEYS[4], dedupTTL)
+    redis.call('PUBLISH', channel, cjson.encode({type = 'message', conversation_id = conversation, epoch = epoch,
+      seq = seq, id = id, sender_id = sender, client_message_id = clientID, message_type = kind, text = text,
+      image_url = image, created_at = now, client_created_at = clientAt}))
+    return {'stored', epoch, record}
+    """)
+}
+
+/// Reads a page of a conversation's history for a member: after a seq, before one, or the
+/// latest; with the epoch (made if the history has none yet, so that a client has one to
+/// sync from), the last seq and the oldest seq kept.
+struct ReadHistory: ScriptCall {
+    var conversation: String
+    var reader: String
+    var page: HistoryRange
+    var limit: Int
+    var newEpoch: String
+
+    func keys(_ context: ScriptContext) -> [String] {
+        [context.keys.members(conversation), context.keys.historyMeta(conversation), context.keys.history(conversation)]
+    }
+
+    func arguments(_ context: ScriptContext) -> [RedisArgument] {
+        let (mode, seq): (String, Int64) = switch page {
+        case .after(let seq): ("after", seq)
+        case .before(let seq): ("before", seq)
+        case .latest: ("latest", 0)
+        }
+        return [context.now, RedisArgument(reader), RedisArgument(mode), RedisArgument(Int(seq)), RedisArgument(limit),
+                RedisArgument(newEpoch), ScriptContext.milliseconds(context.configuration.messageTTL)]
+    }
+
+    func decode(_ reply: RESPValue) throws(PresenceError) -> HistoryPage {
+        let parts = reply.array ?? []
+        switch parts.first?.string {
+        case "missing": throw PresenceError(.notFound, "no such conversation")
+        case "forbidden": throw PresenceError(.forbidden, "you are not a member of this conversation")
+        case "page":
+            guard parts.count == 5, let epoch = parts[1].string, let last = parts[2].int, let first = parts[3].int, let entries = parts[4].array else { break }
+            let messages = entries.compactMap { StoredMessage(conversation: conversation, epoch: epoch, entry: $0) }
+            return HistoryPage(epoch: epoch, lastSeq: Int64(last), firstSeq: Int64(first), messages: messages)
+        default: break
+        }
+        throw PresenceError(.internal, "unexpected reply from the history script: \(reply)")
+    }
+
+    static let script = RedisScript(ScriptLua.clock + MessageLua.common + """
+    local reader, mode, seq, limit, newEpoch, ttl = ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], ARGV[6], tonumber(ARGV[7])
+    local no = refused(KEYS[1], reader)
+    if no then return {no} end
+    local epoch, last = current(KEYS[2])
+    if not epoch then
+      epoch, last = newEpoch, 0
+      redis.call('DEL', KEYS[3])
+      redis.call('HSET', KEYS[2], 'epoch', epoch, 'seq', 0)
+      redis.call('PEXPIRE', KEYS[2], ttl)
+    end
+    local oldest = redis.call('XRANGE', KEYS[3], '-', '+', 'COUNT', 1)
+    local first = last + 1
+    if #oldest > 0 then first = tonumber(string.match(oldest[1][1], '^(%d+)')) end
+    local entries
+    if mode == 'after' then
+      entries = redis.call('XRANGE', KEYS[3], '(' .. seq .. '-0', '+', 'COUNT', limit)
+    else
+      local top = '+'
+      if mode == 'before' then top = '(' .. seq .. '-0' end
+      if mode == 'before' and seq <= 1 then
+        entries = {}
+      else
+        local newest = redis.call('XREVRANGE', KEYS[3], top, '-', 'COUNT', limit)
+        entries = {}
+        for i = #newest, 1, -1 do table.insert(entries, newest[i]) end
+      end
+    end
+    return {'page', epoch, last, first, entries}
+    """)
+}
+
+/// A member's cursors in one conversation, within its history's epoch.
+public struct Cursors: Sendable, Equatable {
+    public var deliveredSeq: Int64
+    public var readSeq: Int64
+
+    public init(deliveredSeq: Int64, readSeq: Int64) {
+        self.deliveredSeq = deliveredSeq
+        self.readSeq = readSeq
+    }
+}
+
+/// Which of a member's cursors a client moves.
+public enum CursorKind: String, Sendable {
+    case delivered, read
+}
+
+/// Moves a member's cursor forward (never back; a seq above the last is the last; `read` moves
+/// `delivered` too) and, when it moved, publishes a receipt on the message channel.
+struct MoveCursor: ScriptCall {
+    var conversation: String
+    var user: String
+    var kind: CursorKind
+    var seq: Int64
+
+    func keys(_ context: ScriptContext) -> [String] {
+        [context.keys.members(conversation), context.keys.historyMeta(conversation), context.keys.cursors(conversation)]
+    }
+
+    func arguments(_ context: ScriptContext) -> [RedisArgument] {
+        [context.now, RedisArgument(conversation), RedisArgument(user), RedisArgument(kind.rawValue), RedisArgument(Int(seq)),
+         RedisArgument(context.keys.messageChannel(conversation)), ScriptContext.milliseconds(context.configuration.messageTTL)]
+    }
+
+    func decode(_ reply: RESPValue) throws(PresenceError) -> Cursors {
+        let parts = reply.array ?? []
+        switch parts.first?.string {
+        case "missing": throw PresenceError(.notFound, "no such conversation")
+        case "forbidden": throw PresenceError(.forbidden, "you are not a member of this conversation")
+        case "cursors":
+            guard parts.count == 3, let delivered = parts[1].int, let read = parts[2].int else { break }
+            return Cursors(deliveredSeq: Int64(delivered), readSeq: Int64(read))
+        default: break
+        }
+        throw PresenceError(.internal, "unexpected reply from the cursor script: \(reply)")
+    }
+
+    static let script = RedisScript(ScriptLua.clock + MessageLua.common + """
+    local conversation, user, kind, seq, channel, ttl = ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[7])
+    local no = refused(KEYS[1], user)
+    if no then return {no} end
+    local epoch, last = current(KEYS[2])
+    if not epoch then return {'cursors', 0, 0} end
+    local delivered, read = cursorOf(redis.call('HGET', KEYS[3], user), epoch)
+    local target = math.min(seq, last)
+    local newRead = read
+    if kind == 'read' then newRead = math.max(read, target) end
+    local newDelivered = math.max(delivered, target, newRead)
+    if newDelivered ~= delivered or newRead ~= read then
+      redis.call('HSET', KEYS[3], user, epoch .. '|' .. newDelivered .. '|' .. newRead)
+      redis.call('PEXPIRE', KEYS[3], ttl)
+      redis.call('PUBLISH', channel, cjson.encode({type = 'receipt', conversation_id = conversation, epoch = epoch,
+        user_id = user, delivered_seq = newDelivered, read_seq = newRead}))
+    end
+    return {'cursors', newDelivered, newRead}
+    """)
+}
+
+/// Every member's cursors in a conversation, for a member.
+struct ReadReceipts: ScriptCall {
+    var conversation: String
+    var reader: String
+
+    func keys(_ context: ScriptContext) -> [String] {
+        [context.keys.members(conversation), context.keys.historyMeta(conversation), context.keys.cursors(conversation)]
+    }
+
+    func arguments(_ context: ScriptContext) -> [RedisArgument] {
+        [context.now, RedisArgument(reader)]
+    }
+
+    func decode(_ reply: RESPValue) throws(PresenceError) -> [(user: String, cursors: Cursors)] {
+        let parts = reply.array ?? []
+        switch parts.first?.string {
+        case "missing": throw PresenceError(.notFound, "no such conversation")
+        case "forbidden": throw PresenceError(.forbidden, "you are not a member of this conversation")
+        case "receipts":
+            guard parts.count == 2, let rows = parts[1].array else { break }
+            return rows.compactMap { row in
+                guard let fields = row.array, fields.count == 3, let user = fields[0].string, let delivered = fields[1].int, let read = fields[2].int else { return nil }
+                return (user, Cursors(deliveredSeq: Int64(delivered), readSeq: Int64(read)))
+            }.sorted { $0.user < $1.user }
+        default: break
+        }
+        throw PresenceError(.internal, "unexpected reply from the receipts script: \(reply)")
+    }
+
+    static let script = RedisScript(ScriptLua.clock + MessageLua.common + """
+    local no = refused(KEYS[1], ARGV[2])
+    if no then return {no} end
+    local epoch = current(KEYS[2])
+    local rows = {}
+    for _, member in ipairs(redis.call('SMEMBERS', KEYS[1])) do
+      local delivered, read = 0, 0
+      if epoch then delivered, read = cursorOf(redis.call('HGET', KEYS[3], member), epoch) end
+      table.insert(rows, {member, delivered, read})
+    end
+    return {'receipts', rows}
+    """)
+}
+
+/// One of a user's conversations as their list shows it: the history's epoch and last seq,
+/// their cursors and the last message kept.
+public struct ConversationSummary: Sendable, Equatable {
+    public var conversationID: String
+    /// Empty while the conversation has no history.
+    public var epoch: String
+    public var lastSeq: Int64
+    public var cursors: Cursors
+    public var lastMessage: StoredMessage?
+    public var unread: Int64 { max(0, lastSeq - cursors.readSeq) }
+}
+
+/// Reads ``ConversationSummary`` for a member; `nil` when they are not one (any more).
+struct SummarizeConversation: ScriptCall {
+    var conversation: String
+    var user: String
+
+    func keys(_ context: ScriptContext) -> [String] {
+        [context.keys.members(conversation), context.keys.historyMeta(conversation), context.keys.history(conversation), context.keys.cursors(conversation)]
+    }
+
+    func arguments(_ context: ScriptContext) -> [RedisArgument] {
+        [context.now, RedisArgument(user)]
+    }
+
+    func decode(_ reply: RESPValue) throws(PresenceError) -> ConversationSummary? {
+        let parts = reply.array ?? []
+        guard parts.first?.string == "summary" else { return nil }
+        guard parts.count == 6, let epoch = parts[1].string, let last = parts[2].int, let delivered = parts[3].int, let read = parts[4].int,
+              let newest = parts[5].array else {
+            throw PresenceError(.internal, "unexpected reply from the summary script: \(reply)")
+        }
+        return ConversationSummary(
+            conversationID: conversation, epoch: epoch, lastSeq: Int64(last), cursors: Cursors(deliveredSeq: Int64(delivered), readSeq: Int64(read)),
+            lastMessage: newest.first.flatMap { StoredMessage(conversation: conversation, epoch: epoch, entry: $0) }
+        )
+    }
+
+    static let script = RedisScript(ScriptLua.clock + MessageLua.common + """
+    if refused(KEYS[1], ARGV[2]) then return {'none'} end
+    local epoch, last = current(KEYS[2])
+    if not epoch then return {'summary', '', 0, 0, 0, {}} end
+    local delivered, read = cursorOf(redis.call('HGET', KEYS[4], ARGV[2]), epoch)
+    return {'summary', epoch, last, delivered, read, redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1)}
+    """)
+}
+
+/// Starts new members' cursors at the history's last seq, as of their joining.
+struct StartCursors: ScriptCall {
+    var conversation: String
+    var users: [String]
+
+    func keys(_ context: ScriptContext) -> [String] {
+        [context.keys.historyMeta(conversation), context.keys.cursors(conversation)]
+    }
+
+    func arguments(_ context: ScriptContext) -> [RedisArgument] {
+        [context.now, ScriptContext.milliseconds(context.configuration.messageTTL)] + users.map { RedisArgument($0) }
+    }
+
+    func decode(_ reply: RESPValue) throws(PresenceError) {}
+
+    static let script = RedisScript(ScriptLua.clock + MessageLua.common + """
+    local epoch, last = current(KEYS[1])
+    if not epoch or last == 0 then return 0 end
+    for i = 3, #ARGV do redis.call('HSET', KEYS[2], ARGV[i], epoch .. '|' .. last .. '|' .. last) end
+    redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[2]))
+    return 1
+    """)
+}
