@@ -36,6 +36,8 @@ public final class Gateway: Sendable {
     let authenticator: Authenticator
     let restLimiter: RateLimiter
     let typingLimiter: RateLimiter
+    /// Messages sent per user, over REST and every session of theirs on this node.
+    let messageLimiter: RateLimiter
     let logger: Logger
     /// The long-lived parts, in start order (stopped in reverse).
     let services: [any Service]
@@ -70,6 +72,7 @@ public final class Gateway: Sendable {
         authenticator = try await Authenticator(configuration: configuration)
         restLimiter = RateLimiter(rate: configuration.statusRate)
         typingLimiter = RateLimiter(rate: configuration.typingRate)
+        messageLimiter = RateLimiter(rate: configuration.messageRate)
         services = [redis, subscriber, hub, PresenceLeaseService(engine: engine), PresenceReaperService(engine: engine)]
         GatewayMetrics.bootstrap()
     }
@@ -126,9 +129,10 @@ public func buildGateway(
     let gateway = try await Gateway(configuration: configuration, logger: logger)
     let router = Router(context: GatewayRequestContext.self)
     router.add(middleware: APIErrorMiddleware())
-    router.add(middleware: RESTCodingMiddleware(coder: gateway.bodies))
+    router.add(middleware: RESTCodingMiddleware(coder: gateway.bodies, maxBody: configuration.maxBodySize))
     router.add(middleware: CurrentStateMiddleware(engine: gateway.engine))
     gateway.addRESTRoutes(to: router)
+    gateway.addMessageRoutes(to: router)
     gateway.addAdminRoutes(to: router)
     gateway.addDashboardRoutes(to: router)
     gateway.addWebSocketRoute(to: router)

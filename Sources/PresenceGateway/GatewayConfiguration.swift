@@ -39,6 +39,18 @@ public struct GatewayConfiguration: Sendable {
     public var typingTTL = 5
     /// Above this many members a conversation gives counts, not member lists or automatic contacts.
     public var largeGroup = 1_000
+    /// Messages kept per conversation.
+    public var messageHistory = 10_000
+    /// Seconds a conversation's history lives after its last message.
+    public var messageTTL = 30 * 86_400
+    /// Seconds a sender's `client_message_id` is remembered.
+    public var messageDedupTTL = 7 * 86_400
+    /// Largest message `text`, in UTF-8 bytes.
+    public var messageMaxBytes = 16_384
+    /// Replicas an acknowledged message must have reached.
+    public var messageReplicas = 0
+    /// Messages per second per user, over REST and sessions (token bucket rate; burst is twice).
+    public var messageRate = 100.0
     /// Pieces of session work (openings, frames; and apart, ends) run at once; no variable.
     public var sessionWorkLimit = 256
     /// Log level.
@@ -133,6 +145,11 @@ public struct GatewayConfiguration: Sendable {
         if let value = try integer("PRESENCE_TYPING_TTL", 1...3600) { typingTTL = value }
         if let value = try integer("PRESENCE_LARGE_GROUP", 2...100_000) { largeGroup = value }
         if let value = try integer("PRESENCE_MAX_SESSIONS", 1...10_000_000) { maxSessions = value }
+        if let value = try integer("PRESENCE_MESSAGE_HISTORY", 1...1_000_000) { messageHistory = value }
+        if let value = try integer("PRESENCE_MESSAGE_TTL", 1...(10 * 366 * 86_400)) { messageTTL = value }
+        if let value = try integer("PRESENCE_MESSAGE_DEDUP_TTL", 1...(10 * 366 * 86_400)) { messageDedupTTL = value }
+        if let value = try integer("PRESENCE_MESSAGE_MAX_BYTES", 1...1_048_576) { messageMaxBytes = value }
+        if let value = try integer("PRESENCE_MESSAGE_REPLICAS", 0...16) { messageReplicas = value }
         if let value = values["PRESENCE_LOG_LEVEL"] {
             guard let level = Logger.Level(rawValue: value.lowercased()) else {
                 throw GatewayConfigurationError("PRESENCE_LOG_LEVEL=\(value) must be one of trace, debug, info, notice, warning, error, critical")
@@ -175,9 +192,15 @@ public struct GatewayConfiguration: Sendable {
         PresenceConfiguration(
             keyPrefix: keyPrefix, nodeID: nodeID, visibility: visibility,
             leaseTTL: .seconds(leaseTTL), linger: .seconds(linger), heartbeatTTL: .seconds(heartbeatTTL),
-            typingTTL: .seconds(typingTTL), maxDevicesPerUser: maxDevicesPerUser, largeGroup: largeGroup
+            typingTTL: .seconds(typingTTL), maxDevicesPerUser: maxDevicesPerUser, largeGroup: largeGroup,
+            messageHistory: messageHistory, messageTTL: .seconds(messageTTL), messageDedupTTL: .seconds(messageDedupTTL),
+            messageMaxBytes: messageMaxBytes, messageReplicas: messageReplicas
         )
     }
+
+    /// The largest REST body: room for a message's `text` of the largest size written with
+    /// JSON's longest escapes (six bytes a byte), and the rest of its body; at least 128 KiB.
+    public var maxBodySize: Int { max(128 * 1024, messageMaxBytes * 6 + 4 * 1024) }
 
     /// The open-file limit (soft) less 256 descriptors for everything that is not a session;
     /// at least 1. See ``raiseOpenFileLimit()``.

@@ -4,6 +4,7 @@ public enum ErrorCode: String, Sendable, Hashable, Codable, CaseIterable {
     case unauthorized
     case forbidden
     case notFound = "not_found"
+    case payloadTooLarge = "payload_too_large"
     case methodNotAllowed = "method_not_allowed"
     case invalidRequest = "invalid_request"
     case rateLimited = "rate_limited"
@@ -16,6 +17,7 @@ public enum ErrorCode: String, Sendable, Hashable, Codable, CaseIterable {
         case .unauthorized: 401
         case .forbidden: 403
         case .notFound: 404
+        case .payloadTooLarge: 413
         case .methodNotAllowed: 405
         case .invalidRequest: 422
         case .rateLimited: 429

@@ -14,12 +14,21 @@ struct ConfigurationTests {
             "PRESENCE_PORT": "9000", "PRESENCE_LEASE_TTL": "20", "PRESENCE_VISIBILITY": "open",
             "PRESENCE_JWT_SECRET": String(repeating: "s", count: 32), "PRESENCE_LOG_LEVEL": "debug",
             "PRESENCE_MAX_SESSIONS": "5000", "PRESENCE_ID_FORMAT": "numeric",
+            "PRESENCE_MESSAGE_HISTORY": "500", "PRESENCE_MESSAGE_TTL": "3600", "PRESENCE_MESSAGE_DEDUP_TTL": "600",
+            "PRESENCE_MESSAGE_MAX_BYTES": "65536", "PRESENCE_MESSAGE_REPLICAS": "1",
         ])
+        let engine = configuration.engineConfiguration
+        #expect(engine.messageHistory == 500 && engine.messageTTL == .seconds(3600) && engine.messageDedupTTL == .seconds(600))
+        #expect(engine.messageMaxBytes == 65536 && engine.messageReplicas == 1)
+        #expect(configuration.maxBodySize == 65536 * 6 + 4096 && GatewayConfiguration().maxBodySize == 128 * 1024,
+                "a body holds the largest text however JSON escapes it, and never less than 128 KiB")
         #expect(configuration.port == 9000 && configuration.leaseTTL == 20 && configuration.visibility == .open)
         #expect(configuration.idFormat == .numeric && GatewayConfiguration().idFormat == .string)
         #expect(configuration.maxSessions == 5000)
         try configuration.validate()
-        for (name, value) in [("PRESENCE_PORT", "http"), ("PRESENCE_LEASE_TTL", "0"), ("PRESENCE_VISIBILITY", "all"), ("PRESENCE_LOG_LEVEL", "loud"), ("PRESENCE_MAX_SESSIONS", "0"), ("PRESENCE_ID_FORMAT", "integer")] {
+        for (name, value) in [("PRESENCE_PORT", "http"), ("PRESENCE_LEASE_TTL", "0"), ("PRESENCE_VISIBILITY", "all"), ("PRESENCE_LOG_LEVEL", "loud"), ("PRESENCE_MAX_SESSIONS", "0"), ("PRESENCE_ID_FORMAT", "integer"),
+                              ("PRESENCE_MESSAGE_HISTORY", "0"), ("PRESENCE_MESSAGE_TTL", "0"), ("PRESENCE_MESSAGE_DEDUP_TTL", "-1"),
+                              ("PRESENCE_MESSAGE_MAX_BYTES", "1048577"), ("PRESENCE_MESSAGE_REPLICAS", "17")] {
             do {
                 _ = try GatewayConfiguration(environment: [name: value])
                 Issue.record("\(name)=\(value) must be refused")

@@ -112,7 +112,7 @@ struct FrameTests {
     @Test("close codes and error codes have the API's numbers and statuses")
     func codes() {
         #expect(CloseCode.allCases.map(\.rawValue) == [1000, 1001, 1008, 1009, 1011, 1013, 4001, 4003, 4009, 4029])
-        #expect(ErrorCode.allCases.map(\.httpStatus) == [401, 403, 404, 405, 422, 429, 503, 500])
+        #expect(ErrorCode.allCases.map(\.httpStatus) == [401, 403, 404, 413, 405, 422, 429, 503, 500])
         #expect(PresenceStatus.rule == "one of online, away, offline")
     }
 

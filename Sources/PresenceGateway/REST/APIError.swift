@@ -65,6 +65,8 @@ public struct APIError: Error, HTTPResponseError, Sendable {
             case .invalidRequest: return .invalid(error.message)
             case .limitReached: return .rateLimited(error.message, retryAfter: 60)
             case .forbidden: return .forbidden(error.message)
+            case .notFound: return .notFound(error.message)
+            case .payloadTooLarge: return .init(.payloadTooLarge, error.message)
             case .internal: return .internal()
             }
         case let error as HTTPError where error.status == .notFound:

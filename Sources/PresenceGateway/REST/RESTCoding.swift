@@ -15,7 +15,7 @@ public struct RESTRequestDecoder: RequestDecoder {
         do {
             buffer = try await request.body.collect(upTo: context.maxUploadSize)
         } catch {
-            throw APIError.invalid("the body must be JSON of at most \(context.maxUploadSize / 1024) KiB")
+            throw APIError(.payloadTooLarge, "the body must be JSON of at most \(context.maxUploadSize / 1024) KiB")
         }
         do {
             return try coder.decode(type, from: Data(buffer.readableBytesView))
@@ -64,13 +64,19 @@ public struct RESTResponseEncoder: ResponseEncoder {
 /// which a request context cannot reach when Hummingbird creates it).
 struct RESTCodingMiddleware: RouterMiddleware {
     let coder: FrameCoder
+    let maxBody: Int
 
     func handle(_ request: Request, context: GatewayRequestContext, next: (Request, GatewayRequestContext) async throws -> Response) async throws -> Response {
         var context = context
         context.bodies = coder
+        context.maxBody = maxBody
         return try await next(request, context)
     }
 }
 
 /// A presence, or a list of them, is the answer of most user routes.
 extension PresencePayload: ResponseEncodable {}
+extension MessagePayload: ResponseEncodable {}
+extension HistoryPayload: ResponseEncodable {}
+extension ReceiptPayload: ResponseEncodable {}
+extension ConversationEntryPayload: ResponseEncodable {}

@@ -7,8 +7,10 @@ public struct GatewayRequestContext: RequestContext {
     /// How bodies are read and written: set for every request by ``RESTCodingMiddleware``.
     var bodies = FrameCoder(snakeCaseKeys: true)
 
-    /// API.md's limit on a request body.
-    public var maxUploadSize: Int { 64 * 1024 }
+    /// The limit on a request body: set for every request by ``RESTCodingMiddleware``, from
+    /// the largest message (see ``GatewayConfiguration/maxBodySize``).
+    var maxBody = 128 * 1024
+    public var maxUploadSize: Int { maxBody }
     public var requestDecoder: RESTRequestDecoder { RESTRequestDecoder(coder: bodies) }
     public var responseEncoder: RESTResponseEncoder { RESTResponseEncoder(coder: bodies) }
 

@@ -1,0 +1,151 @@
+/// A conversation's message as REST and the `message` frame carry it (API.md, "Messages").
+public struct MessagePayload: Sendable, Hashable, Encodable {
+    public var conversationID: String
+    public var seq: Int64
+    public var id: String
+    public var senderID: String
+    public var clientMessageID: String
+    /// `text` or `image`.
+    public var type: String
+    public var text: String
+    public var imageURL: String?
+    /// Milliseconds since 1970.
+    public var createdAt: Int64
+    /// Milliseconds since 1970, as the client said; `nil` when it said nothing.
+    public var clientCreatedAt: Int64?
+    /// Set on a send's answer only: whether the send was a retry of one already stored.
+    public var duplicate: Bool?
+
+    public init(conversationID: String, seq: Int64, id: String, senderID: String, clientMessageID: String, type: String, text: String,
+                imageURL: String?, createdAt: Int64, clientCreatedAt: Int64?, duplicate: Bool? = nil) {
+        self.conversationID = conversationID
+        self.seq = seq
+        self.id = id
+        self.senderID = senderID
+        self.clientMessageID = clientMessageID
+        self.type = type
+        self.text = text
+        self.imageURL = imageURL
+        self.createdAt = createdAt
+        self.clientCreatedAt = clientCreatedAt
+        self.duplicate = duplicate
+    }
+
+    enum CodingKeys: String, CodingKey {
+        case conversationID = "conversation_id", seq, id, senderID = "sender_id", clientMessageID = "client_message_id", type, text
+        case imageURL = "image_url", createdAt = "created_at", clientCreatedAt = "client_created_at", duplicate
+    }
+
+    public func encode(to encoder: any Encoder) throws {
+        var container = encoder.container(keyedBy: CodingKeys.self)
+        let format = PresenceIDFormat(userInfo: encoder.userInfo)
+        try format.encode(conversationID, forKey: .conversationID, in: &container)
+        try container.encode(seq, forKey: .seq)
+        try container.encode(id, forKey: .id)
+        try format.encode(senderID, forKey: .senderID, in: &container)
+        try container.encode(clientMessageID, forKey: .clientMessageID)
+        try container.encode(type, forKey: .type)
+        try container.encode(text, forKey: .text)
+        try container.encode(imageURL, forKey: .imageURL)
+        try container.encodeTimestamp(createdAt, forKey: .createdAt)
+        try container.encodeTimestamp(clientCreatedAt, forKey: .clientCreatedAt)
+        try container.encodeIfPresent(duplicate, forKey: .duplicate)
+    }
+}
+
+/// A page of history: `{"conversation_id","epoch","first_seq","last_seq","messages"}`.
+public struct HistoryPayload: Sendable, Hashable, Encodable {
+    public var conversationID: String
+    public var epoch: String
+    public var firstSeq: Int64
+    public var lastSeq: Int64
+    public var messages: [MessagePayload]
+
+    public init(conversationID: String, epoch: String, firstSeq: Int64, lastSeq: Int64, messages: [MessagePayload]) {
+        self.conversationID = conversationID
+        self.epoch = epoch
+        self.firstSeq = firstSeq
+        self.lastSeq = lastSeq
+        self.messages = messages
+    }
+
+    enum CodingKeys: String, CodingKey {
+        case conversationID = "conversation_id", epoch, firstSeq = "first_seq", lastSeq = "last_seq", messages
+    }
+
+    public func encode(to encoder: any Encoder) throws {
+        var container = encoder.container(keyedBy: CodingKeys.self)
+        try PresenceIDFormat(userInfo: encoder.userInfo).encode(conversationID, forKey: .conversationID, in: &container)
+        try container.encode(epoch, forKey: .epoch)
+        try container.encode(firstSeq, forKey: .firstSeq)
+        try container.encode(lastSeq, forKey: .lastSeq)
+        try container.encode(messages, forKey: .messages)
+    }
+}
+
+/// A member's cursors: `{"user_id"?, "conversation_id"?, "delivered_seq", "read_seq"}` (the
+/// answer to `read` has neither id; a receipt row has the user's; a `receipt` frame both).
+public struct ReceiptPayload: Sendable, Hashable, Encodable {
+    public var conversationID: String?
+    public var userID: String?
+    public var deliveredSeq: Int64
+    public var readSeq: Int64
+
+    public init(conversationID: String? = nil, userID: String? = nil, deliveredSeq: Int64, readSeq: Int64) {
+        self.conversationID = conversationID
+        self.userID = userID
+        self.deliveredSeq = deliveredSeq
+        self.readSeq = readSeq
+    }
+
+    enum CodingKeys: String, CodingKey {
+        case conversationID = "conversation_id", userID = "user_id", deliveredSeq = "delivered_seq", readSeq = "read_seq"
+    }
+
+    public func encode(to encoder: any Encoder) throws {
+        var container = encoder.container(keyedBy: CodingKeys.self)
+        let format = PresenceIDFormat(userInfo: encoder.userInfo)
+        if let conversationID { try format.encode(conversationID, forKey: .conversationID, in: &container) }
+        if let userID { try format.encode(userID, forKey: .userID, in: &container) }
+        try container.encode(deliveredSeq, forKey: .deliveredSeq)
+        try container.encode(readSeq, forKey: .readSeq)
+    }
+}
+
+/// One of the caller's conversations in `GET /api/conversations`.
+public struct ConversationEntryPayload: Sendable, Hashable, Encodable {
+    public var conversationID: String
+    /// `null` while the conversation has no history.
+    public var epoch: String?
+    public var lastSeq: Int64
+    public var deliveredSeq: Int64
+    public var readSeq: Int64
+    public var unread: Int64
+    public var lastMessage: MessagePayload?
+
+    public init(conversationID: String, epoch: String?, lastSeq: Int64, deliveredSeq: Int64, readSeq: Int64, unread: Int64, lastMessage: MessagePayload?) {
+        self.conversationID = conversationID
+        self.epoch = epoch
+        self.lastSeq = lastSeq
+        self.deliveredSeq = deliveredSeq
+        self.readSeq = readSeq
+        self.unread = unread
+        self.lastMessage = lastMessage
+    }
+
+    enum CodingKeys: String, CodingKey {
+        case conversationID = "conversation_id", epoch, lastSeq = "last_seq", deliveredSeq = "delivered_seq", readSeq = "read_seq", unread
+        case lastMessage = "last_message"
+    }
+
+    public func encode(to encoder: any Encoder) throws {
+        var container = encoder.container(keyedBy: CodingKeys.self)
+        try PresenceIDFormat(userInfo: encoder.userInfo).encode(conversationID, forKey: .conversationID, in: &container)
+        try container.encode(epoch, forKey: .epoch)
+        try container.encode(lastSeq, forKey: .lastSeq)
+        try container.encode(deliveredSeq, forKey: .deliveredSeq)
+        try container.encode(readSeq, forKey: .readSeq)
+        try container.encode(unread, forKey: .unread)
+        try container.encode(lastMessage, forKey: .lastMessage)
+    }
+}
