@@ -23,8 +23,6 @@ extension PresenceEngine {
         switch outcome {
         case .stored(let stored): return (stored, false)
         case .duplicate(let stored): return (stored, true)
-        case .notMember: throw PresenceError(.forbidden, "you are not a member of this conversation")
-        case .noConversation: throw PresenceError(.notFound, "no such conversation")
         }
     }
 

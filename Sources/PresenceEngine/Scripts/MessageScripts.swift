@@ -101,6 +101,15 @@ enum MessageLua {
     /// non-member, else nil. `current(meta)`: the epoch and last seq, both nil for no history.
     /// `cursorOf(raw, epoch)`: a stored cursor's delivered and read seqs, 0 and 0 when it
     /// belongs to another epoch.
+    /// The refusal `refused()` answered a script with, as the caller's error; `nil` otherwise.
+    static func refusal(_ reply: [RESPValue]) -> PresenceError? {
+        switch reply.first?.string {
+        case "missing": PresenceError(.notFound, "no such conversation")
+        case "forbidden": PresenceError(.forbidden, "you are not a member of this conversation")
+        default: nil
+        }
+    }
+
     static let common = """
     local function refused(members, user)
       if redis.call('EXISTS', members) == 0 then return 'missing' end
@@ -130,8 +139,6 @@ struct SendMessage: ScriptCall {
     enum Outcome {
         case stored(StoredMessage)
         case duplicate(StoredMessage)
-        case notMember
-        case noConversation
     }
 
     var conversation: String
@@ -159,9 +166,8 @@ struct SendMessage: ScriptCall {
 
     func decode(_ reply: RESPValue) throws(PresenceError) -> Outcome {
         let parts = reply.array ?? []
+        if let refusal = MessageLua.refusal(parts) { throw refusal }
         switch parts.first?.string {
-        case "missing": return .noConversation
-        case "forbidden": return .notMember
         case "stored", "duplicate":
             guard parts.count == 3, let epoch = parts[1].string,
                   let stored = StoredMessage(conversation: conversation, epoch: epoch, seq: nil, fields: parts[2].strings) else { break }
@@ -238,9 +244,8 @@ struct ReadHistory: ScriptCall {
 
     func decode(_ reply: RESPValue) throws(PresenceError) -> HistoryPage {
         let parts = reply.array ?? []
+        if let refusal = MessageLua.refusal(parts) { throw refusal }
         switch parts.first?.string {
-        case "missing": throw PresenceError(.notFound, "no such conversation")
-        case "forbidden": throw PresenceError(.forbidden, "you are not a member of this conversation")
         case "page":
             guard parts.count == 5, let epoch = parts[1].string, let last = parts[2].int, let first = parts[3].int, let entries = parts[4].array else { break }
             let messages = entries.compactMap { StoredMessage(conversation: conversation, epoch: epoch, entry: $0) }
@@ -317,9 +322,8 @@ struct MoveCursor: ScriptCall {
 
     func decode(_ reply: RESPValue) throws(PresenceError) -> Cursors {
         let parts = reply.array ?? []
+        if let refusal = MessageLua.refusal(parts) { throw refusal }
         switch parts.first?.string {
-        case "missing": throw PresenceError(.notFound, "no such conversation")
-        case "forbidden": throw PresenceError(.forbidden, "you are not a member of this conversation")
         case "cursors":
             guard parts.count == 3, let delivered = parts[1].int, let read = parts[2].int else { break }
             return Cursors(deliveredSeq: Int64(delivered), readSeq: Int64(read))
@@ -364,9 +368,8 @@ struct ReadReceipts: ScriptCall {
 
     func decode(_ reply: RESPValue) throws(PresenceError) -> [(user: String, cursors: Cursors)] {
         let parts = reply.array ?? []
+        if let refusal = MessageLua.refusal(parts) { throw refusal }
         switch parts.first?.string {
-        case "missing": throw PresenceError(.notFound, "no such conversation")
-        case "forbidden": throw PresenceError(.forbidden, "you are not a member of this conversation")
         case "receipts":
             guard parts.count == 2, let rows = parts[1].array else { break }
             return rows.compactMap { row in
