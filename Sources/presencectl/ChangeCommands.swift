@@ -145,7 +145,9 @@ struct WatchCommand: AsyncParsableCommand {
                 } else {
                     try await subscriber.subscribe(users.map { engine.keys.userChannel($0) })
                 }
-                if !options.json { FileHandle.standardError.write(Data("watching \(users.isEmpty ? "every user" : users.joined(separator: ", ")); Ctrl-C to stop\n".utf8)) }
+                // Once subscribed, on standard error even with --json: a script knows from this
+                // line that no event from now on is missed.
+                FileHandle.standardError.write(Data("watching \(users.isEmpty ? "every user" : users.joined(separator: ", ")); Ctrl-C to stop\n".utf8))
                 for await event in subscriber.events {
                     guard case .message(let channel, let payload) = event else {
                         if case .disconnected = event { FileHandle.standardError.write(Data("(lost Redis; reconnecting)\n".utf8)) }

@@ -25,6 +25,7 @@ import hmac
 import http.server
 import json
 import os
+import select
 import shutil
 import socket
 import struct
@@ -183,6 +184,33 @@ def json_values(text):
         values.append(value)
 
 
+def json_values_so_far(text):
+    """The whole JSON values at the start of `text`, which may end in the middle of one."""
+    decoder, values, position = json.JSONDecoder(), [], 0
+    while True:
+        while position < len(text) and text[position].isspace():
+            position += 1
+        try:
+            value, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            return values
+        values.append(value)
+
+
+def read_until(stream, done, seconds):
+    """What `stream` (a text pipe) gives until `done(all so far)` or `seconds` pass."""
+    text, deadline = "", time.time() + seconds
+    while not done(text) and time.time() < deadline:
+        ready, _, _ = select.select([stream], [], [], max(0, deadline - time.time()))
+        if not ready:
+            break
+        chunk = os.read(stream.fileno(), 65536)
+        if not chunk:
+            break
+        text += chunk.decode()
+    return text
+
+
 def presencectl(arguments, redis_url, prefix):
     binary = os.path.join(ROOT, ".build/debug/presencectl")
     output = subprocess.run([binary, *arguments, "--json", "--redis-url", redis_url, "--key-prefix", prefix], check=True, capture_output=True, text=True, timeout=30)
@@ -259,14 +287,25 @@ def main():
         board.find_element("css selector", "#token-form button[type=submit], #token-form button").click()
         wait_until(lambda: board.find_element("id", "feed-state").text.startswith("live"), 10, "the dashboard's feed is live")
         watch = subprocess.Popen([os.path.join(ROOT, ".build/debug/presencectl"), "watch", "--json", "--user", "alice", "--redis-url", redis_url,
-                                  "--key-prefix", prefix], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        time.sleep(1)  # subscribed
+                                  "--key-prefix", prefix], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # It says "watching" once subscribed (a fixed second was not always enough on a busy CI
+        # machine: it missed the change).
+        ready, _, _ = select.select([watch.stderr], [], [], 10)
+        said = watch.stderr.readline() if ready else ""
+        check(said.startswith("watching"), f"presencectl watch subscribed within 10 s ({said.strip()!r})")
         started = time.time() * 1000
         alice.minimize_window()
         wait_until(lambda: any(e["detail"]["status"] == "away" for e in peer_events(bob, "alice", started)), 3, "Bob sees Alice away again")
         wait_until(lambda: "away" in " ".join(li.text for li in board.find_elements("css selector", "#events li[data-user-id=alice]")), 5, "the dashboard's event tail has Alice away")
+        # presencectl (a debug build, on a machine busy with three browsers) may print the change
+        # a moment after the dashboard showed it: read until it has, then stop it.
+        output = read_until(watch.stdout, lambda text: any(e.get("type") == "presence" and e.get("status") == "away" for e in json_values_so_far(text)), 5)
         watch.terminate()
-        watched = [event for event in json_values(watch.communicate(timeout=5)[0]) if event.get("type") == "presence"]
+        rest, errors = watch.communicate(timeout=5)
+        output += rest
+        watched = [event for event in json_values(output) if event.get("type") == "presence"]
+        if not watched:
+            print(f"e2e: presencectl watch printed nothing; its standard error: {errors.strip()!r}; exit {watch.returncode}")
         newest = board.find_elements("css selector", "#events li[data-user-id=alice]")[0].text
         check(watched and watched[-1]["status"] == "away" and "away" in newest and watched[-1]["at"][11:23] in newest,
               f"the dashboard's newest event for Alice ({newest!r}) is presencectl watch's ({watched[-1] if watched else None})")
