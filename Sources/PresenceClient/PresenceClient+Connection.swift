@@ -103,7 +103,7 @@ extension PresenceClient {
             _ = lifecycle.closed(code: code, upgradeRefused: refused)
             return
         }
-        switch lifecycle.closed(code: code, upgradeRefused: refused, gateways: configuration.gatewayURLs.count) {
+        switch lifecycle.closed(code: code, upgradeRefused: refused) {
         case .stop(let reason):
             setState(.stopped(reason))
         case .reconnectNow(let newToken):
