@@ -211,6 +211,9 @@ extension PresenceClient {
             if let id, pending.removeValue(forKey: id) != nil { answered(id) }
         case .pong:
             break
+        case .message, .messageAck, .synced, .receipt:
+            // Messages are not this client's yet: it carries presence only.
+            break
         case .error(let error):
             refused(id: id, code: error.code, message: error.message)
         }

@@ -2,6 +2,31 @@ import Foundation
 import PresenceProtocol
 import RedisClient
 
+/// The answer to one position of a `sync`: the messages to send, in order, and what cannot be.
+public struct SyncAnswer: Sendable, Equatable {
+    public var epoch: String
+    public var lastSeq: Int64
+    public var messages: [StoredMessage]
+    /// The page was cut at its cap before the last seq.
+    public var more: Bool
+    /// Exactly what cannot be given: a lost epoch's rest, then the current epoch's trimmed start.
+    public var missing: [MissingRange]
+
+    /// Reads a page of the current epoch after `after`, following `lostEpoch` (the client's, gone).
+    init(page: HistoryPage, after: Int64, lostEpoch: MissingRange?) {
+        epoch = page.epoch
+        lastSeq = page.lastSeq
+        messages = page.messages
+        more = page.messages.count >= PresenceEngine.maxHistoryPage && (page.messages.last?.seq ?? page.lastSeq) < page.lastSeq
+        missing = lostEpoch.map { [$0] } ?? []
+        // Trimmed before what is kept (or all of it, when nothing is).
+        let trimmedTo = min(page.firstSeq - 1, page.lastSeq)
+        if trimmedTo > after { missing.append(MissingRange(epoch: page.epoch, fromSeq: after + 1, toSeq: trimmedTo)) }
+    }
+
+    public var complete: Bool { missing.isEmpty }
+}
+
 /// A message or a receipt as published on a conversation's message channel.
 public enum MessageEvent: Sendable, Equatable {
     case message(StoredMessage)
@@ -66,6 +91,34 @@ extension PresenceEngine {
         case .latest: break
         }
         return try await evaluate(ReadHistory(conversation: conversation, reader: reader, page: range, limit: limit, newEpoch: Self.newEpoch()))
+    }
+
+    /// A page of `conversation`'s history for this node's delivery: no member check, and an
+    /// empty epoch for a conversation without history.
+    public func deliveryPage(of conversation: String, _ range: HistoryRange, limit: Int = maxHistoryPage) async throws(PresenceError) -> HistoryPage {
+        try await evaluate(ReadHistory(conversation: conversation, reader: "", page: range, limit: limit, newEpoch: ""))
+    }
+
+    /// Where each conversation's history stands (its epoch, empty for none, and last seq), read
+    /// in one pipeline; a conversation whose read failed is left out.
+    public func historyPositions(_ conversations: [String]) async throws(PresenceError) -> [String: (epoch: String, lastSeq: Int64)] {
+        let calls = conversations.map { ReadHistory(conversation: $0, reader: "", page: .latest, limit: 1, newEpoch: "") }
+        var positions: [String: (epoch: String, lastSeq: Int64)] = [:]
+        for (call, result) in zip(calls, try await evaluate(calls)) {
+            if case .success(let page) = result { positions[call.conversation] = (page.epoch, page.lastSeq) }
+        }
+        return positions
+    }
+
+    /// What `reader` is missing of a conversation after `position` (API.md's `sync`): at most
+    /// ``maxHistoryPage`` messages, and exactly what cannot be given.
+    public func sync(_ position: SyncPosition, for reader: String) async throws(PresenceError) -> SyncAnswer {
+        let first = try await history(of: position.conversationID, for: reader, .after(position.afterSeq), limit: Self.maxHistoryPage)
+        let lost = position.epoch.map { $0 != first.epoch } ?? (position.afterSeq > first.lastSeq)
+        guard lost else { return SyncAnswer(page: first, after: position.afterSeq, lostEpoch: nil) }
+        // The client's history is gone: the current one from its start.
+        let page = position.afterSeq == 0 ? first : try await history(of: position.conversationID, for: reader, .after(0), limit: Self.maxHistoryPage)
+        return SyncAnswer(page: page, after: 0, lostEpoch: MissingRange(epoch: position.epoch, fromSeq: position.afterSeq + 1, toSeq: nil))
     }
 
     /// Moves `user`'s `kind` cursor in `conversation` up to `seq`; returns both cursors.

@@ -111,6 +111,14 @@ public struct PresenceKeys: Sendable {
         return String(channel.dropFirst(head.count).dropLast(tail.count))
     }
 
+    /// The conversation of a channel made by ``messageChannel(_:)``.
+    public func conversation(fromMessageChannel channel: String) -> String? {
+        let head = "\(prefix):{c:"
+        let tail = "}:messages"
+        guard channel.hasPrefix(head), channel.hasSuffix(tail), channel.count > head.count + tail.count else { return nil }
+        return String(channel.dropFirst(head.count).dropLast(tail.count))
+    }
+
     /// The member of `deadlines` / `nodeDevices` for a device.
     func deviceMember(user: String, device: String) -> String { "\(user)|\(device)" }
 

@@ -56,8 +56,6 @@ public struct GatewayConfiguration: Sendable {
     /// Log level.
     public var logLevel = Logger.Level.info
 
-    /// Largest WebSocket frame accepted; larger ones close the session with 1009.
-    public var maxFrameSize = 16 * 1024
     /// Most devices one user may have at once.
     public var maxDevicesPerUser = 32
     /// Most users one session may watch.
@@ -201,6 +199,10 @@ public struct GatewayConfiguration: Sendable {
     /// The largest REST body: room for a message's `text` of the largest size written with
     /// JSON's longest escapes (six bytes a byte), and the rest of its body; at least 128 KiB.
     public var maxBodySize: Int { max(128 * 1024, messageMaxBytes * 6 + 4 * 1024) }
+
+    /// Largest WebSocket message accepted (over all its fragments); larger ones close the
+    /// session with 1009. As large as a REST body, so that a `send` fits as a `POST` does.
+    public var maxFrameSize: Int { maxBodySize }
 
     /// The open-file limit (soft) less 256 descriptors for everything that is not a session;
     /// at least 1. See ``raiseOpenFileLimit()``.

@@ -1,5 +1,5 @@
 /// A conversation's message as REST and the `message` frame carry it (API.md, "Messages").
-public struct MessagePayload: Sendable, Hashable, Encodable {
+public struct MessagePayload: Sendable, Hashable, Codable {
     public var conversationID: String
     public var seq: Int64
     public var id: String
@@ -34,6 +34,24 @@ public struct MessagePayload: Sendable, Hashable, Encodable {
     enum CodingKeys: String, CodingKey {
         case conversationID = "conversation_id", seq, id, senderID = "sender_id", clientMessageID = "client_message_id", type, text
         case imageURL = "image_url", createdAt = "created_at", clientCreatedAt = "client_created_at", duplicate
+    }
+
+    public init(from decoder: any Decoder) throws {
+        let container = try decoder.container(keyedBy: CodingKeys.self)
+        conversationID = try container.decodeID(forKey: .conversationID)
+        seq = try container.decode(Int64.self, forKey: .seq)
+        id = try container.decode(String.self, forKey: .id)
+        senderID = try container.decodeID(forKey: .senderID)
+        clientMessageID = try container.decode(String.self, forKey: .clientMessageID)
+        type = try container.decode(String.self, forKey: .type)
+        text = try container.decode(String.self, forKey: .text)
+        imageURL = try container.decodeIfPresent(String.self, forKey: .imageURL)
+        guard let created = try container.decodeTimestamp(forKey: .createdAt) else {
+            throw DecodingError.valueNotFound(String.self, .init(codingPath: [CodingKeys.createdAt], debugDescription: "created_at is null"))
+        }
+        createdAt = created
+        clientCreatedAt = try container.decodeTimestamp(forKey: .clientCreatedAt)
+        duplicate = try container.decodeIfPresent(Bool.self, forKey: .duplicate)
     }
 
     public func encode(to encoder: any Encoder) throws {
@@ -85,7 +103,7 @@ public struct HistoryPayload: Sendable, Hashable, Encodable {
 
 /// A member's cursors: `{"user_id"?, "conversation_id"?, "delivered_seq", "read_seq"}` (the
 /// answer to `read` has neither id; a receipt row has the user's; a `receipt` frame both).
-public struct ReceiptPayload: Sendable, Hashable, Encodable {
+public struct ReceiptPayload: Sendable, Hashable, Codable {
     public var conversationID: String?
     public var userID: String?
     public var deliveredSeq: Int64
@@ -100,6 +118,14 @@ public struct ReceiptPayload: Sendable, Hashable, Encodable {
 
     enum CodingKeys: String, CodingKey {
         case conversationID = "conversation_id", userID = "user_id", deliveredSeq = "delivered_seq", readSeq = "read_seq"
+    }
+
+    public init(from decoder: any Decoder) throws {
+        let container = try decoder.container(keyedBy: CodingKeys.self)
+        conversationID = container.contains(.conversationID) ? try container.decodeID(forKey: .conversationID) : nil
+        userID = container.contains(.userID) ? try container.decodeID(forKey: .userID) : nil
+        deliveredSeq = try container.decode(Int64.self, forKey: .deliveredSeq)
+        readSeq = try container.decode(Int64.self, forKey: .readSeq)
     }
 
     public func encode(to encoder: any Encoder) throws {
@@ -147,5 +173,126 @@ public struct ConversationEntryPayload: Sendable, Hashable, Encodable {
         try container.encode(readSeq, forKey: .readSeq)
         try container.encode(unread, forKey: .unread)
         try container.encode(lastMessage, forKey: .lastMessage)
+    }
+}
+
+/// The answer to a WebSocket `send`: `{"conversation_id","client_message_id","seq","id",
+/// "created_at","duplicate"}`.
+public struct MessageAckPayload: Sendable, Hashable, Codable {
+    public var conversationID: String
+    public var clientMessageID: String
+    public var seq: Int64
+    public var id: String
+    /// Milliseconds since 1970.
+    public var createdAt: Int64
+    /// Whether the send was a retry of a message already stored.
+    public var duplicate: Bool
+
+    public init(conversationID: String, clientMessageID: String, seq: Int64, id: String, createdAt: Int64, duplicate: Bool) {
+        self.conversationID = conversationID
+        self.clientMessageID = clientMessageID
+        self.seq = seq
+        self.id = id
+        self.createdAt = createdAt
+        self.duplicate = duplicate
+    }
+
+    enum CodingKeys: String, CodingKey {
+        case conversationID = "conversation_id", clientMessageID = "client_message_id", seq, id, createdAt = "created_at", duplicate
+    }
+
+    public init(from decoder: any Decoder) throws {
+        let container = try decoder.container(keyedBy: CodingKeys.self)
+        conversationID = try container.decodeID(forKey: .conversationID)
+        clientMessageID = try container.decode(String.self, forKey: .clientMessageID)
+        seq = try container.decode(Int64.self, forKey: .seq)
+        id = try container.decode(String.self, forKey: .id)
+        guard let created = try container.decodeTimestamp(forKey: .createdAt) else {
+            throw DecodingError.valueNotFound(String.self, .init(codingPath: [CodingKeys.createdAt], debugDescription: "created_at is null"))
+        }
+        createdAt = created
+        duplicate = try container.decode(Bool.self, forKey: .duplicate)
+    }
+
+    public func encode(to encoder: any Encoder) throws {
+        var container = encoder.container(keyedBy: CodingKeys.self)
+        try PresenceIDFormat(userInfo: encoder.userInfo).encode(conversationID, forKey: .conversationID, in: &container)
+        try container.encode(clientMessageID, forKey: .clientMessageID)
+        try container.encode(seq, forKey: .seq)
+        try container.encode(id, forKey: .id)
+        try container.encodeTimestamp(createdAt, forKey: .createdAt)
+        try container.encode(duplicate, forKey: .duplicate)
+    }
+}
+
+/// A range of messages a `sync` cannot give: `{"epoch","from_seq","to_seq"}`; `to_seq` is
+/// `null` for the rest of a lost epoch.
+public struct MissingRange: Sendable, Hashable, Codable {
+    public var epoch: String?
+    public var fromSeq: Int64
+    public var toSeq: Int64?
+
+    public init(epoch: String?, fromSeq: Int64, toSeq: Int64?) {
+        self.epoch = epoch
+        self.fromSeq = fromSeq
+        self.toSeq = toSeq
+    }
+
+    enum CodingKeys: String, CodingKey {
+        case epoch, fromSeq = "from_seq", toSeq = "to_seq"
+    }
+
+    public func encode(to encoder: any Encoder) throws {
+        var container = encoder.container(keyedBy: CodingKeys.self)
+        try container.encode(epoch, forKey: .epoch)
+        try container.encode(fromSeq, forKey: .fromSeq)
+        try container.encode(toSeq, forKey: .toSeq)
+    }
+}
+
+/// The end of one conversation's answer to `sync`: `{"conversation_id","epoch","last_seq",
+/// "complete","more","missing"}`.
+public struct SyncedPayload: Sendable, Hashable, Codable {
+    public var conversationID: String
+    public var epoch: String
+    public var lastSeq: Int64
+    /// Nothing after the position asked for is missing.
+    public var complete: Bool
+    /// The answer was cut at its cap: sync again from the last seq received.
+    public var more: Bool
+    /// Exactly what cannot be given; empty when `complete`.
+    public var missing: [MissingRange]
+
+    public init(conversationID: String, epoch: String, lastSeq: Int64, complete: Bool, more: Bool, missing: [MissingRange]) {
+        self.conversationID = conversationID
+        self.epoch = epoch
+        self.lastSeq = lastSeq
+        self.complete = complete
+        self.more = more
+        self.missing = missing
+    }
+
+    enum CodingKeys: String, CodingKey {
+        case conversationID = "conversation_id", epoch, lastSeq = "last_seq", complete, more, missing
+    }
+
+    public init(from decoder: any Decoder) throws {
+        let container = try decoder.container(keyedBy: CodingKeys.self)
+        conversationID = try container.decodeID(forKey: .conversationID)
+        epoch = try container.decode(String.self, forKey: .epoch)
+        lastSeq = try container.decode(Int64.self, forKey: .lastSeq)
+        complete = try container.decode(Bool.self, forKey: .complete)
+        more = try container.decode(Bool.self, forKey: .more)
+        missing = try container.decode([MissingRange].self, forKey: .missing)
+    }
+
+    public func encode(to encoder: any Encoder) throws {
+        var container = encoder.container(keyedBy: CodingKeys.self)
+        try PresenceIDFormat(userInfo: encoder.userInfo).encode(conversationID, forKey: .conversationID, in: &container)
+        try container.encode(epoch, forKey: .epoch)
+        try container.encode(lastSeq, forKey: .lastSeq)
+        try container.encode(complete, forKey: .complete)
+        try container.encode(more, forKey: .more)
+        try container.encode(missing, forKey: .missing)
     }
 }

@@ -122,11 +122,32 @@ public struct ErrorPayload: Sendable, Hashable, Codable {
     public var code: ErrorCode
     /// Words for a person.
     public var message: String
+    /// The conversation a refusal is about, when one frame names several (a `sync`).
+    public var conversationID: String?
 
     /// An error answer.
-    public init(code: ErrorCode, message: String) {
+    public init(code: ErrorCode, message: String, conversationID: String? = nil) {
         self.code = code
         self.message = message
+        self.conversationID = conversationID
+    }
+
+    enum CodingKeys: String, CodingKey {
+        case code, message, conversationID = "conversation_id"
+    }
+
+    public init(from decoder: any Decoder) throws {
+        let container = try decoder.container(keyedBy: CodingKeys.self)
+        code = try container.decode(ErrorCode.self, forKey: .code)
+        message = try container.decode(String.self, forKey: .message)
+        conversationID = container.contains(.conversationID) ? try container.decodeID(forKey: .conversationID) : nil
+    }
+
+    public func encode(to encoder: any Encoder) throws {
+        var container = encoder.container(keyedBy: CodingKeys.self)
+        try container.encode(code, forKey: .code)
+        try container.encode(message, forKey: .message)
+        if let conversationID { try PresenceIDFormat(userInfo: encoder.userInfo).encode(conversationID, forKey: .conversationID, in: &container) }
     }
 }
 

@@ -10,6 +10,14 @@ public enum ServerFrame: Sendable, Hashable {
     case typingUpdate(TypingUpdate)
     /// A followed conversation's counts: on subscribing, and whenever they change.
     case groupPresence(GroupPresence)
+    /// A conversation's message, to every live session of every member, in `seq` order.
+    case message(MessagePayload)
+    /// The answer to `send`: the message is stored.
+    case messageAck(MessageAckPayload)
+    /// The end of one conversation's answer to `sync`.
+    case synced(SyncedPayload)
+    /// A member's cursors moved (`conversation_id` and `user_id` set).
+    case receipt(ReceiptPayload)
     /// A client frame was done.
     case ack
     /// The answer to `ping`.
@@ -24,6 +32,10 @@ public enum ServerFrame: Sendable, Hashable {
         case .presenceUpdate: "presence_update"
         case .typingUpdate: "typing_update"
         case .groupPresence: "group_presence"
+        case .message: "message"
+        case .messageAck: "message_ack"
+        case .synced: "synced"
+        case .receipt: "receipt"
         case .ack: "ack"
         case .pong: "pong"
         case .error: "error"
@@ -64,6 +76,10 @@ extension ServerMessage: Codable {
         case "presence_update": frame = .presenceUpdate(try container.decode(PresencePayload.self, forKey: .data))
         case "typing_update": frame = .typingUpdate(try container.decode(TypingUpdate.self, forKey: .data))
         case "group_presence": frame = .groupPresence(try container.decode(GroupPresence.self, forKey: .data))
+        case "message": frame = .message(try container.decode(MessagePayload.self, forKey: .data))
+        case "message_ack": frame = .messageAck(try container.decode(MessageAckPayload.self, forKey: .data))
+        case "synced": frame = .synced(try container.decode(SyncedPayload.self, forKey: .data))
+        case "receipt": frame = .receipt(try container.decode(ReceiptPayload.self, forKey: .data))
         case "ack": frame = .ack
         case "pong": frame = .pong
         case "error": frame = .error(try container.decode(ErrorPayload.self, forKey: .data))
@@ -81,6 +97,10 @@ extension ServerMessage: Codable {
         case .presenceUpdate(let presence): try container.encode(presence, forKey: .data)
         case .typingUpdate(let typing): try container.encode(typing, forKey: .data)
         case .groupPresence(let group): try container.encode(group, forKey: .data)
+        case .message(let message): try container.encode(message, forKey: .data)
+        case .messageAck(let ack): try container.encode(ack, forKey: .data)
+        case .synced(let synced): try container.encode(synced, forKey: .data)
+        case .receipt(let receipt): try container.encode(receipt, forKey: .data)
         case .ack, .pong: try container.encode(NoData(), forKey: .data)
         case .error(let error): try container.encode(error, forKey: .data)
         }

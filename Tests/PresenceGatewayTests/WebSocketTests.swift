@@ -302,7 +302,7 @@ struct WebSocketTests {
         try await withNodes(1) { ports in
             let socket = TestSocket(port: ports[0], token: try await token("big"), device: "d")
             _ = try await socket.next("initial_state")
-            socket.sendRaw(#"{"type":"ping","data":{"pad":""# + String(repeating: "x", count: 20_000) + #""}}"#)
+            socket.sendRaw(#"{"type":"ping","data":{"pad":""# + String(repeating: "x", count: 200_000) + #""}}"#)
             #expect(await socket.closed() == 1009)
             let refused = TestSocket(port: ports[0], token: "garbage", device: "d")
             #expect(await refused.closed() == 4001, "a bad token is closed with 4001")

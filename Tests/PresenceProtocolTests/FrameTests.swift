@@ -35,6 +35,14 @@ struct FrameTests {
             .typingUpdate(TypingUpdate(userID: "4", conversationID: "5", isTyping: false)),
             .groupPresence(GroupPresence(conversationID: "6", total: 3, online: 1, away: 1)),
             .ack, .pong, .error(ErrorPayload(code: .forbidden, message: "no")),
+            .error(ErrorPayload(code: .forbidden, message: "not a member", conversationID: "77")),
+            .message(MessagePayload(conversationID: "7", seq: 3, id: "e1-3", senderID: "8", clientMessageID: "local-1", type: "image", text: "a cat",
+                                    imageURL: "https://img.test/c.png", createdAt: 1_795_262_400_123, clientCreatedAt: nil)),
+            .messageAck(MessageAckPayload(conversationID: "7", clientMessageID: "local-1", seq: 3, id: "e1-3", createdAt: 1_795_262_400_123, duplicate: true)),
+            .synced(SyncedPayload(conversationID: "7", epoch: "e2", lastSeq: 9, complete: false, more: true, missing: [
+                MissingRange(epoch: "e1", fromSeq: 4, toSeq: nil), MissingRange(epoch: "e2", fromSeq: 1, toSeq: 2),
+            ])),
+            .receipt(ReceiptPayload(conversationID: "7", userID: "8", deliveredSeq: 5, readSeq: 4)),
         ]
         for coder in [strings, numbers] {
             for frame in frames {
@@ -60,6 +68,12 @@ struct FrameTests {
         #expect(try numbers.clientMessage(#"{"type":"subscribe","data":{"user_ids":[7,"007","8"]}}"#) == ClientMessage(.subscribe(.users(["7", "8"]))))
         #expect(try numbers.clientMessage(#"{"type":"unsubscribe","data":{"conversation_id":123}}"#) == ClientMessage(.unsubscribe(.conversation("123"))))
         #expect(try strings.clientMessage(#"{"type":"typing","data":{"conversation_id":"room","is_typing":true}}"#) == ClientMessage(.typing(conversationID: "room", isTyping: true)))
+        #expect(try numbers.clientMessage(#"{"type":"send","data":{"conversation_id":12,"client_message_id":"l-1","text":"hi","type":null,"client_created_at":"2026-11-21T12:00:00.123Z"},"id":"s"}"#)
+                == ClientMessage(.send(MessageDraft(conversationID: "12", clientMessageID: "l-1", text: "hi", clientCreatedAt: 1_795_262_400_123)), id: "s"))
+        #expect(try strings.clientMessage(#"{"type":"sync","data":{"positions":[{"conversation_id":"a","after_seq":3,"epoch":"e1"},{"conversation_id":"b","after_seq":0}]}}"#)
+                == ClientMessage(.sync([SyncPosition(conversationID: "a", afterSeq: 3, epoch: "e1"), SyncPosition(conversationID: "b", afterSeq: 0)])))
+        #expect(try strings.clientMessage(#"{"type":"read","data":{"conversation_id":"a","seq":4}}"#) == ClientMessage(.read(conversationID: "a", seq: 4)))
+        #expect(try strings.clientMessage(#"{"type":"delivered","data":{"conversation_id":"a","seq":0}}"#) == ClientMessage(.delivered(conversationID: "a", seq: 0)))
     }
 
     @Test("each way a client frame can be wrong has its own words, and keeps the frame's id once read")
@@ -81,6 +95,21 @@ struct FrameTests {
             (#"{"type":"subscribe","data":{"conversation_id":null}}"#, strings, "conversation_id must be 1-128 characters of A-Z a-z 0-9 . _ : @ -", nil),
             (#"{"type":"typing","data":{"is_typing":true}}"#, strings, "conversation_id must be 1-128 characters of A-Z a-z 0-9 . _ : @ -", nil),
             (#"{"type":"typing","data":{"conversation_id":"room","is_typing":"yes"}}"#, strings, "is_typing must be true or false", nil),
+            (#"{"type":"send","data":{"conversation_id":"a","text":"hi"}}"#, strings, "client_message_id must be a string", nil),
+            (#"{"type":"send","data":{"conversation_id":"a","client_message_id":"x","text":5}}"#, strings, "text must be a string", nil),
+            (#"{"type":"send","data":{"conversation_id":"a","client_message_id":"x","text":"t","type":"video"}}"#, strings, "type must be text or image", nil),
+            (#"{"type":"send","data":{"conversation_id":"a","client_message_id":"x","text":"t","image_url":3}}"#, strings, "image_url must be a string", nil),
+            (#"{"type":"send","data":{"conversation_id":"a","client_message_id":"x","text":"t","client_created_at":"yesterday"}}"#, strings,
+             "client_created_at must be an ISO 8601 UTC timestamp from 1970 on, such as 2026-11-21T12:00:00.123Z", nil),
+            (#"{"type":"sync","data":{}}"#, strings, #"positions must be an array of {"conversation_id","after_seq","epoch"?}"#, nil),
+            (#"{"type":"sync","data":{"positions":[5]}}"#, strings, #"each position must be an object {"conversation_id","after_seq","epoch"?}"#, nil),
+            (#"{"type":"sync","data":{"positions":[{"conversation_id":"a"}]}}"#, strings, "after_seq must be a whole number from 0", nil),
+            (#"{"type":"sync","data":{"positions":[{"conversation_id":"a","after_seq":1,"epoch":""}]}}"#, strings, "epoch must be a string of 1 to 64 bytes", nil),
+            (#"{"type":"sync","data":{"positions":[{"conversation_id":"a","after_seq":1},{"conversation_id":"a","after_seq":2}]}}"#, strings, "a sync names each conversation once", nil),
+            (#"{"type":"sync","data":{"positions":["# + (0...100).map { #"{"conversation_id":"c\#($0)","after_seq":0}"# }.joined(separator: ",") + "]}}", strings,
+             "a sync names at most 100 conversations", nil),
+            (#"{"type":"read","data":{"conversation_id":"a","seq":-1}}"#, strings, "seq must be a whole number from 0", nil),
+            (#"{"type":"delivered","data":{"conversation_id":"a"}}"#, strings, "seq must be a whole number from 0", nil),
         ]
         for item in cases {
             #expect(throws: FrameError(item.message, id: item.id), "\(item.text.prefix(80))") { try item.coder.clientMessage(item.text) }
@@ -92,6 +121,10 @@ struct FrameTests {
         let frames: [ClientFrame] = [
             .ping, .status(.offline), .subscribe(.users(["1", "22"])), .subscribe(.conversation("9")),
             .unsubscribe(.users(["3"])), .unsubscribe(.conversation("4")), .typing(conversationID: "5", isTyping: true),
+            .send(MessageDraft(conversationID: "6", clientMessageID: "l-1", text: "hi \"you\"", type: "image", imageURL: "https://i.test/x.png", clientCreatedAt: 1_795_262_400_123)),
+            .send(MessageDraft(conversationID: "6", clientMessageID: "l-2", text: "plain")),
+            .sync([SyncPosition(conversationID: "7", afterSeq: 0), SyncPosition(conversationID: "8", afterSeq: 12, epoch: "abc")]),
+            .delivered(conversationID: "9", seq: 1), .read(conversationID: "9", seq: 2),
         ]
         for coder in [strings, numbers] {
             for frame in frames {

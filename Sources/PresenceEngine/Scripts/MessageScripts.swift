@@ -134,7 +134,8 @@ struct SendMessage: ScriptCall {
 
 /// Reads a page of a conversation's history for a member: after a seq, before one, or the
 /// latest; with the epoch (made if the history has none yet, so that a client has one to
-/// sync from), the last seq and the oldest seq kept.
+/// sync from), the last seq and the oldest seq kept. With an empty reader it is the node's
+/// read for delivery: no member check, and no epoch made (an empty one answers no history).
 struct ReadHistory: ScriptCall {
     var conversation: String
     var reader: String
@@ -171,9 +172,13 @@ struct ReadHistory: ScriptCall {
 
     static let script = RedisScript(ScriptLua.clock + MessageLua.common + """
     local reader, mode, seq, limit, newEpoch, ttl = ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], ARGV[6], tonumber(ARGV[7])
-    local no = refused(KEYS[1], reader)
-    if no then return {no} end
+    -- No reader: a node's own read for delivery, which neither checks nor starts anything.
+    if reader ~= '' then
+      local no = refused(KEYS[1], reader)
+      if no then return {no} end
+    end
     local epoch, last = current(KEYS[2])
+    if not epoch and reader == '' then return {'page', '', 0, 1, {}} end
     if not epoch then
       epoch, last = newEpoch, 0
       redis.call('DEL', KEYS[3])

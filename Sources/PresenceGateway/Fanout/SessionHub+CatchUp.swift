@@ -196,6 +196,12 @@ extension SessionHub {
     /// Membership events missed too: whom each session may see (its user's conversations, which
     /// `scope` names by the user), and who is in each conversation it follows, are read again.
     private func refreshMembershipOfEverySession(_ scope: ResyncScope) async {
+        // Each user's conversations once, for all of the user's sessions here (their messages).
+        let byUser = Dictionary(grouping: allSessions.filter { !$0.isClosing && scope.contains(user: $0.userID) }, by: \.userID)
+        for (_, sessions) in byUser.sorted(by: { $0.key < $1.key }) {
+            guard !Task.isCancelled else { return }
+            await refreshMessageRoutes(of: sessions)
+        }
         for session in allSessions where !session.isClosing {
             guard !Task.isCancelled else { return }
             if scope.contains(user: session.userID) { await refreshVisibility(session) }

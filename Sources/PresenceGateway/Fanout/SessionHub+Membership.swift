@@ -60,6 +60,12 @@ extension SessionHub {
             guard !followers.isEmpty, let read = try? await engine.members(of: conversation) else { continue }
             for session in followers where !session.isClosing { await applyMembers(session, conversation, read) }
         }
+        // Whose conversations changed: their sessions receive the messages of the new ones, and
+        // none of those they left.
+        for user in work.users.sorted() {
+            let own = sessions(of: user)
+            if !own.isEmpty { await refreshMessageRoutes(of: own) }
+        }
         guard engine.configuration.visibility == .conversations else { return }
         for user in work.users.sorted() {
             let own = sessions(of: user)

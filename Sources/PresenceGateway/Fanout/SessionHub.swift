@@ -14,6 +14,8 @@ final class SessionHub: Service, Sendable {
     let subscriber: any RedisChannelSubscriber
     let frames: FrameCoder
     let logger: Logger
+    /// Conversation messages to members' sessions (MessageRoutes.swift).
+    let messages: MessageRoutes
     private let state = NIOLockedValueBox(HubState())
 
     private struct HubState {
@@ -41,6 +43,9 @@ final class SessionHub: Service, Sendable {
     let beforeMembershipWork = NIOLockedValueBox<(@Sendable () async -> Void)?>(nil)
     /// Runs between a catch-up's read and its end, when set: tests make events cross reads here.
     let afterCatchUpRead = NIOLockedValueBox<(@Sendable ([String]) async -> Void)?>(nil)
+    /// Runs in a `sync` after the conversation's live messages are held and before it is read,
+    /// when set: tests send messages here.
+    let beforeSyncRead = NIOLockedValueBox<(@Sendable (String) async -> Void)?>(nil)
     /// Runs between a watch's references to channels and its adding of users, when set: tests
     /// end the session here.
     let afterWatchRetained = NIOLockedValueBox<(@Sendable (Session, [String]) async -> Void)?>(nil)
@@ -50,7 +55,11 @@ final class SessionHub: Service, Sendable {
         self.subscriber = subscriber
         self.frames = frames
         self.logger = logger
+        messages = MessageRoutes(engine: engine, subscriber: subscriber, frames: frames, logger: logger)
     }
+
+    /// How long a new session's live messages wait for its first `sync` (see Session+Messages.swift).
+    static let messageOpeningHold = Duration.seconds(2)
 
     var sessionCount: Int { state.withLockedValue { $0.sessions.count } }
 
@@ -83,6 +92,24 @@ final class SessionHub: Service, Sendable {
         }
         GatewayMetrics.sessions(sessionCount)
         try? await subscriber.retain([engine.keys.userChannel(session.userID)])
+        // After the user's channel: a membership change from here on is heard, and read again.
+        Task {
+            try? await Task.sleep(for: Self.messageOpeningHold)
+            session.endOpeningHold()
+        }
+        await refreshMessageRoutes(of: [session])
+    }
+
+    /// Reads the conversations of the sessions' user (one user) again and has each session
+    /// receive the messages of exactly those; a failed read changes nothing (a reconnect's
+    /// catch-up reads again).
+    func refreshMessageRoutes(of sessions: [Session]) async {
+        guard let user = sessions.first?.userID, let conversations = try? await engine.conversations(of: user) else { return }
+        for session in sessions where !session.isClosing {
+            let current = messages.conversations(of: session)
+            await messages.leave(session, Array(current.subtracting(conversations)))
+            await messages.join(session, conversations)
+        }
     }
 
     /// Removes a session and everything it watched and followed, in one step with the hub's
@@ -99,6 +126,7 @@ final class SessionHub: Service, Sendable {
             for conversation in followed { Self.drop(session.id, from: conversation, in: &state.followers) }
             return (watched, followed)
         }
+        await messages.end(session)
         guard let removed else { return }
         GatewayMetrics.sessions(sessionCount)
         let channels = removed.watched.map { engine.keys.userChannel($0) }
@@ -244,6 +272,7 @@ final class SessionHub: Service, Sendable {
             case .subscribed(reconnect: true):
                 logger.info("pub/sub reconnected; re-reading the presence every session watches")
                 engine.requestAudit()
+                messages.readAgain()
                 startResync(grace: engine.configuration.recoveryGrace)
             case .resubscribed(let channels):
                 // On a cluster: a slot moved or its primary failed over (which may have lost its
@@ -253,8 +282,9 @@ final class SessionHub: Service, Sendable {
                 // and a conversation's that of its channel, so nothing else moved with them.
                 let scope = ResyncScope(
                     users: Set(channels.compactMap(userOf(channel:))),
-                    conversations: Set(channels.compactMap(engine.keys.conversation(fromChannel:)))
+                    conversations: Set(channels.compactMap { engine.keys.conversation(fromChannel: $0) ?? engine.keys.conversation(fromMessageChannel: $0) })
                 )
+                messages.readAgain(Set(channels.compactMap(engine.keys.conversation(fromMessageChannel:))))
                 logger.info("shard channels subscribed again at their new primary; re-reading what they carry", metadata: [
                     "redis.channels": "\(channels.count)", "presence.users": "\(scope.users?.count ?? 0)",
                     "presence.conversations": "\(scope.conversations?.count ?? 0)",
@@ -275,6 +305,7 @@ final class SessionHub: Service, Sendable {
         for await event in engine.upkeepEvents {
             switch event {
             case .dataLost:
+                messages.readAgain()
                 startResync(grace: Self.dataLossGrace(engine.configuration))
                 _ = try? await engine.tell(.resync(node: engine.configuration.nodeID))
             case .deviceTakenOver(let id):
@@ -290,6 +321,10 @@ final class SessionHub: Service, Sendable {
         }
         if let conversation = engine.keys.conversation(fromChannel: channel) {
             await deliverConversation(conversation, payload: payload)
+            return
+        }
+        if let conversation = engine.keys.conversation(fromMessageChannel: channel) {
+            messages.receive(conversation, payload: payload)
             return
         }
         guard let user = userOf(channel: channel) else { return }
@@ -347,6 +382,7 @@ final class SessionHub: Service, Sendable {
         case .resync(let node):
             if node != engine.configuration.nodeID {
                 logger.info("another node found Redis had lost data; re-reading the presence every session watches")
+                messages.readAgain()
                 startResync(grace: Self.dataLossGrace(engine.configuration))
             }
         case .closeSession(let id):

@@ -14,6 +14,7 @@ extension Gateway {
             let message = try body.message()
             if let wait = self.messageLimiter.take(user.userID) { throw APIError.rateLimited("too many messages", retryAfter: wait) }
             let sent = try await self.engine.send(message, to: conversation, from: user.userID)
+            if !sent.duplicate { GatewayMetrics.messageSent() }
             var payload = MessagePayload(sent.message)
             payload.duplicate = sent.duplicate
             return EditedResponse(status: sent.duplicate ? .ok : .created, response: payload)

@@ -51,6 +51,16 @@ enum GatewayMetrics {
     static func delivered(latencyMilliseconds: Int64) {
         deliveries.recordNanoseconds(max(0, latencyMilliseconds) * 1_000_000)
     }
+    private static let messagesSent = Counter(label: "presence_messages_sent_total")
+    private static let messagesDelivered = Counter(label: "presence_messages_delivered_total")
+    private static let messageLatency = Metrics.Timer(label: "presence_message_delivery_latency_seconds")
+    /// A message stored by a send through this node (not a retry's duplicate).
+    static func messageSent() { messagesSent.increment() }
+    /// A message this node handed to `sessions` sessions, `latencyMilliseconds` after Redis stored it.
+    static func messageDelivered(sessions: Int, latencyMilliseconds: Int64) {
+        messagesDelivered.increment(by: sessions)
+        messageLatency.recordNanoseconds(max(0, latencyMilliseconds) * 1_000_000)
+    }
     static func refused(_ reason: String) { Counter(label: "presence_sessions_refused_total", dimensions: [("reason", reason)]).increment() }
     static func errors(_ code: String) { Counter(label: "presence_errors_total", dimensions: [("code", code)]).increment() }
     static func redisLatency(_ command: String, nanoseconds: Int64) {

@@ -127,6 +127,68 @@ struct FrameHandler {
                 try await gateway.engine.setTyping(user: user.userID, conversation: conversation, isTyping: isTyping)
             }
             session.send(gateway.frames.text(.ack, id: id))
+        case .send(let draft):
+            let message = try Self.outgoing(draft)
+            if let wait = gateway.messageLimiter.take(user.userID) { throw APIError.rateLimited("too many messages", retryAfter: wait) }
+            let sent = try await gateway.engine.send(message, to: draft.conversationID, from: user.userID)
+            if !sent.duplicate { GatewayMetrics.messageSent() }
+            let stored = sent.message
+            session.send(gateway.frames.text(.messageAck(MessageAckPayload(
+                conversationID: stored.conversationID, clientMessageID: stored.clientMessageID, seq: stored.seq, id: stored.id,
+                createdAt: stored.createdAt, duplicate: sent.duplicate
+            )), id: id))
+        case .sync(let positions):
+            if let wait = subscribeBucket.take() { throw APIError.rateLimited("too many syncs", retryAfter: wait) }
+            await sync(positions, id: id)
+        case .delivered(let conversation, let seq):
+            _ = try await gateway.engine.moveCursor(.delivered, of: user.userID, in: conversation, to: seq)
+            session.send(gateway.frames.text(.ack, id: id))
+        case .read(let conversation, let seq):
+            _ = try await gateway.engine.moveCursor(.read, of: user.userID, in: conversation, to: seq)
+            session.send(gateway.frames.text(.ack, id: id))
+        }
+    }
+
+    /// A `send` frame's message for the engine, which checks its bounds.
+    private static func outgoing(_ draft: MessageDraft) throws(APIError) -> OutgoingMessage {
+        guard let type = MessageType(rawValue: draft.type) else { throw APIError.invalid("type must be text or image") }
+        return OutgoingMessage(clientMessageID: draft.clientMessageID, type: type, text: draft.text, imageURL: draft.imageURL,
+                               clientCreatedAt: draft.clientCreatedAt)
+    }
+
+    /// `sync`: for each position, the messages after it this session was not sent yet, then
+    /// `synced` with what cannot be given; the conversation's live messages wait meanwhile (see
+    /// Session+Messages.swift). A position refused (not a member, no such conversation, Redis
+    /// away) is answered by an `error` naming its conversation; the others go on.
+    private func sync(_ positions: [SyncPosition], id: String?) async {
+        let frames = gateway.frames
+        session.beginSync(positions.map(\.conversationID))
+        for position in positions {
+            let conversation = position.conversationID
+            if let probe = gateway.hub.beforeSyncRead.withLockedValue({ $0 }) { await probe(conversation) }
+            do {
+                let answer = try await gateway.engine.sync(position, for: user.userID)
+                var missing = answer.missing
+                // Sent live to this session before the sync (after its opening hold) and so not
+                // sent again: the client reads them over REST.
+                let lost = missing.contains { $0.toSeq == nil }
+                let from = missing.last { $0.toSeq != nil && $0.epoch == answer.epoch }?.toSeq ?? (lost ? 0 : position.afterSeq)
+                if let sent = session.sentPosition(conversation), sent.epoch == answer.epoch, sent.seq > from {
+                    missing.append(MissingRange(epoch: answer.epoch, fromSeq: from + 1, toSeq: min(sent.seq, answer.lastSeq)))
+                }
+                let synced = frames.text(.synced(SyncedPayload(
+                    conversationID: conversation, epoch: answer.epoch, lastSeq: answer.lastSeq, complete: missing.isEmpty,
+                    more: answer.more, missing: missing
+                )), id: id)
+                session.endSync(conversation, answer: (answer.messages, synced, answer.more)) { message in
+                    ByteBuffer(string: frames.text(.message(MessagePayload(message))))
+                }
+            } catch {
+                session.endSync(conversation, answer: nil) { _ in ByteBuffer() }
+                let apiError = APIError.from(error)
+                GatewayMetrics.errors(apiError.code.rawValue)
+                session.send(frames.text(.error(ErrorPayload(code: apiError.code, message: apiError.message, conversationID: conversation)), id: id))
+            }
         }
     }
 

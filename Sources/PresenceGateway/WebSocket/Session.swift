@@ -19,6 +19,8 @@ final class Session: Sendable {
     /// The connection, on its event loop.
     let connection: SessionConnection
     private let state = NIOLockedValueBox(State())
+    /// What this session was sent of each conversation's messages (Session+Messages.swift).
+    let messageState = NIOLockedValueBox(MessageState())
 
     struct State {
         /// Users whose presence this session receives, with what it was last told of each.

@@ -1,0 +1,252 @@
+import Foundation
+import NIOConcurrencyHelpers
+import PresenceEngine
+import RedisTestSupport
+import Testing
+
+@testable import PresenceGateway
+
+/// Messages over WebSocket sessions of live nodes: `send`, live `message` frames to every
+/// member's sessions, `sync`, receipts (API.md, "Messages").
+@Suite("Messages over sessions of live nodes")
+struct MessageSessionTests {
+    static func send(_ socket: TestSocket, _ clientID: String, _ text: String, conversation: String = "room", id: String? = nil) {
+        socket.send("send", ["conversation_id": conversation, "client_message_id": clientID, "text": text], id: id ?? clientID)
+    }
+
+    /// The `message` frames `socket` receives until it has `count` of them (or `timeout` passes),
+    /// skipping other frames.
+    static func messages(_ socket: TestSocket, count: Int, timeout: Duration = .seconds(5)) async -> [Frame] {
+        let deadline = ContinuousClock.now + timeout
+        var found: [Frame] = []
+        while found.count < count, ContinuousClock.now < deadline, let frame = try? await socket.next(timeout: deadline - .now) {
+            if frame.type == "message" { found.append(frame) }
+        }
+        return found
+    }
+
+    static func seqs(_ frames: [Frame]) -> [Int] { frames.compactMap { $0.data["seq"] as? Int } }
+
+    /// An open session that got its `initial_state` and whose opening hold is over (or `sync`ed).
+    static func open(_ port: Int, _ user: String, device: String) async throws -> TestSocket {
+        let socket = TestSocket(port: port, token: try await token(user), device: device)
+        _ = try await socket.next("initial_state")
+        return socket
+    }
+
+    @Test("a message sent on one node reaches every member's sessions on both nodes once, the sender's too; a retry is a duplicate and delivers nothing")
+    func liveAcrossNodes() async throws {
+        try await withNodes(2) { ports in
+            try await ConversationTests.setUp(ports[0], ["alice", "bob"])
+            let alice = try await Self.open(ports[0], "alice", device: "laptop")
+            let bobPhone = try await Self.open(ports[1], "bob", device: "phone")
+            let bobTablet = try await Self.open(ports[0], "bob", device: "tablet")
+            // Past the opening hold: live messages go straight out.
+            try await Task.sleep(for: SessionHub.messageOpeningHold + .milliseconds(200))
+            Self.send(alice, "local-1", "hello")
+            let ack = try await alice.next("message_ack")
+            #expect(ack.id == "local-1" && ack.data["seq"] as? Int == 1 && ack.data["duplicate"] as? Bool == false)
+            #expect(ack.data["client_message_id"] as? String == "local-1" && ack.data["conversation_id"] as? String == "room")
+            for socket in [alice, bobPhone, bobTablet] {
+                let got = await Self.messages(socket, count: 1)
+                #expect(Self.seqs(got) == [1], "\(got)")
+                #expect(got.first?.data["text"] as? String == "hello" && got.first?.data["sender_id"] as? String == "alice")
+                #expect(got.first?.data["id"] as? String == ack.data["id"] as? String)
+            }
+            Self.send(alice, "local-1", "hello again", id: "retry")
+            let again = try await alice.next("message_ack")
+            #expect(again.id == "retry" && again.data["seq"] as? Int == 1 && again.data["duplicate"] as? Bool == true)
+            #expect(await bobPhone.staysQuiet(for: .milliseconds(500)))
+        }
+    }
+
+    @Test("3 senders × 30 messages on two nodes: every member's session gets seq 1…90 once, in order, each sender's own order kept")
+    func concurrentSenders() async throws {
+        try await withNodes(2) { ports in
+            try await ConversationTests.setUp(ports[0], ["alice", "bob", "carol", "dave"])
+            let senders = [
+                try await Self.open(ports[0], "alice", device: "a"), try await Self.open(ports[1], "bob", device: "b"),
+                try await Self.open(ports[0], "carol", device: "c"),
+            ]
+            let reader = try await Self.open(ports[1], "dave", device: "d")
+            try await Task.sleep(for: SessionHub.messageOpeningHold + .milliseconds(200))
+            await withTaskGroup(of: Void.self) { group in
+                for (index, socket) in senders.enumerated() {
+                    group.addTask {
+                        for number in 1...30 { Self.send(socket, "s\(index)-\(number)", "\(index):\(number)") }
+                    }
+                }
+            }
+            for socket in senders + [reader] {
+                let got = await Self.messages(socket, count: 90, timeout: .seconds(15))
+                #expect(Self.seqs(got) == Array(1...90))
+                for index in 0..<3 {
+                    let own = got.compactMap { $0.data["text"] as? String }.filter { $0.hasPrefix("\(index):") }
+                    #expect(own == (1...30).map { "\(index):\($0)" })
+                }
+            }
+        }
+    }
+
+    @Test("sync gives exactly what was missed, then synced, then the live messages that came meanwhile (held), without repeat or gap")
+    func syncThenLive() async throws {
+        try await withGateway { port, gateway in
+            try await ConversationTests.setUp(port, ["alice", "bob"])
+            let alice = try await Self.open(port, "alice", device: "laptop")
+            let aliceToken = try await token("alice")
+            @Sendable func restSend(_ number: Int) async throws {
+                let body = MessageRESTTests.body(["client_message_id": "m\(number)", "text": "#\(number)"])
+                #expect(try await call(port, "POST", "/api/conversations/room/messages", token: aliceToken, body: body).status == 201)
+            }
+            for number in 1...5 { try await restSend(number) }
+            let epoch = try #require(await Self.messages(alice, count: 5).last?.data["id"] as? String).split(separator: "-").first.map(String.init)
+            // Bob comes back with 1 and 2. Alice's 6 and 7 reach this node while his session is
+            // opening (before its sync), her 8 and 9 while the sync runs (before its read).
+            let bob = try await Self.open(port, "bob", device: "phone")
+            for number in 6...7 { try await restSend(number) }
+            #expect(Self.seqs(await Self.messages(alice, count: 2)) == [6, 7])
+            gateway.hub.beforeSyncRead.withLockedValue { probe in
+                probe = { _ in
+                    for number in 8...9 { try? await restSend(number) }
+                    _ = await Self.messages(alice, count: 2)
+                }
+            }
+            bob.send("sync", ["positions": [["conversation_id": "room", "after_seq": 2, "epoch": epoch as Any]]], id: "s1")
+            var seen: [Int] = []
+            var synced: Frame?
+            let deadline = ContinuousClock.now + .seconds(5)
+            while seen.last != 9 || synced == nil, ContinuousClock.now < deadline, let frame = try? await bob.next(timeout: .seconds(5)) {
+                if frame.type == "message" { seen.append(frame.data["seq"] as? Int ?? -1) }
+                if frame.type == "synced" {
+                    synced = frame
+                    // Everything up to the synced frame's last seq came before it.
+                    #expect(seen == Array(3...(frame.data["last_seq"] as? Int ?? 0)), "\(seen)")
+                }
+            }
+            gateway.hub.beforeSyncRead.withLockedValue { $0 = nil }
+            #expect(seen == Array(3...9))
+            let answer = try #require(synced)
+            #expect(answer.id == "s1" && answer.data["complete"] as? Bool == true && answer.data["more"] as? Bool == false)
+            #expect((answer.data["missing"] as? [Any])?.isEmpty == true && answer.data["epoch"] as? String == epoch)
+            try await restSend(10)
+            #expect(Self.seqs(await Self.messages(bob, count: 1)) == [10])
+            #expect(await Self.messages(bob, count: 1, timeout: .milliseconds(500)).isEmpty)
+
+            // A sync from an older position: nothing is sent twice, and what is not sent is named.
+            bob.send("sync", ["positions": [["conversation_id": "room", "after_seq": 6, "epoch": epoch as Any]]], id: "s2")
+            let second = try await bob.next("synced")
+            #expect(second.data["complete"] as? Bool == false)
+            let missing = second.data["missing"] as? [[String: Any]] ?? []
+            #expect(missing.count == 1 && missing.first?["from_seq"] as? Int == 7 && missing.first?["to_seq"] as? Int == 10, "\(missing)")
+            #expect(await Self.messages(bob, count: 1, timeout: .milliseconds(500)).isEmpty)
+        }
+    }
+
+    @Test("a lost epoch and a trimmed history are answered with the exact missing ranges")
+    func missingRanges() async throws {
+        try await withNodes(1, configure: { $0.messageHistory = 3 }) { ports in
+            try await ConversationTests.setUp(ports[0], ["alice", "bob"])
+            let alice = try await Self.open(ports[0], "alice", device: "laptop")
+            for number in 1...6 { Self.send(alice, "m\(number)", "#\(number)") }
+            for _ in 1...6 { _ = try await alice.next("message_ack") }
+            let bob = try await Self.open(ports[0], "bob", device: "phone")
+            bob.send("sync", ["positions": [["conversation_id": "room", "after_seq": 1]]], id: "trimmed")
+            let kept = await Self.messages(bob, count: 3)
+            #expect(Self.seqs(kept) == [4, 5, 6])
+            let trimmed = try await bob.next("synced")
+            let epoch = trimmed.data["epoch"] as? String
+            #expect(trimmed.data["complete"] as? Bool == false && trimmed.data["last_seq"] as? Int == 6)
+            let ranges = trimmed.data["missing"] as? [[String: Any]] ?? []
+            #expect(ranges.count == 1 && ranges.first?["epoch"] as? String == epoch && ranges.first?["from_seq"] as? Int == 2 && ranges.first?["to_seq"] as? Int == 3)
+
+            let phone = try await Self.open(ports[0], "bob", device: "old-phone")
+            phone.send("sync", ["positions": [["conversation_id": "room", "after_seq": 9, "epoch": "gone"]]], id: "lost")
+            #expect(Self.seqs(await Self.messages(phone, count: 3)) == [4, 5, 6])
+            let lost = try await phone.next("synced")
+            let lostRanges = lost.data["missing"] as? [[String: Any]] ?? []
+            #expect(lostRanges.count == 2, "\(lost)")
+            #expect(lostRanges.first?["epoch"] as? String == "gone" && lostRanges.first?["from_seq"] as? Int == 10 && lostRanges.first?["to_seq"] is NSNull)
+            #expect(lostRanges.last?["epoch"] as? String == epoch && lostRanges.last?["from_seq"] as? Int == 1 && lostRanges.last?["to_seq"] as? Int == 3)
+        }
+    }
+
+    @Test("non-members are refused on send and sync (the sync's other conversations go on); a removed member hears nothing more within a second")
+    func refusals() async throws {
+        try await withNodes(2, configure: { $0.messageMaxBytes = 100 }) { ports in
+            try await ConversationTests.setUp(ports[0], ["alice", "bob"])
+            try await ConversationTests.setUp(ports[0], ["mallory"], conversation: "other")
+            let alice = try await Self.open(ports[0], "alice", device: "laptop")
+            let bob = try await Self.open(ports[1], "bob", device: "phone")
+            let mallory = try await Self.open(ports[1], "mallory", device: "m")
+            Self.send(mallory, "x", "let me in", id: "bad")
+            let refused = try await mallory.next("error")
+            #expect(refused.id == "bad" && refused.data["code"] as? String == "forbidden")
+            mallory.send("sync", ["positions": [["conversation_id": "room", "after_seq": 0], ["conversation_id": "other", "after_seq": 0]]], id: "s")
+            let syncRefused = try await mallory.next("error")
+            #expect(syncRefused.id == "s" && syncRefused.data["code"] as? String == "forbidden" && syncRefused.data["conversation_id"] as? String == "room")
+            let otherSynced = try await mallory.next("synced")
+            #expect(otherSynced.data["conversation_id"] as? String == "other" && otherSynced.data["complete"] as? Bool == true)
+
+            Self.send(alice, "big", String(repeating: "x", count: 101), id: "big")
+            let tooLarge = try await alice.next("error")
+            #expect(tooLarge.id == "big" && tooLarge.data["code"] as? String == "payload_too_large")
+            alice.send("sync", ["positions": (0...100).map { ["conversation_id": "c\($0)", "after_seq": 0] }], id: "many")
+            #expect(try await alice.next("error").data["code"] as? String == "invalid_request")
+            alice.send("sync", ["positions": [["conversation_id": "room", "after_seq": -1]]], id: "negative")
+            #expect(try await alice.next("error").data["code"] as? String == "invalid_request")
+
+            try await Task.sleep(for: SessionHub.messageOpeningHold + .milliseconds(200))
+            Self.send(alice, "before", "still here")
+            #expect(Self.seqs(await Self.messages(bob, count: 1)) == [1])
+            #expect(try await call(ports[0], "DELETE", "/api/admin/conversations/room/members/bob", token: adminToken).status == 200)
+            try await Task.sleep(for: .seconds(1))
+            Self.send(alice, "after", "bob is gone")
+            _ = try await alice.next("message_ack")
+            #expect(await Self.messages(bob, count: 1, timeout: .seconds(1)).isEmpty)
+            Self.send(bob, "late", "hello?", id: "late")
+            #expect(try await bob.next("error").data["code"] as? String == "forbidden")
+        }
+    }
+
+    @Test("delivered and read move the user's cursors, answered by ack; members' sessions get receipt frames")
+    func receipts() async throws {
+        try await withNodes(2) { ports in
+            try await ConversationTests.setUp(ports[0], ["alice", "bob"])
+            let alice = try await Self.open(ports[0], "alice", device: "laptop")
+            let bob = try await Self.open(ports[1], "bob", device: "phone")
+            for number in 1...3 { Self.send(alice, "m\(number)", "#\(number)") }
+            for _ in 1...3 { _ = try await alice.next("message_ack") }
+            bob.send("delivered", ["conversation_id": "room", "seq": 3], id: "d")
+            #expect(try await bob.next("ack").id == "d")
+            let delivered = try await alice.next("receipt")
+            #expect(delivered.data["user_id"] as? String == "bob" && delivered.data["delivered_seq"] as? Int == 3 && delivered.data["read_seq"] as? Int == 0)
+            bob.send("read", ["conversation_id": "room", "seq": 99], id: "r")
+            #expect(try await bob.next("ack").id == "r")
+            let read = try await alice.next("receipt")
+            #expect(read.data["conversation_id"] as? String == "room" && read.data["read_seq"] as? Int == 3 && read.data["delivered_seq"] as? Int == 3)
+            bob.send("read", ["conversation_id": "room", "seq": 1], id: "back")
+            #expect(try await bob.next("ack").id == "back")
+            #expect(await alice.staysQuiet(for: .milliseconds(500)))
+        }
+    }
+
+    @Test("a node's pub/sub connection killed while messages flow loses none of them and repeats none")
+    func pubSubKilled() async throws {
+        let server = try RedisServerProcess()
+        try await withNodes(2, configure: { $0.redisURL = server.url() }) { ports in
+            try await ConversationTests.setUp(ports[0], ["alice", "bob"])
+            let alice = try await Self.open(ports[0], "alice", device: "laptop")
+            let bob = try await Self.open(ports[1], "bob", device: "phone")
+            try await Task.sleep(for: SessionHub.messageOpeningHold + .milliseconds(200))
+            for number in 1...40 {
+                Self.send(alice, "m\(number)", "#\(number)")
+                if number % 10 == 0 { try server.cli("CLIENT", "KILL", "TYPE", "pubsub") }
+                try await Task.sleep(for: .milliseconds(20))
+            }
+            for socket in [alice, bob] {
+                #expect(Self.seqs(await Self.messages(socket, count: 40, timeout: .seconds(15))) == Array(1...40))
+                #expect(await Self.messages(socket, count: 1, timeout: .milliseconds(500)).isEmpty)
+            }
+        }
+    }
+}
