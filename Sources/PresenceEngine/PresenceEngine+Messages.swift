@@ -25,6 +25,25 @@ public struct SyncAnswer: Sendable, Equatable {
     }
 
     public var complete: Bool { missing.isEmpty }
+
+    /// Keeps the messages that fit in `budget` bytes of text (each counted with `overhead` for
+    /// its frame), at least one while any budget is left; what is cut makes `more` true.
+    /// Returns the budget left.
+    public mutating func cut(toBytes budget: Int, overhead: Int = 256) -> Int {
+        var left = budget
+        var kept = 0
+        for message in messages {
+            let size = message.text.utf8.count + (message.imageURL?.utf8.count ?? 0) + overhead
+            guard size <= left || (kept == 0 && left > 0) else { break }
+            left -= size
+            kept += 1
+        }
+        if kept < messages.count {
+            messages.removeLast(messages.count - kept)
+            more = true
+        }
+        return max(0, left)
+    }
 }
 
 /// A message or a receipt as published on a conversation's message channel.

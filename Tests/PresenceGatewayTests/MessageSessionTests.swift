@@ -142,6 +142,47 @@ struct MessageSessionTests {
         }
     }
 
+    @Test("a sync answer is cut at 128 KiB with more: true; live messages wait in the history until the client has synced to the end")
+    func syncInParts() async throws {
+        try await withNodes(1) { ports in
+            try await ConversationTests.setUp(ports[0], ["alice", "bob"])
+            let alice = try await Self.open(ports[0], "alice", device: "laptop")
+            let large = String(repeating: "é", count: 8_000)
+            for number in 1...20 { Self.send(alice, "m\(number)", large) }
+            for _ in 1...20 { _ = try await alice.next("message_ack") }
+            let bob = try await Self.open(ports[0], "bob", device: "phone")
+            bob.send("sync", ["positions": [["conversation_id": "room", "after_seq": 0]]], id: "p1")
+            var first: [Frame] = []
+            var cut = try await bob.next()
+            while cut.type == "message" {
+                first.append(cut)
+                cut = try await bob.next()
+            }
+            #expect(cut.data["more"] as? Bool == true && cut.data["complete"] as? Bool == true && cut.data["last_seq"] as? Int == 20)
+            #expect(!first.isEmpty && first.count < 20 && Self.seqs(first) == Array(1...first.count), "\(Self.seqs(first))")
+            // Behind: a live message is not sent past the gap, it waits in the history.
+            Self.send(alice, "m21", "short")
+            _ = try await alice.next("message_ack")
+            #expect(await Self.messages(bob, count: 1, timeout: .milliseconds(500)).isEmpty)
+            var seqs = Self.seqs(first)
+            var rounds = 0
+            while rounds < 10 {
+                rounds += 1
+                bob.send("sync", ["positions": [["conversation_id": "room", "after_seq": seqs.last ?? 0, "epoch": cut.data["epoch"] as Any]]], id: "p\(rounds + 1)")
+                var frame = try await bob.next()
+                while frame.type == "message" {
+                    seqs.append(frame.data["seq"] as? Int ?? -1)
+                    frame = try await bob.next()
+                }
+                #expect(frame.type == "synced")
+                if frame.data["more"] as? Bool == false { break }
+            }
+            #expect(seqs == Array(1...21) && rounds >= 2)
+            Self.send(alice, "m22", "live again")
+            #expect(Self.seqs(await Self.messages(bob, count: 1)) == [22])
+        }
+    }
+
     @Test("a lost epoch and a trimmed history are answered with the exact missing ranges")
     func missingRanges() async throws {
         try await withNodes(1, configure: { $0.messageHistory = 3 }) { ports in

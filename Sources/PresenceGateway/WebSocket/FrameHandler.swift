@@ -156,18 +156,22 @@ struct FrameHandler {
                                clientCreatedAt: draft.clientCreatedAt)
     }
 
-    /// `sync`: for each position, the messages after it this session was not sent yet, then
-    /// `synced` with what cannot be given; the conversation's live messages wait meanwhile (see
+    /// `sync`: for each position, the messages after it this session was not sent yet (up to
+    /// 1,000, and 128 KiB of them over the whole frame), then `synced` with what cannot be given; the conversation's live messages wait meanwhile (see
     /// Session+Messages.swift). A position refused (not a member, no such conversation, Redis
     /// away) is answered by an `error` naming its conversation; the others go on.
     private func sync(_ positions: [SyncPosition], id: String?) async {
         let frames = gateway.frames
+        // One answer stays well inside what a session may have waiting to be written (a slow
+        // client must not be closed for syncing): past it, `more` says to sync again.
+        var budget = gateway.configuration.outboundBufferLimit / 2
         session.beginSync(positions.map(\.conversationID))
         for position in positions {
             let conversation = position.conversationID
             if let probe = gateway.hub.beforeSyncRead.withLockedValue({ $0 }) { await probe(conversation) }
             do {
-                let answer = try await gateway.engine.sync(position, for: user.userID)
+                var answer = try await gateway.engine.sync(position, for: user.userID)
+                budget = answer.cut(toBytes: budget)
                 var missing = answer.missing
                 // Sent live to this session before the sync (after its opening hold) and so not
                 // sent again: the client reads them over REST.
