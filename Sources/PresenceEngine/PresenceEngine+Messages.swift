@@ -63,10 +63,30 @@ extension PresenceEngine {
     ///   `invalidRequest` or `payloadTooLarge` for a message out of bounds, `unavailable`.
     public func send(_ message: OutgoingMessage, to conversation: String, from sender: String) async throws(PresenceError) -> (message: StoredMessage, duplicate: Bool) {
         try check(message)
-        let outcome = try await evaluate(SendMessage(conversation: conversation, sender: sender, message: message, newEpoch: Self.newEpoch()))
-        switch outcome {
-        case .stored(let stored): return (stored, false)
-        case .duplicate(let stored): return (stored, true)
+        // With replicas to wait for, the write and the WAIT share a connection of their own.
+        let client = configuration.messageReplicas > 0 ? sendRedis : redis
+        let outcome = try await evaluate(SendMessage(conversation: conversation, sender: sender, message: message, newEpoch: Self.newEpoch()), on: client)
+        let sent: (message: StoredMessage, duplicate: Bool) = switch outcome {
+        case .stored(let stored): (stored, false)
+        case .duplicate(let stored): (stored, true)
+        }
+        try await awaitReplicas(of: conversation)
+        return sent
+    }
+
+    /// With `messageReplicas`, waits up to a second for that many replicas to have what this
+    /// node's send connection wrote to the conversation's server (a retry's duplicate too: the retry after a 503
+    /// learns whether the message got there since).
+    ///
+    /// - Throws: `unavailable` when fewer confirm it in time; the message stays stored.
+    func awaitReplicas(of conversation: String) async throws(PresenceError) {
+        let wanted = configuration.messageReplicas
+        guard wanted > 0 else { return }
+        let confirmed = try await run {
+            try await self.sendRedis.waitForReplicas(wanted, timeoutMilliseconds: 1_000, afterWriting: self.keys.history(conversation))
+        }
+        guard confirmed >= wanted else {
+            throw PresenceError(.unavailable, "the message is stored, but \(confirmed) of the \(wanted) replicas asked for confirmed it within 1 s; send it again with the same client_message_id")
         }
     }
 

@@ -16,6 +16,8 @@ public final class PresenceEngine: Sendable {
     public let keys: PresenceKeys
     /// The store: one Redis server, or a cluster.
     public let redis: any RedisCommands
+    /// Where messages are stored when acknowledgements wait for replicas (see ``init``).
+    let sendRedis: any RedisCommands
     /// Where time comes from.
     public let clock: any PresenceClock
     let logger: Logger
@@ -75,8 +77,14 @@ public final class PresenceEngine: Sendable {
     }
 
     /// Makes an engine; `configuration` must pass ``PresenceConfiguration/validate()``.
-    public init(redis: any RedisCommands, configuration: PresenceConfiguration, clock: any PresenceClock = SystemPresenceClock(), logger: Logger) {
+    ///
+    /// - Parameter replicatedSends: with `messageReplicas`, the client that stores messages and
+    ///   then waits for replicas (`WAIT` blocks its connection for up to a second, so it must not
+    ///   be `redis`, which every other command shares); `redis` when not given.
+    public init(redis: any RedisCommands, replicatedSends: (any RedisCommands)? = nil, configuration: PresenceConfiguration,
+                clock: any PresenceClock = SystemPresenceClock(), logger: Logger) {
         self.redis = redis
+        self.sendRedis = replicatedSends ?? redis
         self.configuration = configuration
         self.keys = PresenceKeys(prefix: configuration.keyPrefix)
         self.clock = clock

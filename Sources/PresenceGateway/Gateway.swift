@@ -65,7 +65,16 @@ public final class Gateway: Sendable {
         redisConfiguration.maximumBackoff = .seconds(1)
         let redis = try makeRedisCommands(configuration: redisConfiguration, logger: logger)
         let subscriber = makeRedisSubscriber(for: redis, logger: logger)
-        engine = PresenceEngine(redis: redis, configuration: configuration.engineConfiguration, logger: logger)
+        // Sends that wait for replicas get a client of their own: `WAIT` holds its connection
+        // for up to a second, which on the shared one would hold up (and stall) everything else.
+        var replicated: (any RedisCommands)?
+        if configuration.messageReplicas > 0 {
+            var sendConfiguration = redisConfiguration
+            sendConfiguration.clientName = "presence-gateway:\(configuration.nodeID):sends"
+            sendConfiguration.stallTimeout = .milliseconds(2_500)
+            replicated = try makeRedisCommands(configuration: sendConfiguration, logger: logger)
+        }
+        engine = PresenceEngine(redis: redis, replicatedSends: replicated, configuration: configuration.engineConfiguration, logger: logger)
         frames = FrameCoder(ids: configuration.idFormat)
         bodies = FrameCoder(ids: configuration.idFormat, snakeCaseKeys: true)
         hub = SessionHub(engine: engine, subscriber: subscriber, frames: frames, logger: logger)
@@ -73,7 +82,7 @@ public final class Gateway: Sendable {
         restLimiter = RateLimiter(rate: configuration.statusRate)
         typingLimiter = RateLimiter(rate: configuration.typingRate)
         messageLimiter = RateLimiter(rate: configuration.messageRate)
-        services = [redis, subscriber, hub, PresenceLeaseService(engine: engine), PresenceReaperService(engine: engine)]
+        services = [redis] + (replicated.map { [$0] } ?? []) + [subscriber, hub, PresenceLeaseService(engine: engine), PresenceReaperService(engine: engine)]
         GatewayMetrics.bootstrap()
     }
 

@@ -36,6 +36,10 @@ public protocol RedisCommands: AnyObject, Sendable, Service {
     /// as SCAN may return it twice; on a cluster whose primaries change meanwhile, keys of a
     /// moved slot may be missed or repeated.
     func scanPage(cursor: String, matching pattern: String, count: Int) async throws(RedisError) -> (cursor: String, keys: [String])
+    /// `WAIT replicas timeout` on the connection that wrote `key` (the one server's, or on a
+    /// cluster the connection to the primary of the key's slot): how many replicas have every
+    /// write sent on that connection so far, waiting up to `timeoutMilliseconds` for `replicas`.
+    func waitForReplicas(_ replicas: Int, timeoutMilliseconds: Int, afterWriting key: String) async throws(RedisError) -> Int
     /// How messages reach subscribers: classic pub/sub on one server, sharded on a cluster.
     var pubSub: RedisPubSub { get }
     /// Registers `observer` for connection events; keep the token to remove it.
@@ -139,6 +143,10 @@ private func scanReply(_ reply: RESPValue, pattern: String) throws(RedisError) -
 extension RedisClient: RedisCommands {
     public var isAvailable: Bool { isConnected }
 
+    public func waitForReplicas(_ replicas: Int, timeoutMilliseconds: Int, afterWriting key: String) async throws(RedisError) -> Int {
+        try await send("WAIT", RedisArgument(replicas), RedisArgument(timeoutMilliseconds)).int ?? 0
+    }
+
     public var pubSub: RedisPubSub { configuration.pubSub }
 
     public func scanPage(cursor: String, matching pattern: String, count: Int) async throws(RedisError) -> (cursor: String, keys: [String]) {
@@ -147,6 +155,11 @@ extension RedisClient: RedisCommands {
 }
 
 extension RedisClusterClient: RedisCommands {
+    public func waitForReplicas(_ replicas: Int, timeoutMilliseconds: Int, afterWriting key: String) async throws(RedisError) -> Int {
+        let command: [RedisArgument] = ["WAIT", RedisArgument(replicas), RedisArgument(timeoutMilliseconds)]
+        return try await execute(command, slot: HashSlot(of: key), deadline: commandDeadline()).result.get().int ?? 0
+    }
+
     /// The cursor is `primary:cursor`: the index of a primary in ``primaries`` and SCAN's cursor there.
     public func scanPage(cursor: String, matching pattern: String, count: Int) async throws(RedisError) -> (cursor: String, keys: [String]) {
         try await waitForMap(until: commandDeadline())

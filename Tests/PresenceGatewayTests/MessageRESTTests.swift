@@ -157,3 +157,37 @@ struct MessageRESTTests {
         }
     }
 }
+
+/// `PRESENCE_MESSAGE_REPLICAS`: an acknowledgement waits for replicas (`WAIT N 1000`).
+@Suite("Message acknowledgements that wait for replicas")
+struct MessageReplicaTests {
+    @Test("with replicas asked for, a send is acknowledged once they have it; with more than there are, 503 within about a second and the message stays stored")
+    func replicas() async throws {
+        let primary = try RedisServerProcess()
+        let replica = try RedisServerProcess(arguments: ["--replicaof", "127.0.0.1", "\(primary.port)"])
+        _ = await eventually(timeout: .seconds(10)) { (try? replica.cli("INFO", "replication"))?.contains("master_link_status:up") == true }
+        let prefix = TestRedis.uniquePrefix("replicas")
+        let alice = try await token("alice")
+        let path = "/api/conversations/room/messages"
+        try await withNodes(1, prefix: prefix, configure: { $0.redisURL = primary.url(); $0.messageReplicas = 1 }) { ports in
+            try await ConversationTests.setUp(ports[0], ["alice", "bob"])
+            let sent = try await call(ports[0], "POST", path, token: alice, body: MessageRESTTests.body(["client_message_id": "one", "text": "kept twice"]))
+            #expect(sent.status == 201)
+            let copied = try replica.cli("XLEN", "\(prefix):{c:room}:history")
+            #expect(copied.trimmingCharacters(in: .whitespacesAndNewlines) == "1", "the replica has the message once it is acknowledged")
+        }
+        try await withNodes(1, prefix: prefix, configure: { $0.redisURL = primary.url(); $0.messageReplicas = 2 }) { ports in
+            let started = ContinuousClock.now
+            let refused = try await call(ports[0], "POST", path, token: alice, body: MessageRESTTests.body(["client_message_id": "two", "text": "only one replica"]))
+            let took = ContinuousClock.now - started
+            #expect(refused.status == 503 && MessageRESTTests.errorCode(refused.json) == "unavailable")
+            #expect(took >= .milliseconds(900) && took < .seconds(3), "\(took) \(refused.json ?? "")")
+            let history = try await call(ports[0], "GET", path, token: alice)
+            let texts = ((history.json as? [String: Any])?["messages"] as? [[String: Any]] ?? []).compactMap { $0["text"] as? String }
+            #expect(texts == ["kept twice", "only one replica"], "the message is stored all the same")
+            let retry = try await call(ports[0], "POST", path, token: alice, body: MessageRESTTests.body(["client_message_id": "two", "text": "only one replica"]))
+            #expect(retry.status == 503)
+            #expect(try await call(ports[0], "GET", path, token: alice).json.map { (($0 as? [String: Any])?["last_seq"] as? Int) } == 2, "a retry stores nothing twice")
+        }
+    }
+}

@@ -39,11 +39,12 @@ struct ScriptContext: Sendable {
 extension PresenceEngine {
     var scriptContext: ScriptContext { ScriptContext(keys: keys, configuration: configuration, now: nowArgument, pubSub: redis.pubSub) }
 
-    /// Runs one script call.
-    func evaluate<Call: ScriptCall>(_ call: Call) async throws(PresenceError) -> Call.Outcome {
+    /// Runs one script call, on `client` when given (else the engine's).
+    func evaluate<Call: ScriptCall>(_ call: Call, on client: (any RedisCommands)? = nil) async throws(PresenceError) -> Call.Outcome {
         let context = scriptContext
         let script = runnable(Call.script)
-        let reply = try await run { try await self.redis.evaluate(script, keys: call.keys(context), arguments: call.arguments(context)) }
+        let redis = client ?? self.redis
+        let reply = try await run { try await redis.evaluate(script, keys: call.keys(context), arguments: call.arguments(context)) }
         return try call.decode(reply)
     }
 
