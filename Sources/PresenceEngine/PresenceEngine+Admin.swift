@@ -15,6 +15,14 @@ public struct PresenceStats: Sendable, Codable, Equatable {
     public var keys = 0
     /// Bytes those keys use, by `MEMORY USAGE`.
     public var memoryBytes = 0
+    /// Conversations with a message history kept.
+    public var histories = 0
+    /// Messages kept in those histories.
+    public var messagesKept = 0
+    /// Bytes the histories use, by `MEMORY USAGE` (part of `memoryBytes`).
+    public var historyBytes = 0
+    /// Retry records of sent messages (one per message within `PRESENCE_MESSAGE_DEDUP_TTL`).
+    public var retryRecords = 0
 }
 
 extension PresenceEngine {
@@ -47,6 +55,12 @@ extension PresenceEngine {
             stats.keys += names.count
             let sizes = try await run { try await self.redis.pipeline(names.map { ["MEMORY", "USAGE", RedisArgument($0)] }) }
             stats.memoryBytes += sizes.reduce(0) { $0 + ((try? $1.get())?.int ?? 0) }
+            let histories = names.indices.filter { names[$0].hasPrefix("\(keys.prefix):{c:") && names[$0].hasSuffix("}:history") }
+            stats.histories += histories.count
+            stats.historyBytes += histories.reduce(0) { $0 + ((try? sizes[$1].get())?.int ?? 0) }
+            let lengths = try await run { try await self.redis.pipeline(histories.map { ["XLEN", RedisArgument(names[$0])] }) }
+            stats.messagesKept += lengths.reduce(0) { $0 + ((try? $1.get())?.int ?? 0) }
+            stats.retryRecords += names.count { $0.hasPrefix("\(keys.prefix):{c:") && $0.contains("}:sent:") }
         } while cursor != "0"
         return stats
     }

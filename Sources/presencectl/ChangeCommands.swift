@@ -122,23 +122,7 @@ struct WatchCommand: AsyncParsableCommand {
                 }
                 users += members
             }
-            // Hear what the gateway nodes publish: their pub/sub unless one was given.
-            var redisConfiguration = engine.redis.configuration
-            let nodes = Set(try await engine.otherNodesPubSub().values)
-            if let given = options.redisPubSub {
-                if let theirs = nodes.first(where: { $0.rawValue != given }) {
-                    throw CLIError("the gateway nodes use \(theirs.rawValue) pub/sub, not \(given): watch would hear nothing; leave out --redis-pubsub (PRESENCE_REDIS_PUBSUB) to use theirs")
-                }
-            } else if nodes.count == 1, let theirs = nodes.first {
-                redisConfiguration.pubSub = theirs
-            }
-            if users.isEmpty, redisConfiguration.pubSub == .sharded {
-                throw CLIError("with sharded pub/sub (a Redis Cluster, or PRESENCE_REDIS_PUBSUB=sharded), watch needs --user or --conversation: sharded channels cannot be subscribed by pattern")
-            }
-            redisConfiguration.clientName = "presencectl-watch"
-            let subscriber: any RedisChannelSubscriber = redisConfiguration.pubSub == engine.redis.pubSub
-                ? makeRedisSubscriber(for: engine.redis, clientName: "presencectl-watch", logger: .init(label: "presencectl"))
-                : RedisSubscriber(configuration: redisConfiguration, logger: .init(label: "presencectl"))
+            let subscriber = try await options.subscriber(engine, clientName: "presencectl-watch", command: "watch", needsPattern: users.isEmpty)
             try await subscriber.whileRunning {
                 if users.isEmpty, let classic = subscriber as? RedisSubscriber {
                     try await classic.subscribe(pattern: engine.keys.allUserChannelsPattern)

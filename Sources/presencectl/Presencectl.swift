@@ -24,7 +24,7 @@ struct Presencectl: AsyncParsableCommand {
         subcommands: [
             UserCommand.self, OnlineCommand.self, NodesCommand.self, ConversationCommand.self, WatchCommand.self,
             StatsCommand.self, SetMembersCommand.self, AddMembersCommand.self, RemoveMemberCommand.self,
-            DeleteConversationCommand.self, DisconnectCommand.self,
+            DeleteConversationCommand.self, DisconnectCommand.self, MessagesCommand.self,
         ]
     )
 }

@@ -134,7 +134,7 @@ struct ConversationCommand: AsyncParsableCommand {
 struct StatsCommand: AsyncParsableCommand {
     static let configuration = CommandConfiguration(
         commandName: "stats",
-        abstract: "Users online and away, devices, live nodes, keys and memory used under the prefix.",
+        abstract: "Users online and away, devices, live nodes, keys and memory used under the prefix, and the messages kept.",
         discussion: "Walks every key under the prefix (SCAN): for operators, not for monitoring at a high rate.\nExample: presencectl stats --json"
     )
     @OptionGroup var options: GlobalOptions
@@ -143,10 +143,14 @@ struct StatsCommand: AsyncParsableCommand {
         try await options.withEngine { engine in
             let stats = try await engine.stats()
             options.output(json: ["users_online": stats.usersOnline, "users_away": stats.usersAway, "devices": stats.devices,
-                                  "nodes": stats.nodes, "keys": stats.keys, "memory_bytes": stats.memoryBytes]) {
+                                  "nodes": stats.nodes, "keys": stats.keys, "memory_bytes": stats.memoryBytes,
+                                  "conversations_with_history": stats.histories, "messages_kept": stats.messagesKept,
+                                  "history_memory_bytes": stats.historyBytes, "message_retry_records": stats.retryRecords]) {
                 Format.table(["WHAT", "COUNT"], [
                     ["users online", "\(stats.usersOnline)"], ["users away", "\(stats.usersAway)"], ["devices", "\(stats.devices)"],
                     ["live nodes", "\(stats.nodes)"], ["keys", "\(stats.keys)"], ["memory", "\(stats.memoryBytes) bytes"],
+                    ["conversations with history", "\(stats.histories)"], ["messages kept", "\(stats.messagesKept)"],
+                    ["history memory", "\(stats.historyBytes) bytes"], ["message retry records", "\(stats.retryRecords)"],
                 ])
             }
         }

@@ -97,8 +97,8 @@ struct PresencectlTests {
             #expect(conversationTable.contains("bob") && conversationTable.contains("1 of 2 online"), "\(conversationTable)")
             let stats = try await CTL.json(["stats"] + common)
             #expect(stats["users_online"] as? Int == 1 && stats["nodes"] as? Int == 1 && (stats["keys"] as? Int ?? 0) > 0)
-            let statsTable = try await CTL.run(["stats"] + common).out
-            #expect(statsTable.contains("users online  1") && statsTable.contains("live nodes    1"), "\(statsTable)")
+            let statsTable = try await CTL.run(["stats"] + common).out.replacingOccurrences(of: " +", with: " ", options: .regularExpression)
+            #expect(statsTable.contains("users online 1") && statsTable.contains("live nodes 1") && statsTable.contains("messages kept 0"), "\(statsTable)")
             let add = try await CTL.json(["add-members", "team", "carol"] + common)
             #expect(add["added"] as? [String] == ["carol"])
             let remove = try await CTL.run(["remove-member", "team", "carol"] + common)
@@ -128,6 +128,40 @@ struct PresencectlTests {
             let deleted = try await CTL.run(["delete-conversation", "team"] + common)
             #expect(deleted.status == 0 && deleted.out == "deleted team\n")
             #expect(try await CTL.run(["delete-conversation", "team"] + common).status == 1)
+        }
+    }
+
+    @Test("messages lists a history (latest, --after, --limit, --json) and --follow prints each new message once, in order; stats counts them")
+    func messages() async throws {
+        let prefix = TestRedis.uniquePrefix("ctlmsg")
+        try await withNodes(1, prefix: prefix) { ports in
+            let common = ["--redis-url", TestRedis.url, "--key-prefix", prefix]
+            try await ConversationTests.setUp(ports[0], ["alice", "bob"])
+            let alice = try await token("alice")
+            @Sendable func send(_ number: Int) async throws {
+                let body = MessageRESTTests.body(["client_message_id": "m\(number)", "text": "message \(number)"])
+                #expect(try await call(ports[0], "POST", "/api/conversations/room/messages", token: alice, body: body).status == 201)
+            }
+            for number in 1...5 { try await send(number) }
+            let latest = try await CTL.run(["messages", "room", "--limit", "2"] + common)
+            #expect(latest.status == 0 && latest.out.contains("seqs 1-5 kept") && latest.out.contains("message 5") && !latest.out.contains("message 3"), "\(latest)")
+            let after = try await CTL.json(["messages", "room", "--after", "3"] + common)
+            #expect((after["messages"] as? [[String: Any]])?.compactMap { $0["seq"] as? Int } == [4, 5] && after["last_seq"] as? Int == 5)
+            #expect(try await CTL.run(["messages", "nowhere"] + common).err.contains("no such conversation: nowhere"))
+            #expect(try await CTL.run(["messages", "room", "--limit", "0"] + common).status != 0)
+            let stats = try await CTL.json(["stats"] + common)
+            #expect(stats["messages_kept"] as? Int == 5 && stats["conversations_with_history"] as? Int == 1 && stats["message_retry_records"] as? Int == 5)
+
+            let (follower, out, err) = try CTL.start(["messages", "room", "--follow", "--json", "--after", "5"] + common)
+            _ = await eventually(timeout: .seconds(5)) { (try? String(contentsOf: err, encoding: .utf8))?.contains("following room") == true }
+            for number in 6...8 { try await send(number) }
+            _ = await eventually(timeout: .seconds(5)) { (try? String(contentsOf: out, encoding: .utf8))?.contains("message 8") == true }
+            kill(follower.processIdentifier, SIGKILL)
+            follower.waitUntilExit()
+            let lines = CTL.read(out).split(separator: "\n").dropFirst()
+            _ = CTL.read(err)
+            let seqs = lines.compactMap { (try? JSONSerialization.jsonObject(with: Data($0.utf8)) as? [String: Any])?["seq"] as? Int }
+            #expect(seqs == [6, 7, 8], "\(lines)")
         }
     }
 
