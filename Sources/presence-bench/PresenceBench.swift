@@ -15,7 +15,7 @@ struct PresenceBench: AsyncParsableCommand {
         """,
         subcommands: [IdleScenario.self, ChurnScenario.self, StormScenario.self, FanoutScenario.self, DeathScenario.self,
                       CostScenario.self, SoakScenario.self, EngineBench.self, LatencyBench.self, GroupBench.self,
-                      MembershipBench.self]
+                      MembershipBench.self, MessageBench.self]
     )
 }
 

@@ -24,7 +24,8 @@ struct TwoNodes {
     }
 
     /// Starts nodes "a" and "b" with the given visibility (open by default) and status rate.
-    static func start(redisURL: String, statusRate: Double, maxIDs: Int, visibility: Visibility = .open) async throws -> TwoNodes {
+    static func start(redisURL: String, statusRate: Double, maxIDs: Int, visibility: Visibility = .open,
+                      configure: (inout GatewayConfiguration) -> Void = { _ in }) async throws -> TwoNodes {
         var logger = Logger(label: "presence-bench")
         logger.logLevel = .warning
         let prefix = "bench-\(UUID().uuidString.prefix(8).lowercased())"
@@ -42,6 +43,7 @@ struct TwoNodes {
             configuration.statusRate = statusRate
             configuration.typingRate = statusRate
             configuration.maxIDsPerRequest = max(500, maxIDs)
+            configure(&configuration)
             let node = try await buildGateway(configuration: configuration, logger: logger) { port in
                 bound.withLockedValue { $0[name] = port }
             }
