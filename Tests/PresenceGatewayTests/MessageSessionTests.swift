@@ -271,6 +271,32 @@ struct MessageSessionTests {
         }
     }
 
+    @Test("with numeric ids, send, message, sync, synced and receipt write ids as numbers and take them as numbers or strings")
+    func numericIDs() async throws {
+        try await withNodes(2, configure: { $0.idFormat = .numeric }) { ports in
+            let body = #"{"member_ids":[1,2]}"#
+            #expect(try await call(ports[0], "PUT", "/api/admin/conversations/77", token: adminToken, body: body).status == 200)
+            let one = try await Self.open(ports[0], "1", device: "a")
+            let two = try await Self.open(ports[1], "2", device: "b")
+            try await Task.sleep(for: SessionHub.messageOpeningHold + .milliseconds(200))
+            one.send("send", ["conversation_id": 77, "client_message_id": "n1", "text": "numbers"], id: "n1")
+            let ack = try await one.next("message_ack")
+            #expect(ack.data["conversation_id"] as? Int == 77 && ack.data["seq"] as? Int == 1)
+            let live = try #require(await Self.messages(two, count: 1).first)
+            #expect(live.data["conversation_id"] as? Int == 77 && live.data["sender_id"] as? Int == 1)
+            two.send("sync", ["positions": [["conversation_id": "077", "after_seq": 0]]], id: "s")
+            let synced = try await two.next("synced")
+            #expect(synced.data["conversation_id"] as? Int == 77 && synced.data["last_seq"] as? Int == 1 && synced.id == "s")
+            two.send("read", ["conversation_id": 77, "seq": 1], id: "r")
+            #expect(try await two.next("ack").id == "r")
+            let receipt = try await one.next("receipt")
+            #expect(receipt.data["user_id"] as? Int == 2 && receipt.data["conversation_id"] as? Int == 77 && receipt.data["read_seq"] as? Int == 1)
+            two.send("sync", ["positions": [["conversation_id": 78, "after_seq": 0]]], id: "x")
+            let refused = try await two.next("error")
+            #expect(refused.data["conversation_id"] as? Int == 78 && refused.data["code"] as? String == "not_found")
+        }
+    }
+
     @Test("a node's pub/sub connection killed while messages flow loses none of them and repeats none")
     func pubSubKilled() async throws {
         let server = try RedisServerProcess()
