@@ -1,4 +1,5 @@
 import Foundation
+import NIOConcurrencyHelpers
 import PresenceProtocol
 import RedisClient
 
@@ -70,6 +71,7 @@ extension PresenceEngine {
         case .stored(let stored): (stored, false)
         case .duplicate(let stored): (stored, true)
         }
+        if !sent.duplicate { messagesStored.withLockedValue { $0 += 1 } }
         try await awaitReplicas(of: conversation)
         return sent
     }

@@ -18,6 +18,9 @@ public struct NodeRecord: Sendable, Equatable, Codable {
     /// The pub/sub it publishes with, as its renewals record it; nil from a node of a version
     /// that records none.
     public var pubSub: RedisPubSub?
+    /// Messages stored through it since it started, as of its last renewal (0 from a node of a
+    /// version that records none).
+    public var messagesStored: Int = 0
 }
 
 /// Live nodes publish with another pub/sub than this one: they would not hear each other's
@@ -55,7 +58,7 @@ extension PresenceEngine {
             if register { try await list(node, until: indexScore(after: configuration.leaseTTL)) }
             let sent = clock.nowMilliseconds()
             let sentAt = ContinuousClock.now
-            let outcome = try await evaluate(RenewLease(node: node, register: register, sessions: sessions))
+            let outcome = try await evaluate(RenewLease(node: node, register: register, sessions: sessions, messages: messagesStored.withLockedValue { $0 }))
             guard case .renewed(let storeNow, let ends, let indexed) = outcome else { return false }
             leaseHeldUntil.withLockedValue { $0 = max($0 ?? sentAt, sentAt + configuration.leaseTTL) }
             let local = (sent + clock.nowMilliseconds()) / 2
@@ -191,13 +194,13 @@ extension PresenceEngine {
             if let node = values[index].string, let score = values[index + 1].double { pairs.append((node, Int64(score))) }
         }
         let commands: [[RedisArgument]] = pairs.flatMap { pair -> [[RedisArgument]] in
-            [["HMGET", RedisArgument(keys.nodeInfo(pair.0)), "sessions", "renewed_at", "pubsub"], ["EXISTS", RedisArgument(keys.lease(pair.0))]]
+            [["HMGET", RedisArgument(keys.nodeInfo(pair.0)), "sessions", "renewed_at", "pubsub", "messages"], ["EXISTS", RedisArgument(keys.lease(pair.0))]]
         }
         let replies = try await run { try await self.redis.pipeline(commands) }
         return pairs.enumerated().map { index, pair in
             let fields = (try? replies[2 * index].get())?.array ?? []
             let leaseExists = (try? replies[2 * index + 1].get())?.int == 1
-            let renewed = fields.count == 3 ? ScriptLua.timestamp(fields[1]) : nil
+            let renewed = fields.count == 4 ? ScriptLua.timestamp(fields[1]) : nil
             // A node being reaped has its registry score moved forward by the claim, but its
             // lease key has expired: it is lapsed either way.
             return NodeRecord(
@@ -206,7 +209,8 @@ extension PresenceEngine {
                 leaseExpiresAt: leaseExists ? pair.1 : min(pair.1, (renewed ?? now) + configuration.leaseTTL.milliseconds),
                 renewedAt: renewed,
                 lapsed: !leaseExists,
-                pubSub: fields.count == 3 ? fields[2].string.flatMap(RedisPubSub.init(rawValue:)) : nil
+                pubSub: fields.count == 4 ? fields[2].string.flatMap(RedisPubSub.init(rawValue:)) : nil,
+                messagesStored: fields.count == 4 ? fields[3].string.flatMap { Int($0) } ?? 0 : 0
             )
         }
     }

@@ -18,6 +18,8 @@ public final class PresenceEngine: Sendable {
     public let redis: any RedisCommands
     /// Where messages are stored when acknowledgements wait for replicas (see ``init``).
     let sendRedis: any RedisCommands
+    /// Messages stored through this engine (retries' duplicates not counted), for the node's info.
+    let messagesStored = NIOLockedValueBox(0)
     /// Where time comes from.
     public let clock: any PresenceClock
     let logger: Logger

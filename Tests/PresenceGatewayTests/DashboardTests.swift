@@ -78,6 +78,18 @@ struct DashboardTests {
             #expect(device["device_id"] as? String == "web")
             #expect(device["node"] is NSNull, "a REST device has no node, written as null")
             #expect(device["deadline"] is String, "a REST device lives until its heartbeat runs out")
+            #expect((detail["conversations"] as? [[String: Any]])?.first?["conversation_id"] as? String == "team")
+
+            // Messages: the lookup shows the user's cursors, the overview the nodes' running count.
+            for number in 1...3 {
+                let body = MessageRESTTests.body(["client_message_id": "m\(number)", "text": "hi"])
+                #expect(try await call(port, "POST", "/api/conversations/team/messages", token: try await token("bob"), body: body).status == 201)
+            }
+            _ = try await call(port, "POST", "/api/conversations/team/read", token: try await token("alice"), body: #"{"seq":2}"#)
+            let withCursors = try JSONSerialization.jsonObject(with: try await Self.fetch(port, "/api/admin/users/alice", token: adminToken).body) as? [String: Any]
+            let team = try #require((withCursors?["conversations"] as? [[String: Any]])?.first)
+            #expect(team["last_seq"] as? Int == 3 && team["read_seq"] as? Int == 2 && team["delivered_seq"] as? Int == 2 && team["unread"] as? Int == 1)
+            #expect((team["epoch"] as? String)?.isEmpty == false)
 
             let ready = try await eventually {
                 let answer = try await Self.fetch(port, "/api/admin/overview", token: adminToken)
@@ -90,8 +102,16 @@ struct DashboardTests {
             let overview = try #require(try JSONSerialization.jsonObject(with: answer.body) as? [String: Any])
             #expect(overview["users_online"] as? Int == 0 && overview["users_away"] as? Int == 1)
             #expect((overview["users"] as? [[String: Any]])?.map { $0["user_id"] as? String } == ["alice"])
-            let team = try #require((overview["conversations"] as? [[String: Any]])?.first)
-            #expect(team["conversation_id"] as? String == "team" && team["total"] as? Int == 3 && team["away"] as? Int == 1 && team["online"] as? Int == 0)
+            let counts = try #require((overview["conversations"] as? [[String: Any]])?.first)
+            #expect(counts["conversation_id"] as? String == "team" && counts["total"] as? Int == 3 && counts["away"] as? Int == 1 && counts["online"] as? Int == 0)
+            // The node records its count at each lease renewal (a third of the 3 s lease).
+            let counted = try await eventually(timeout: .seconds(5)) {
+                try await Task.sleep(for: .milliseconds(500))
+                let answer = try await Self.fetch(port, "/api/admin/overview", token: adminToken)
+                let overview = try JSONSerialization.jsonObject(with: answer.body) as? [String: Any]
+                return overview?["messages_stored"] as? Int == 3 && (overview?["nodes"] as? [[String: Any]])?.first?["messages_stored"] as? Int == 3
+            }
+            #expect(counted, "the overview counts the 3 messages stored through the node")
         }
         try await withNodes(1, configure: { $0.adminToken = nil }) { ports in
             let overview = try await Self.fetch(ports[0], "/api/admin/overview", token: adminToken)

@@ -6,6 +6,7 @@ import { describe, test } from "node:test";
 
 import {
   ClockEstimate,
+  MessageRate,
   SSEParser,
   SecondRing,
   backoffSeconds,
@@ -30,6 +31,7 @@ const overviewData = {
   users_truncated: false,
   nodes: [{ node_id: "node-a", sessions: 12, lease_expires_at: "2026-11-25T12:00:09.000Z" }],
   conversations: [{ conversation_id: "équipe", total: 5, online: 3, away: 1 }], conversations_truncated: false,
+  messages_stored: 40,
 };
 const presenceData = [
   { user_id: "日本🙂", status: "away", last_seen: "2026-11-25T12:00:01.000Z", shown_status: "away", at: "2026-11-25T12:00:01.456Z" },
@@ -239,12 +241,28 @@ describe("helpers", () => {
     assert.deepEqual(overview.nodes, [{ key: "node-a", sessions: 12, leaseExpiresAt: Date.parse("2026-11-25T12:00:09.000Z") }]);
     assert.deepEqual(overview.conversations, [{ key: "équipe", total: 5, online: 3, away: 1 }]);
     assert.deepEqual(readOverview("garbage").users, []);
+    assert.equal(overview.messagesStored, 40);
+    assert.equal(readOverview({}).messagesStored, 0);
 
     const hidden = readPresence(presenceData[1]);
     assert.equal(hidden.key, "7");
     assert.equal(hiddenNote(hidden), "(hidden: others see offline)");
     assert.equal(hiddenNote(readPresence(presenceData[0])), "");
     assert.equal(readPresence({ status: "online" }), null);
+  });
+});
+
+describe("messages a second", () => {
+  test("the change of the nodes' total over the last minute, once it spans 5 s; a total that drops starts again", () => {
+    const rate = new MessageRate();
+    assert.equal(rate.add(0, 100), null);
+    assert.equal(rate.add(2_000, 100), null, "2 s is too short to say");
+    assert.equal(rate.add(5_000, 150), 10, "50 messages over 5 s");
+    assert.equal(rate.add(10_000, 200), 10);
+    for (let at = 12_000; at <= 70_000; at += 2_000) rate.add(at, 200);
+    assert.equal(rate.rate(), 0, "a minute with no message: the old samples are gone");
+    assert.equal(rate.add(72_000, 20), null, "a node restarted: its count began again");
+    assert.equal(rate.add(null, 30), null);
   });
 });
 

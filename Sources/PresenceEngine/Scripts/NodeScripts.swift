@@ -23,6 +23,8 @@ struct RenewLease: ScriptCall {
     var register: Bool
     /// Live sessions on the node, for its info.
     var sessions: Int
+    /// Messages stored through the node since it started, for its info (the dashboard's rate).
+    var messages: Int = 0
 
     func keys(_ context: ScriptContext) -> [String] {
         [context.keys.lease(node), context.keys.nodeInfo(node), context.keys.nodeDevices(node)]
@@ -30,7 +32,7 @@ struct RenewLease: ScriptCall {
 
     func arguments(_ context: ScriptContext) -> [RedisArgument] {
         [context.now, ScriptContext.milliseconds(context.configuration.leaseTTL), RedisArgument(node), RedisArgument(sessions),
-         context.deviceTTL, register ? "register" : "renew", RedisArgument(context.pubSub.rawValue)]
+         context.deviceTTL, register ? "register" : "renew", RedisArgument(context.pubSub.rawValue), RedisArgument(messages)]
     }
 
     func decode(_ reply: RESPValue) throws(PresenceError) -> Outcome {
@@ -51,7 +53,7 @@ struct RenewLease: ScriptCall {
     local ends = now + lease
     if mode ~= 'register' and not leaseLeft(KEYS[1], ARGV[1]) then return {0} end
     redis.call('SET', KEYS[1], ends, 'PX', lease)
-    redis.call('HSET', KEYS[2], 'renewed_at', now, 'sessions', sessions, 'pubsub', pubsub)
+    redis.call('HSET', KEYS[2], 'renewed_at', now, 'sessions', sessions, 'pubsub', pubsub, 'messages', ARGV[8])
     redis.call('PEXPIRE', KEYS[2], ttl)
     return {now, ends, redis.call('SCARD', KEYS[3])}
     """)

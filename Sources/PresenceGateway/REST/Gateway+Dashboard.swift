@@ -46,7 +46,8 @@ extension Gateway {
             guard try await self.engine.userExists(user) else { throw APIError.notFound("no such user") }
             let views = try await self.engine.views(of: user)
             let devices = try await self.engine.devices(of: user)
-            return RESTBody.UserDetail(views: views, devices: devices)
+            let conversations = try await self.engine.conversationSummaries(of: user)
+            return RESTBody.UserDetail(views: views, devices: devices, conversations: conversations)
         }
         router.get("/api/admin/overview") { request, _ in
             try self.requireAdmin(request)
@@ -248,7 +249,29 @@ extension RESTBody {
                 try container.encodeTimestamp(lastAlive, forKey: .lastAlive)
             }
         }
-        enum CodingKeys: CodingKey { case userId, status, lastSeen, showOnlineStatus, shownToOthers, devices }
+        /// One of the user's conversations with the user's cursors in it.
+        struct Conversation: Encodable {
+            var conversationId: JSONID
+            var epoch: String?
+            var lastSeq: Int64
+            var deliveredSeq: Int64
+            var readSeq: Int64
+            var unread: Int64
+
+            enum CodingKeys: CodingKey { case conversationId, epoch, lastSeq, deliveredSeq, readSeq, unread }
+
+            /// `epoch` is written as null, not left out, while there is no history.
+            func encode(to encoder: any Encoder) throws {
+                var container = encoder.container(keyedBy: CodingKeys.self)
+                try container.encode(conversationId, forKey: .conversationId)
+                if let epoch { try container.encode(epoch, forKey: .epoch) } else { try container.encodeNil(forKey: .epoch) }
+                try container.encode(lastSeq, forKey: .lastSeq)
+                try container.encode(deliveredSeq, forKey: .deliveredSeq)
+                try container.encode(readSeq, forKey: .readSeq)
+                try container.encode(unread, forKey: .unread)
+            }
+        }
+        enum CodingKeys: CodingKey { case userId, status, lastSeen, showOnlineStatus, shownToOthers, devices, conversations }
 
         var userId: JSONID
         var status: PresenceStatus
@@ -256,6 +279,7 @@ extension RESTBody {
         var showOnlineStatus: Bool
         var shownToOthers: Shown
         var devices: [Device]
+        var conversations: [Conversation]
 
         func encode(to encoder: any Encoder) throws {
             var container = encoder.container(keyedBy: CodingKeys.self)
@@ -265,9 +289,10 @@ extension RESTBody {
             try container.encode(showOnlineStatus, forKey: .showOnlineStatus)
             try container.encode(shownToOthers, forKey: .shownToOthers)
             try container.encode(devices, forKey: .devices)
+            try container.encode(conversations, forKey: .conversations)
         }
 
-        init(views: PresenceViews, devices: [DeviceRecord]) {
+        init(views: PresenceViews, devices: [DeviceRecord], conversations: [ConversationSummary]) {
             userId = JSONID(views.real.userID)
             status = views.real.status
             lastSeen = views.real.lastSeen
@@ -279,6 +304,10 @@ extension RESTBody {
                     since: device.since, deadline: device.deadline, lastAlive: device.lastAlive
                 )
             }
+            self.conversations = conversations.map { summary in
+                Conversation(conversationId: JSONID(summary.conversationID), epoch: summary.epoch.isEmpty ? nil : summary.epoch, lastSeq: summary.lastSeq,
+                             deliveredSeq: summary.cursors.deliveredSeq, readSeq: summary.cursors.readSeq, unread: summary.unread)
+            }
         }
     }
 
@@ -288,6 +317,8 @@ extension RESTBody {
             var nodeId: String
             var sessions: Int
             var leaseExpiresAt: String
+            /// Messages stored through the node since it started, as of its last lease renewal.
+            var messagesStored: Int
         }
         struct Conversation: Encodable {
             var conversationId: JSONID
@@ -303,6 +334,9 @@ extension RESTBody {
         var nodes: [Node]
         var conversations: [Conversation]
         var conversationsTruncated: Bool
+        /// The live nodes' `messages_stored`, summed: the dashboard's messages a second come from
+        /// its change between overviews.
+        var messagesStored: Int
 
         init(_ overview: PresenceOverview) {
             at = PresenceTimestamp.iso8601(overview.at)
@@ -310,7 +344,10 @@ extension RESTBody {
             usersAway = overview.usersAway
             users = overview.present.map { PresencePayload($0) }
             usersTruncated = overview.presentTruncated
-            nodes = overview.nodes.map { Node(nodeId: $0.nodeID, sessions: $0.sessions, leaseExpiresAt: PresenceTimestamp.iso8601($0.leaseExpiresAt)) }
+            nodes = overview.nodes.map {
+                Node(nodeId: $0.nodeID, sessions: $0.sessions, leaseExpiresAt: PresenceTimestamp.iso8601($0.leaseExpiresAt), messagesStored: $0.messagesStored)
+            }
+            messagesStored = overview.nodes.reduce(0) { $0 + $1.messagesStored }
             conversations = overview.conversations.map {
                 Conversation(conversationId: JSONID($0.conversationID), total: $0.total, online: $0.online, away: $0.away)
             }

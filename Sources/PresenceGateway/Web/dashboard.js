@@ -342,7 +342,7 @@ export function formatClock(milliseconds, withMilliseconds = false) {
 /**
  * @typedef {{ at: number | null, usersOnline: number, usersAway: number, users: UserRow[],
  *   usersTruncated: boolean, nodes: NodeRow[], conversations: ConversationRow[],
- *   conversationsTruncated: boolean }} Overview
+ *   conversationsTruncated: boolean, messagesStored: number }} Overview
  */
 /**
  * @typedef {{ id: JSONID, key: string, status: string, lastSeen: number | null,
@@ -447,7 +447,40 @@ export function readOverview(raw) {
     nodes,
     conversations,
     conversationsTruncated: body.conversations_truncated === true,
+    messagesStored: count(body.messages_stored),
   };
+}
+
+/**
+ * Messages a second across the nodes, from the running total each overview carries (every node
+ * records its own at each lease renewal, a few seconds apart): the change over the last minute of
+ * overviews, once they span at least 5 s. A total that goes down (a node restarted, or left)
+ * starts the window again.
+ */
+export class MessageRate {
+  /** @type {{ at: number, total: number }[]} */
+  #samples = [];
+
+  /**
+   * @param {number | null} at the overview's moment (server milliseconds)
+   * @param {number} total
+   * @returns {number | null} messages a second, or null while the window is too short
+   */
+  add(at, total) {
+    if (at === null) return this.rate();
+    const last = this.#samples.at(-1);
+    if (last && (total < last.total || at < last.at)) this.#samples = [];
+    this.#samples.push({ at, total });
+    while (this.#samples.length > 2 && at - this.#samples[1].at >= 60_000) this.#samples.shift();
+    return this.rate();
+  }
+
+  /** @returns {number | null} */
+  rate() {
+    const first = this.#samples[0], last = this.#samples.at(-1);
+    if (!first || !last || last.at - first.at < 5_000) return null;
+    return ((last.total - first.total) * 1000) / (last.at - first.at);
+  }
 }
 
 /**
@@ -529,6 +562,7 @@ function startDashboard() {
     countAway: byId("count-away", HTMLElement),
     countNodes: byId("count-nodes", HTMLElement),
     countSessions: byId("count-sessions", HTMLElement),
+    countMessages: byId("count-messages", HTMLElement),
     chart: byId("chart", HTMLCanvasElement),
     chartRate: byId("chart-rate", HTMLElement),
     users: bodyOf(byId("users", HTMLTableElement)),
@@ -552,6 +586,7 @@ function startDashboard() {
   /** @type {Map<string, UserRow>} */
   let users = new Map();
   let ring = new SecondRing();
+  let messageRate = new MessageRate();
   let adminOff = false;
 
   const serverNow = () => Date.now() + clock.offset;
@@ -796,6 +831,8 @@ function startDashboard() {
     setText(ui.countAway, String(next.usersAway));
     setText(ui.countNodes, String(next.nodes.length));
     setText(ui.countSessions, String(next.nodes.reduce((sum, node) => sum + node.sessions, 0)));
+    const rate = messageRate.add(next.at, next.messagesStored);
+    setText(ui.countMessages, rate === null ? "–" : rate.toFixed(rate < 10 ? 1 : 0));
     setText(ui.lastUpdate, next.at === null ? "–" : `${formatClock(next.at)} UTC`);
     setAttr(ui.lastUpdate, "datetime", formatTimestamp(next.at));
     renderUsers();
@@ -932,8 +969,9 @@ function startDashboard() {
     overview = null;
     users = new Map();
     ring = new SecondRing();
+    messageRate = new MessageRate();
     clock = new ClockEstimate();
-    for (const element of [ui.countOnline, ui.countAway, ui.countNodes, ui.countSessions, ui.lastUpdate]) setText(element, "–");
+    for (const element of [ui.countOnline, ui.countAway, ui.countNodes, ui.countSessions, ui.countMessages, ui.lastUpdate]) setText(element, "–");
     ui.users.replaceChildren();
     ui.nodes.replaceChildren();
     ui.conversations.replaceChildren();
@@ -982,9 +1020,10 @@ function startDashboard() {
       ? `hidden: others see ${text(shown.status)}, last seen ${formatTimestamp(parseTime(shown.last_seen))}`
       : "visible");
 
+    const conversations = lookupConversations(list(body.conversations).map(record));
     const devices = list(body.devices).map(record);
     if (devices.length === 0) {
-      ui.lookupResult.replaceChildren(summary, make("p", "no devices", "muted"));
+      ui.lookupResult.replaceChildren(summary, make("p", "no devices", "muted"), conversations);
       return;
     }
     const table = make("table", undefined, "devices");
@@ -1011,7 +1050,36 @@ function startDashboard() {
     }
     const scroll = make("div", undefined, "scroll");
     scroll.appendChild(table);
-    ui.lookupResult.replaceChildren(summary, scroll);
+    ui.lookupResult.replaceChildren(summary, scroll, conversations);
+  };
+
+  /**
+   * The looked-up user's conversations with their cursors: a table, or a note when none.
+   * @param {Record<string, unknown>[]} entries
+   */
+  const lookupConversations = (entries) => {
+    if (entries.length === 0) return make("p", "no conversations", "muted");
+    const table = make("table", undefined, "user-conversations");
+    const head = table.createTHead().insertRow();
+    for (const title of ["conversation", "last seq", "delivered", "read", "unread"]) {
+      const cell = make("th", title);
+      cell.scope = "col";
+      head.appendChild(cell);
+    }
+    const rows = table.createTBody();
+    for (const entry of entries) {
+      const row = rows.insertRow();
+      const id = idText(entry.conversation_id);
+      row.setAttribute("data-conversation-id", id);
+      setCell(row, 0, id, "", entry.epoch ? `epoch ${text(entry.epoch)}` : "no history yet");
+      setCell(row, 1, String(count(entry.last_seq)));
+      setCell(row, 2, String(count(entry.delivered_seq)));
+      setCell(row, 3, String(count(entry.read_seq)));
+      setCell(row, 4, String(count(entry.unread)));
+    }
+    const scroll = make("div", undefined, "scroll");
+    scroll.appendChild(table);
+    return scroll;
   };
 
   /** @param {string} user */
