@@ -263,4 +263,67 @@ struct ClusterGatewayTests {
         try await Task.sleep(for: .seconds(2))
         await Self.checkAfterwards(churn, churning: churning, users: users, watcher: watcher, nodes: nodes, since: start)
     }
+
+    @Test("a conversation's slot moved by hand while its members send (its keys half moved for a moment): every device ends with the stream, each seq once, in order; every acknowledged message stored once")
+    func messagesThroughSlotMove() async throws {
+        let prefix = TestRedis.uniquePrefix("cluster-messages")
+        let keys = PresenceKeys(prefix: prefix)
+        let url = try #require(TestRedisCluster.url)
+        let environment = nodeEnvironment(prefix: prefix, redisURL: url, extra: ["PRESENCE_VISIBILITY": "open"])
+        var nodes: [GatewayProcess] = []
+        for id in ["a", "b", "c"] { nodes.append(try await GatewayProcess(nodeID: id, environment: environment)) }
+        let members = (0..<4).map { "member\($0)" }
+        let body = #"{"member_ids":["# + members.map { "\"\($0)\"" }.joined(separator: ",") + "]}"
+        #expect(admin(nodes[0], "PUT", "/api/admin/conversations/moving", body)?.status == 200)
+        let devices = members.enumerated().map { MessageDevice(user: $0.element, device: "phone", conversations: ["moving"]) }
+        for (index, device) in devices.enumerated() { try await device.connect(port: nodes[index % 3].port) }
+        try await Task.sleep(for: .milliseconds(500))
+
+        // Everyone sends in turn, 50 a second, while the conversation's slot moves.
+        let sending = Task {
+            var number = 0
+            while !Task.isCancelled {
+                number += 1
+                let device = devices[number % devices.count]
+                device.send("\(device.user) \(number)", to: "moving", clientID: "\(device.user)-\(number)")
+                try? await Task.sleep(for: .milliseconds(20))
+            }
+        }
+        try await Task.sleep(for: .seconds(1))
+        let anyPort = try #require(Self.livePort())
+        let slot = Int(HashSlot(of: keys.history("moving")).value)
+        let owner = try #require(try TestRedisCluster.owner(of: slot, askingPort: anyPort))
+        let other = try #require(try TestRedisCluster.nodes(askingPort: anyPort).first { $0.isPrimary && !$0.isFailed && $0.port != owner.port })
+        let move = try #require(try TestRedisCluster.SlotMove.begin(slot, to: other.port))
+        let inSlot = try move.keysLeft()
+        #expect(inSlot.contains(keys.history("moving")), "the slot holds the history: \(inSlot)")
+        // The history first, the members and meta after a moment: sends meet a split slot.
+        try move.migrate(inSlot.filter { $0 == keys.history("moving") })
+        try await Task.sleep(for: .milliseconds(300))
+        try move.migrateAll()
+        try move.finish()
+        try await Task.sleep(for: .seconds(1))
+        sending.cancel()
+        _ = await sending.value
+
+        let settled = await eventually(timeout: .seconds(20), poll: .milliseconds(200)) { devices.allSatisfy { $0.unacknowledged == 0 } }
+        #expect(settled, "every message acknowledged: \(devices.map(\.unacknowledged)) left, errors \(devices.flatMap(\.errors).prefix(5))")
+        let acknowledged = devices.flatMap { device in device.acknowledged.map { (device.user, $0.key, Int($0.value.seq)) } }
+        let last = acknowledged.map(\.2).max() ?? 0
+        let delivered = await eventually(timeout: .seconds(10)) { devices.allSatisfy { $0.received("moving").count >= last } }
+        #expect(delivered, "every device got up to seq \(last): \(devices.map { $0.received("moving").count })")
+        for device in devices {
+            let seqs = device.received("moving").map { Int($0.seq) }
+            #expect(seqs == Array(0..<seqs.count).map { $0 + 1 } && device.repeats.isEmpty, "\(device.user): \(device.repeats.prefix(3))")
+        }
+        // The stream: each acknowledged message once, at its seq; nothing stored twice.
+        let history = try await offThePool { () throws -> String in
+            try TestRedisCluster.cli(port: other.port, "XLEN", keys.history("moving")).trimmingCharacters(in: .whitespacesAndNewlines)
+        }
+        #expect(Int(history) == last && Set(acknowledged.map(\.2)).count == acknowledged.count,
+                "\(history) entries, \(acknowledged.count) acknowledged (distinct seqs \(Set(acknowledged.map(\.2)).count)), last \(last)")
+        let redirected = try TestRedisCluster.cli(port: owner.port, "INFO", "errorstats").split(whereSeparator: \.isNewline).filter { $0.contains("TRYAGAIN") || $0.contains("ASK") }
+        print("cluster messages: \(acknowledged.count) acknowledged through the move, \(devices.reduce(0) { $0 + $1.acknowledged.values.count { $0.duplicate } }) as duplicates; the source answered \(redirected)")
+        for node in nodes { node.terminate() }
+    }
 }
