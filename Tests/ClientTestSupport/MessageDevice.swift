@@ -84,6 +84,12 @@ public final class MessageDevice: Sendable {
         write(Self.sendFrame(entry), id: clientID)
     }
 
+    /// Sends every unacknowledged message again on the open session (after `unavailable`
+    /// answers), with the same client ids.
+    public func resend() {
+        for entry in state.withLockedValue({ $0.outbox }) { write(Self.sendFrame(entry), id: entry.clientID) }
+    }
+
     private static func sendFrame(_ entry: (conversation: String, clientID: String, text: String)) -> ClientFrame {
         .send(MessageDraft(conversationID: entry.conversation, clientMessageID: entry.clientID, text: entry.text))
     }

@@ -290,4 +290,65 @@ struct SentinelTests {
             }
         }
     }
+
+    @Test("kill -9 of the primary while members send, with PRESENCE_MESSAGE_REPLICAS=1: no acknowledged message is lost; sends answer 503 until a replica is back, and their retries then find them")
+    func messagesThroughFailover() async throws {
+        let set = try await LocalSentinels()
+        let prefix = TestRedis.uniquePrefix("sentinel-messages")
+        let environment = nodeEnvironment(prefix: prefix, redisURL: set.url(), extra: ["PRESENCE_VISIBILITY": "open", "PRESENCE_MESSAGE_REPLICAS": "1"])
+        let a = try await GatewayProcess(nodeID: "a", environment: environment)
+        let b = try await GatewayProcess(nodeID: "b", environment: environment)
+        #expect(admin(a, "PUT", "/api/admin/conversations/room", #"{"member_ids":["alice","bob"]}"#)?.status == 200)
+        let alice = MessageDevice(user: "alice", device: "phone", conversations: ["room"])
+        let bob = MessageDevice(user: "bob", device: "phone", conversations: ["room"])
+        try await alice.connect(port: a.port)
+        try await bob.connect(port: b.port)
+        try await Task.sleep(for: .milliseconds(500))
+        let sending = Task {
+            var number = 0
+            while !Task.isCancelled {
+                number += 1
+                let device = number.isMultiple(of: 2) ? alice : bob
+                device.send("\(device.user) \(number)", to: "room", clientID: "\(device.user)-\(number)")
+                try? await Task.sleep(for: .milliseconds(20))
+            }
+        }
+        try await Task.sleep(for: .seconds(1))
+        let old = try #require(try set.primaryPort())
+        let acknowledgedBefore = alice.acknowledged.count + bob.acknowledged.count
+        set.server(port: old)?.stop()
+        #expect(await eventually(timeout: .seconds(15)) { (try? set.primaryPort()).flatMap { $0 } != old }, "the replica is promoted")
+        try await Task.sleep(for: .seconds(1))
+        sending.cancel()
+        _ = await sending.value
+        // The promoted primary has no replica: sends are stored but not acknowledged (503).
+        let refused = (alice.errors + bob.errors).filter { $0.contains("unavailable") }
+        // The old primary comes back empty; the Sentinels make it the new primary's replica.
+        try set.server(port: old)?.start()
+        #expect(await set.waitHealthy(), "the old primary is a replica again")
+        let drained = await eventually(timeout: .seconds(20), poll: .milliseconds(500)) {
+            for device in [alice, bob] where device.unacknowledged > 0 { device.resend() }
+            return alice.unacknowledged == 0 && bob.unacknowledged == 0
+        }
+        #expect(drained, "every message acknowledged in the end: \(alice.unacknowledged + bob.unacknowledged) left")
+        let primary = try #require(try set.primaryPort().flatMap { set.server(port: $0) })
+        let raw = try primary.cli("EVAL", "local out = {} for _, e in ipairs(redis.call('XRANGE', KEYS[1], '-', '+')) do for i = 1, #e[2], 2 do if e[2][i] == 'c' then table.insert(out, e[1] .. '|' .. e[2][i + 1]) end end end return table.concat(out, ' ')",
+                                  "1", "\(prefix):{c:room}:history")
+        var stored: [String: Int] = [:]
+        var twice: [String] = []
+        for entry in raw.split(whereSeparator: { $0 == " " || $0 == "\n" }) {
+            let parts = entry.split(separator: "|")
+            guard parts.count == 2, let seq = parts[0].split(separator: "-").first.flatMap({ Int($0) }) else { continue }
+            if stored.updateValue(seq, forKey: String(parts[1])) != nil { twice.append(String(parts[1])) }
+        }
+        var lost: [String] = []
+        for device in [alice, bob] {
+            for (clientID, ack) in device.acknowledged where stored[clientID] != Int(ack.seq) { lost.append("\(clientID) acknowledged at \(ack.seq), stored at \(stored[clientID].map(String.init) ?? "none")") }
+        }
+        print("sentinel messages: \(acknowledgedBefore) acknowledged before the kill, \(refused.count) sends answered unavailable while no replica was there, \(alice.acknowledged.count + bob.acknowledged.count) acknowledged in the end, \(stored.count) stored")
+        #expect(lost.isEmpty, "acknowledged and then lost: \(lost.prefix(5))")
+        #expect(twice.isEmpty, "stored twice: \(twice.prefix(5))")
+        #expect(!refused.isEmpty, "with no replica, sends were answered unavailable")
+        for node in [a, b] { node.terminate() }
+    }
 }
