@@ -65,15 +65,33 @@ extension PresenceEngine {
     public func send(_ message: OutgoingMessage, to conversation: String, from sender: String) async throws(PresenceError) -> (message: StoredMessage, duplicate: Bool) {
         try check(message)
         // With replicas to wait for, the write and the WAIT share a connection of their own.
-        let client = configuration.messageReplicas > 0 ? sendRedis : redis
-        let outcome = try await evaluate(SendMessage(conversation: conversation, sender: sender, message: message, newEpoch: Self.newEpoch()), on: client)
+        let replicated = configuration.messageReplicas > 0
+        let client = replicated ? sendRedis : redis
+        let outcome = try await evaluate(SendMessage(conversation: conversation, sender: sender, message: message, newEpoch: Self.newEpoch(),
+                                                     publish: !replicated), on: client)
         let sent: (message: StoredMessage, duplicate: Bool) = switch outcome {
         case .stored(let stored): (stored, false)
         case .duplicate(let stored): (stored, true)
         }
         if !sent.duplicate { messagesStored.withLockedValue { $0 += 1 } }
-        try await awaitReplicas(of: conversation)
+        if replicated {
+            try await awaitReplicas(of: conversation)
+            // Delivered only once the replicas have it (a retry's duplicate publishes too: the
+            // first try may have stopped short of it; nodes drop a seq they delivered already).
+            _ = try await run { try await self.redis.publish(Self.messageEvent(sent.message), on: self.keys.messageChannel(conversation)) }
+        }
         return sent
+    }
+
+    /// A message as the send script publishes it (see ``decodeMessageEvent(_:)``).
+    static func messageEvent(_ message: StoredMessage) -> [UInt8] {
+        let object: [String: Any] = [
+            "type": "message", "conversation_id": message.conversationID, "epoch": message.epoch, "seq": message.seq, "id": message.id,
+            "sender_id": message.senderID, "client_message_id": message.clientMessageID, "message_type": message.type.rawValue,
+            "text": message.text, "image_url": message.imageURL ?? "", "created_at": message.createdAt,
+            "client_created_at": message.clientCreatedAt.map { String($0) } ?? "",
+        ]
+        return Array((try? JSONSerialization.data(withJSONObject: object)) ?? Data())
     }
 
     /// With `messageReplicas`, waits up to a second for that many replicas to have what this

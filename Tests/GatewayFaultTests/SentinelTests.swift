@@ -349,6 +349,16 @@ struct SentinelTests {
         #expect(lost.isEmpty, "acknowledged and then lost: \(lost.prefix(5))")
         #expect(twice.isEmpty, "stored twice: \(twice.prefix(5))")
         #expect(!refused.isEmpty, "with no replica, sends were answered unavailable")
+        // Delivered live only once a replica had it: no device holds a seq the failover gave
+        // again to another message; each ends with the stream, in order, once it syncs.
+        for device in [alice, bob] { try await device.connect(port: b.port) }
+        let want = stored.values.sorted()
+        let agreed = await eventually(timeout: .seconds(10)) { [alice, bob].allSatisfy { $0.received("room").map { Int($0.seq) } == want } }
+        #expect(agreed, "devices hold the stream: \([alice, bob].map { $0.received("room").count }) of \(want.count); repeats \((alice.repeats + bob.repeats).prefix(3))")
+        for device in [alice, bob] {
+            let byClient = Dictionary(device.received("room").map { ($0.clientMessageID, Int($0.seq)) }) { first, _ in first }
+            #expect(byClient.allSatisfy { stored[$0.key] == $0.value }, "\(device.user) holds each message at its stored seq")
+        }
         for node in [a, b] { node.terminate() }
     }
 }

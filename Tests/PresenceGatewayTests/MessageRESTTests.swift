@@ -171,12 +171,19 @@ struct MessageReplicaTests {
         let path = "/api/conversations/room/messages"
         try await withNodes(1, prefix: prefix, configure: { $0.redisURL = primary.url(); $0.messageReplicas = 1 }) { ports in
             try await ConversationTests.setUp(ports[0], ["alice", "bob"])
+            let bob = try await MessageSessionTests.open(ports[0], "bob", device: "phone")
+            bob.send("sync", ["positions": [["conversation_id": "room", "after_seq": 0]]])
+            _ = try await bob.next("synced")
             let sent = try await call(ports[0], "POST", path, token: alice, body: MessageRESTTests.body(["client_message_id": "one", "text": "kept twice"]))
             #expect(sent.status == 201)
             let copied = try replica.cli("XLEN", "\(prefix):{c:room}:history")
             #expect(copied.trimmingCharacters(in: .whitespacesAndNewlines) == "1", "the replica has the message once it is acknowledged")
+            #expect(MessageSessionTests.seqs(await MessageSessionTests.messages(bob, count: 1)) == [1], "delivered once the replica has it")
         }
         try await withNodes(1, prefix: prefix, configure: { $0.redisURL = primary.url(); $0.messageReplicas = 2 }) { ports in
+            let bob = try await MessageSessionTests.open(ports[0], "bob", device: "phone")
+            bob.send("sync", ["positions": [["conversation_id": "room", "after_seq": 1]]])
+            _ = try await bob.next("synced")
             let started = ContinuousClock.now
             let refused = try await call(ports[0], "POST", path, token: alice, body: MessageRESTTests.body(["client_message_id": "two", "text": "only one replica"]))
             let took = ContinuousClock.now - started
@@ -188,6 +195,8 @@ struct MessageReplicaTests {
             let retry = try await call(ports[0], "POST", path, token: alice, body: MessageRESTTests.body(["client_message_id": "two", "text": "only one replica"]))
             #expect(retry.status == 503)
             #expect(try await call(ports[0], "GET", path, token: alice).json.map { (($0 as? [String: Any])?["last_seq"] as? Int) } == 2, "a retry stores nothing twice")
+            #expect(await MessageSessionTests.messages(bob, count: 1, timeout: .milliseconds(500)).isEmpty,
+                    "a message the replicas did not confirm is not delivered live (a failover could give its seq to another)")
         }
     }
 }

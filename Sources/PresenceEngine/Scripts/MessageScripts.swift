@@ -60,6 +60,10 @@ struct SendMessage: ScriptCall {
     var message: OutgoingMessage
     /// The epoch to start if the history has none (a new one, never used before).
     var newEpoch: String
+    /// Whether the script publishes the message; not when acknowledgements wait for replicas,
+    /// where the engine publishes once they have it (a message published and then lost in a
+    /// failover would have its seq given again to another).
+    var publish = true
 
     func keys(_ context: ScriptContext) -> [String] {
         let keys = context.keys
@@ -74,7 +78,7 @@ struct SendMessage: ScriptCall {
             RedisArgument(message.type.rawValue), RedisArgument(message.text), RedisArgument(message.imageURL ?? ""),
             RedisArgument(message.clientCreatedAt.map { String($0) } ?? ""), RedisArgument(configuration.messageHistory),
             ScriptContext.milliseconds(configuration.messageTTL), ScriptContext.milliseconds(configuration.messageDedupTTL),
-            RedisArgument(context.keys.messageChannel(conversation)), RedisArgument(newEpoch),
+            RedisArgument(context.keys.messageChannel(conversation)), RedisArgument(newEpoch), publish ? "1" : "0",
         ]
     }
 
@@ -94,7 +98,7 @@ struct SendMessage: ScriptCall {
     static let script = RedisScript(ScriptLua.clock + MessageLua.common + """
     local now, conversation, sender, clientID = clock(ARGV[1]), ARGV[2], ARGV[3], ARGV[4]
     local kind, text, image, clientAt = ARGV[5], ARGV[6], ARGV[7], ARGV[8]
-    local keep, ttl, dedupTTL, channel, newEpoch = ARGV[9], tonumber(ARGV[10]), tonumber(ARGV[11]), ARGV[12], ARGV[13]
+    local keep, ttl, dedupTTL, channel, newEpoch, publish = ARGV[9], tonumber(ARGV[10]), tonumber(ARGV[11]), ARGV[12], ARGV[13], ARGV[14]
     local no = refused(KEYS[1], sender)
     if no then return {no} end
     local epoch, last = current(KEYS[2])
@@ -125,9 +129,11 @@ struct SendMessage: ScriptCall {
     redis.call('DEL', KEYS[4])
     redis.call('HSET', KEYS[4], unpack(record))
     redis.call('PEXPIRE', KEYS[4], dedupTTL)
-    redis.call('PUBLISH', channel, cjson.encode({type = 'message', conversation_id = conversation, epoch = epoch,
-      seq = seq, id = id, sender_id = sender, client_message_id = clientID, message_type = kind, text = text,
-      image_url = image, created_at = now, client_created_at = clientAt}))
+    if publish == '1' then
+      redis.call('PUBLISH', channel, cjson.encode({type = 'message', conversation_id = conversation, epoch = epoch,
+        seq = seq, id = id, sender_id = sender, client_message_id = clientID, message_type = kind, text = text,
+        image_url = image, created_at = now, client_created_at = clientAt}))
+    end
     return {'stored', epoch, record}
     """)
 }
