@@ -34,12 +34,6 @@ public struct APIError: Error, HTTPResponseError, Sendable {
     public static func unavailable(_ message: String = "the presence store is unreachable; try again shortly") -> APIError {
         .init(.unavailable, message)
     }
-    /// A frame API.md defines but this node does not serve yet; not counted as a bad frame.
-    static func notAvailable(_ message: String) -> APIError {
-        var error = APIError(.invalidRequest, message)
-        error.isBadFrame = false
-        return error
-    }
     /// A path served under other methods only; `allow` lists them for the `Allow` header.
     public static func methodNotAllowed(allow: [String]) -> APIError {
         var error = APIError(.methodNotAllowed, "this path takes \(allow.joined(separator: ", ")) only")
