@@ -1,6 +1,6 @@
 import PresenceProtocol
 
-/// How the presence engine behaves; the defaults are API.md's.
+/// How the presence engine behaves; the defaults are docs/API.md's.
 public struct PresenceConfiguration: Sendable {
     /// Prefix of every key and channel, so that deployments can share a Redis.
     public var keyPrefix: String

@@ -156,7 +156,7 @@ extension PresenceEngine {
         var conversations = try await conversations(of: viewer)
         guard !conversations.isEmpty else { return [] }
         if !includingLarge {
-            // Conversations above the large-group size add no automatic contacts (API.md, "Who
+            // Conversations above the large-group size add no automatic contacts (docs/API.md, "Who
             // may see whom"): their sizes first, then the members of the others only.
             let sizes = try await run { try await self.redis.pipeline(conversations.map { ["SCARD", RedisArgument(keys.members($0))] }) }
             var small: [String] = []

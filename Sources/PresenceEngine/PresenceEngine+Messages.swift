@@ -110,7 +110,7 @@ extension PresenceEngine {
         }
     }
 
-    /// Throws unless `message` is one API.md accepts.
+    /// Throws unless `message` is one docs/API.md accepts.
     func check(_ message: OutgoingMessage) throws(PresenceError) {
         guard PresenceID.isValid(message.clientMessageID) else {
             throw PresenceError(.invalidRequest, "client_message_id must be \(PresenceID.rule)")
@@ -169,7 +169,7 @@ extension PresenceEngine {
         return positions
     }
 
-    /// What `reader` is missing of a conversation after `position` (API.md's `sync`): at most
+    /// What `reader` is missing of a conversation after `position` (docs/API.md's `sync`): at most
     /// ``maxHistoryPage`` messages, and exactly what cannot be given.
     public func sync(_ position: SyncPosition, for reader: String) async throws(PresenceError) -> SyncAnswer {
         let first = try await history(of: position.conversationID, for: reader, .after(position.afterSeq), limit: Self.maxHistoryPage)

@@ -79,7 +79,7 @@ public struct DeviceRecord: Sendable, Equatable, Codable {
     public var lastAlive: Int64
 }
 
-/// Who may see whom (API.md, "Who may see whom").
+/// Who may see whom (docs/API.md, "Who may see whom").
 public enum Visibility: String, Sendable, CaseIterable {
     /// Users sharing at least one conversation, and oneself.
     case conversations

@@ -145,7 +145,7 @@ public func buildGateway(
     gateway.addAdminRoutes(to: router)
     gateway.addDashboardRoutes(to: router)
     gateway.addWebSocketRoute(to: router)
-    // Admin paths stay 404 under any method while the admin routes are off (API.md).
+    // Admin paths stay 404 under any method while the admin routes are off (docs/API.md).
     router.add(middleware: MethodNotAllowedMiddleware(routes: router.routes, hiding: gateway.authenticator.adminEnabled ? [] : ["/api/admin"]))
     var app = Application(
         router: router,

@@ -4,7 +4,7 @@ import PresenceEngine
 import PresenceProtocol
 import RedisClient
 
-/// Everything a gateway node is configured with: API.md's environment variables and the limits.
+/// Everything a gateway node is configured with: docs/API.md's environment variables and the limits.
 public struct GatewayConfiguration: Sendable {
     /// Listen address.
     public var host = "127.0.0.1"
@@ -100,7 +100,7 @@ public struct GatewayConfiguration: Sendable {
     /// The defaults.
     public init() {}
 
-    /// Reads API.md's `PRESENCE_*` variables over the defaults. Throws a message naming the
+    /// Reads docs/API.md's `PRESENCE_*` variables over the defaults. Throws a message naming the
     /// variable for anything malformed.
     public init(environment: [String: String]) throws(GatewayConfigurationError) {
         self.init()

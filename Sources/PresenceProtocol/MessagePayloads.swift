@@ -1,4 +1,4 @@
-/// A conversation's message as REST and the `message` frame carry it (API.md, "Messages").
+/// A conversation's message as REST and the `message` frame carry it (docs/API.md, "Messages").
 public struct MessagePayload: Sendable, Hashable, Codable {
     public var conversationID: String
     public var seq: Int64

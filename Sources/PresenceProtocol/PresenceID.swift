@@ -1,6 +1,6 @@
 import Foundation
 
-/// Validation of ids (API.md: 1–128 characters of `[A-Za-z0-9._:@-]`).
+/// Validation of ids (docs/API.md: 1–128 characters of `[A-Za-z0-9._:@-]`).
 public enum PresenceID {
     /// What a valid id is, for error messages.
     public static let rule = "1-128 characters of A-Z a-z 0-9 . _ : @ -"
@@ -28,7 +28,7 @@ public enum PresenceID {
 /// change with the format. The format decides which strings are ids, and how the gateway writes
 /// them in JSON. Device and node ids are strings in both formats.
 public enum PresenceIDFormat: String, Sendable, CaseIterable {
-    /// Any id of API.md (1–128 characters of `[A-Za-z0-9._:@-]`), written as a JSON string.
+    /// Any id of docs/API.md (1–128 characters of `[A-Za-z0-9._:@-]`), written as a JSON string.
     case string
     /// Decimal integers of 1–18 digits, written as JSON numbers, for clients written against an
     /// API with integer ids. Requests may give them as numbers or as strings.

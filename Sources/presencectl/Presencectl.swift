@@ -93,7 +93,7 @@ struct CLIError: Error {
     init(_ message: String) { self.message = message }
 }
 
-/// Checks an id argument the way API.md defines ids.
+/// Checks an id argument the way docs/API.md defines ids.
 func validID(_ id: String, _ what: String) throws -> String {
     guard PresenceID.isValid(id) else { throw ValidationError("\(what) '\(id)' is not an id: 1-128 characters of A-Z a-z 0-9 . _ : @ -") }
     return id

@@ -120,7 +120,7 @@ struct PartitionTests {
             return all.sorted { $0.sent < $1.sent }
         }
         let during = reads.filter { $0.sent < .seconds(8) }
-        // API.md: a 503 within a second (with 200 ms for the test's own request to be made).
+        // docs/API.md: a 503 within a second (with 200 ms for the test's own request to be made).
         let slow = during.filter { $0.took > .milliseconds(1200) }.map { "sent at \($0.sent): \($0.code.map(String.init) ?? "no answer") after \($0.took)" }
         let codes = Dictionary(during.map { ($0.code ?? 0, 1) }, uniquingKeysWith: +)
         // Alice is connected to a throughout: any answer but "online" is stale.

@@ -835,7 +835,7 @@ struct PresenceEngineTests {
         }
     }
 
-    @Test("ids are checked as API.md says")
+    @Test("ids are checked as docs/API.md says")
     func ids() {
         #expect(PresenceID.isValid("alice@example.com"))
         #expect(PresenceID.isValid("a.b_c:d-e"))
@@ -849,7 +849,7 @@ struct PresenceEngineTests {
 
 @Suite("Timestamps")
 struct TimestampTests {
-    @Test("ISO 8601 UTC with milliseconds, as API.md writes them")
+    @Test("ISO 8601 UTC with milliseconds, as docs/API.md writes them")
     func format() {
         #expect(PresenceTimestamp.iso8601(0) == "1970-01-01T00:00:00.000Z")
         #expect(PresenceTimestamp.iso8601(1_795_262_400_123) == "2026-11-21T12:00:00.123Z")

@@ -4,7 +4,7 @@ import RedisClient
 import RedisTestSupport
 import Testing
 
-/// A reference model of API.md's presence semantics, checked against the engine step by step.
+/// A reference model of docs/API.md's presence semantics, checked against the engine step by step.
 @Suite("Model-based test of the presence engine")
 struct PresenceModelTests {
     struct ModelDevice {

@@ -7,7 +7,7 @@ import Testing
 @testable import PresenceGateway
 
 /// Messages over WebSocket sessions of live nodes: `send`, live `message` frames to every
-/// member's sessions, `sync`, receipts (API.md, "Messages").
+/// member's sessions, `sync`, receipts (docs/API.md, "Messages").
 @Suite("Messages over sessions of live nodes")
 struct MessageSessionTests {
     static func send(_ socket: TestSocket, _ clientID: String, _ text: String, conversation: String = "room", id: String? = nil) {

@@ -158,7 +158,7 @@ struct WebSocketTests {
             alice.send("subscribe", ["user_ids": ["bob", "stranger"]], id: "sub")
             let answer = try await alice.next("initial_state")
             #expect(answer.id == "sub")
-            // API.md: every requested user the caller may see, watched already or not.
+            // docs/API.md: every requested user the caller may see, watched already or not.
             #expect(answer.presences.map { $0["user_id"] as? String } == ["bob"], "bob (watched already) is in the answer, the stranger is not")
             alice.send("unsubscribe", ["user_ids": ["bob"]], id: "u")
             #expect(try await alice.next("ack").id == "u")

@@ -5,7 +5,7 @@ import PresenceEngine
 import PresenceProtocol
 import RedisClient
 
-/// This node's delivery of conversation messages (API.md, "Messages"): every live session of a
+/// This node's delivery of conversation messages (docs/API.md, "Messages"): every live session of a
 /// member gets its conversations' messages without subscribing to anything.
 ///
 /// A conversation's message channel is subscribed while a member's session is here (one

@@ -5,7 +5,7 @@ import Hummingbird
 import PresenceEngine
 import PresenceProtocol
 
-/// An error answer of API.md: `{"error": {"code", "message"}}` with its HTTP status.
+/// An error answer of docs/API.md: `{"error": {"code", "message"}}` with its HTTP status.
 public struct APIError: Error, HTTPResponseError, Sendable {
     /// What kind of error; it decides the HTTP status.
     public let code: ErrorCode
@@ -93,7 +93,7 @@ public struct APIError: Error, HTTPResponseError, Sendable {
     }
 }
 
-/// Turns every error a route throws into API.md's error body, so no route can answer otherwise.
+/// Turns every error a route throws into docs/API.md's error body, so no route can answer otherwise.
 struct APIErrorMiddleware<Context: RequestContext>: RouterMiddleware {
     func handle(_ request: Request, context: Context, next: (Request, Context) async throws -> Response) async throws -> Response {
         do {

@@ -3,7 +3,7 @@ import Hummingbird
 import PresenceEngine
 import PresenceProtocol
 
-/// The message routes of API.md, "Messages": send, history, read cursor, receipts, and the
+/// The message routes of docs/API.md, "Messages": send, history, read cursor, receipts, and the
 /// caller's conversations.
 extension Gateway {
     func addMessageRoutes(to router: Router<GatewayRequestContext>) {

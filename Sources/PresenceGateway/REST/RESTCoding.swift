@@ -5,7 +5,7 @@ import PresenceProtocol
 
 /// REST bodies go through Hummingbird's Codable path: a route reads its body with
 /// `request.decode(as:context:)` and returns a ``ResponseEncodable`` value. These are the two
-/// ends of that path, configured as API.md wants: keys in snake case both ways, ids in the node's
+/// ends of that path, configured as docs/API.md wants: keys in snake case both ways, ids in the node's
 /// format, request bodies of at most 64 KiB, and a 422 that says what was wrong.
 public struct RESTRequestDecoder: RequestDecoder {
     let coder: FrameCoder

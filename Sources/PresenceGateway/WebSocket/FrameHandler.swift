@@ -7,7 +7,7 @@ import NIOWebSocket
 import PresenceEngine
 import PresenceProtocol
 
-/// The WebSocket protocol of API.md for one session: each client frame decoded, checked
+/// The WebSocket protocol of docs/API.md for one session: each client frame decoded, checked
 /// against the session's rate limits, and done.
 struct FrameHandler {
     let gateway: Gateway

@@ -3,7 +3,7 @@ import NIOCore
 import PresenceEngine
 import PresenceProtocol
 
-/// A session's side of message delivery (API.md, "Messages"): per conversation, the highest seq
+/// A session's side of message delivery (docs/API.md, "Messages"): per conversation, the highest seq
 /// sent, so that no seq is sent twice or out of order; live messages held while a `sync` of the
 /// conversation is under way (and for a moment after the session opens, so that a client that
 /// syncs at once gets what it missed before what is new); conversations whose `sync` was cut at
