@@ -21,7 +21,9 @@ struct MessageBench: AsyncParsableCommand {
     @Option(help: "Messages sent as fast as they are acknowledged, in each throughput phase.") var burst = 5_000
     @Option(help: "Conversations the spread phase sends over.") var conversations = 1_000
     @Option(help: "Bytes of text per message.") var size = 100
-    @Option(help: "Members with a session on node B in the idle phase, each in its own conversation with history.") var idleMembers = 2_000
+    @Option(help: "Members with a session on node B in the idle phase, each in conversations of their own with history.") var idleMembers = 2_000
+    @Option(help: "Conversations with history each idle member is in (each with the sender, so each is a channel of its own).") var conversationsPerMember = 1
+    @Option(help: "Seconds the idle phase's CPU is measured, once every session is open.") var idleWindow = 10
     @Option(help: "Write the figures as JSON to this file.") var json: String?
 
     func run() async throws {
@@ -128,12 +130,13 @@ struct MessageBench: AsyncParsableCommand {
         readerTask.cancel()
 
         // 4. Idle members with history: each in a conversation of their own that has messages.
-        let idleRooms = (0..<idleMembers).map { "bench-idle-\($0)" }
+        let perMemberRooms = max(1, conversationsPerMember)
+        let idleRooms = (0..<idleMembers * perMemberRooms).map { "bench-idle-\($0)" }
         try await setup.use { engine in
             for (index, room) in idleRooms.enumerated() {
-                _ = try await engine.setMembers(of: room, to: ["bench-idle-\(index)", "bench-sender"])
+                _ = try await engine.setMembers(of: room, to: ["bench-idle-\(index % idleMembers)", "bench-sender"])
                 _ = try await engine.send(OutgoingMessage(clientMessageID: "seed", text: text), to: room, from: "bench-sender")
-                if index % 500 == 0 { progress("idle: conversations \(index)/\(idleMembers)") }
+                if index % 500 == 0 { progress("idle: conversations \(index)/\(idleRooms.count)") }
             }
         }
         let residentBefore = residentBytes()
@@ -151,6 +154,10 @@ struct MessageBench: AsyncParsableCommand {
         try await Task.sleep(for: .seconds(3))
         endProgress()
         let residentAfter = residentBytes()
+        // Idle CPU of the process (both nodes and every client) over a quiet window.
+        let cpuBefore = cpuSeconds()
+        try await Task.sleep(for: .seconds(idleWindow))
+        let idleCPU = (cpuSeconds() - cpuBefore) / Double(max(1, idleWindow))
         let perMember = Double(residentAfter - residentBefore) / Double(max(1, idleOpened.withLockedValue { $0 }))
         for task in idleTasks { task.cancel() }
 
@@ -162,15 +169,25 @@ struct MessageBench: AsyncParsableCommand {
             ("one conversation, \(burst) messages", String(format: "%.0f acknowledged/s, %.0f delivered/s", one.perSecond, one.delivered)),
             ("over \(conversations) conversations, \(burst) messages", String(format: "%.0f acknowledged/s, %.0f delivered/s", spread.perSecond, spread.delivered)),
             ("Redis bytes per stored message", String(format: "%.0f (stream MEMORY USAGE / XLEN, %d-byte text)", perMessage, size)),
-            ("idle members with history, node memory each", String(format: "%.1f KiB (%d sessions, each in its own conversation, resident memory of this process)", perMember / 1024, idleOpened.withLockedValue { $0 })),
+            ("idle members with history, memory each", String(format: "%.1f KiB (%d sessions, each in %d conversation(s) of its own: %d channels; resident memory of this process)",
+                                                              perMember / 1024, idleOpened.withLockedValue { $0 }, perMemberRooms, idleRooms.count)),
+            ("idle CPU of the process", String(format: "%.1f%% of a core over %d s", idleCPU * 100, idleWindow)),
         ], json: ["scenario": "messages", "rate": rate, "duration": duration, "latency": latency.summary, "floor": floor.summary, "p99_ratio": ratio,
                   "lost": lostLive, "one_conversation_per_second": one.perSecond, "one_conversation_delivered_per_second": one.delivered,
                   "spread_per_second": spread.perSecond, "spread_delivered_per_second": spread.delivered, "conversations": conversations,
-                  "redis_bytes_per_message": perMessage, "idle_member_bytes": perMember, "idle_members": idleMembers], to: json)
+                  "redis_bytes_per_message": perMessage, "idle_member_bytes": perMember, "idle_members": idleMembers,
+                  "conversations_per_member": perMemberRooms, "idle_cpu_cores": idleCPU], to: json)
         try await setup.use { engine in
             for room in ["bench-room"] + rooms + idleRooms { _ = try await engine.deleteConversation(room) }
         }
         await nodes.stop()
+    }
+
+    /// CPU seconds this process used so far (user and system).
+    private func cpuSeconds() -> Double {
+        var usage = rusage()
+        getrusage(RUSAGE_SELF.rawValue, &usage)
+        return Double(usage.ru_utime.tv_sec + usage.ru_stime.tv_sec) + Double(usage.ru_utime.tv_usec + usage.ru_stime.tv_usec) / 1e6
     }
 
     /// This process's resident memory (both nodes live here).
