@@ -10,20 +10,22 @@ import Testing
 struct OfflineMessagingTests {
     static func texts(_ device: MessageDevice) -> [String] { device.received("chat").map(\.text) }
 
-    static func start() async throws -> [GatewayProcess] {
+    /// Two nodes, the conversation `chat` of alice and bob, and a device of each, alice's on
+    /// the first node and bob's on the second.
+    static func start() async throws -> (nodes: [GatewayProcess], alice: MessageDevice, bob: MessageDevice) {
         let environment = nodeEnvironment(prefix: TestRedis.uniquePrefix("offline"), extra: ["PRESENCE_VISIBILITY": "open"])
         let nodes = [try await GatewayProcess(nodeID: "node0", environment: environment), try await GatewayProcess(nodeID: "node1", environment: environment)]
         #expect(admin(nodes[0], "PUT", "/api/admin/conversations/chat", #"{"member_ids":["alice","bob"]}"#)?.status == 200)
-        return nodes
-    }
-
-    @Test("case 2: A writes 5 messages offline; back online they all go, and B has all 5, in order, within 3 s")
-    func fiveWrittenOffline() async throws {
-        let nodes = try await Self.start()
         let alice = MessageDevice(user: "alice", device: "phone", conversations: ["chat"])
         let bob = MessageDevice(user: "bob", device: "phone", conversations: ["chat"])
         try await alice.connect(port: nodes[0].port)
         try await bob.connect(port: nodes[1].port)
+        return (nodes, alice, bob)
+    }
+
+    @Test("case 2: A writes 5 messages offline; back online they all go, and B has all 5, in order, within 3 s")
+    func fiveWrittenOffline() async throws {
+        let (nodes, alice, bob) = try await Self.start()
         alice.drop()
         for number in 1...5 { alice.send("offline \(number)", to: "chat", clientID: "a-\(number)") }
         #expect(alice.unacknowledged == 5, "written offline, nothing sent yet")
@@ -39,11 +41,7 @@ struct OfflineMessagingTests {
 
     @Test("case 3: A offline 3, online; B offline 2, online; A offline 5, online: both end with the complete history, in one order")
     func cycles() async throws {
-        let nodes = try await Self.start()
-        let alice = MessageDevice(user: "alice", device: "phone", conversations: ["chat"])
-        let bob = MessageDevice(user: "bob", device: "phone", conversations: ["chat"])
-        try await alice.connect(port: nodes[0].port)
-        try await bob.connect(port: nodes[1].port)
+        let (nodes, alice, bob) = try await Self.start()
         var number = 0
         func cycle(_ device: MessageDevice, count: Int, backOn port: Int) async throws {
             device.drop()

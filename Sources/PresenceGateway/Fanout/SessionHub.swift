@@ -92,17 +92,17 @@ final class SessionHub: Service, Sendable {
         }
         GatewayMetrics.sessions(sessionCount)
         try? await subscriber.retain([engine.keys.userChannel(session.userID)])
-        // After the user's channel: a membership change from here on is heard, and read again.
         Task {
             try? await Task.sleep(for: Self.messageOpeningHold)
             session.endOpeningHold()
         }
-        await refreshMessageRoutes(of: [session])
     }
 
     /// Reads the conversations of the sessions' user (one user) again and has each session
     /// receive the messages of exactly those; a failed read changes nothing (a reconnect's
-    /// catch-up reads again).
+    /// catch-up reads again). A new session's first call runs once it is registered (its user's
+    /// channel subscribed: a membership change from then on is heard and read again) and ends
+    /// before the session handles its first frame.
     func refreshMessageRoutes(of sessions: [Session]) async {
         guard let user = sessions.first?.userID, let conversations = try? await engine.conversations(of: user) else { return }
         for session in sessions where !session.isClosing {
