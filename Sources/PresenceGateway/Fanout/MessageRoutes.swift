@@ -133,7 +133,7 @@ final class MessageRoutes: Sendable {
             }
             if gap { startReading(conversation) }
         case .receipt(_, _, let user, let cursors):
-            let sessions = state.withLockedValue { Array($0.routes[conversation]?.sessions.values ?? [:].values) }
+            let sessions = state.withLockedValue { state in state.routes[conversation].map { Array($0.sessions.values) } ?? [] }
             guard !sessions.isEmpty else { return }
             let frame = ByteBuffer(string: frames.text(.receipt(ReceiptPayload(
                 conversationID: conversation, userID: user, deliveredSeq: cursors.deliveredSeq, readSeq: cursors.readSeq

@@ -49,9 +49,8 @@ extension Session {
         }
     }
 
-    /// A `sync` of `conversation` begins: its live messages wait until ``endSync``. The
+    /// A `sync` of `conversations` begins: their live messages wait until ``endSync``. The
     /// session's first `sync` ends the opening hold of the conversations it does not name.
-    /// Returns what was last sent of it.
     func beginSync(_ conversations: [String]) {
         messageState.withLockedValue { state in
             for conversation in conversations { state.syncing[conversation, default: 0] += 1 }
