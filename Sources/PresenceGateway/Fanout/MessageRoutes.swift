@@ -57,11 +57,6 @@ final class MessageRoutes: Sendable {
         state.withLockedValue { $0.bySession[session.id] ?? [] }
     }
 
-    /// The conversations this node delivers, with the sessions of each (for tests and stats).
-    var routedConversations: [String: Int] {
-        state.withLockedValue { $0.routes.mapValues { $0.sessions.count } }
-    }
-
     // MARK: Who receives what
 
     /// `session` receives the messages of `conversations` from now on.
