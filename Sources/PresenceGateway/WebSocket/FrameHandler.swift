@@ -157,9 +157,10 @@ struct FrameHandler {
     }
 
     /// `sync`: for each position, the messages after it this session was not sent yet (up to
-    /// 1,000, and 128 KiB of them over the whole frame), then `synced` with what cannot be given; the conversation's live messages wait meanwhile (see
-    /// Session+Messages.swift). A position refused (not a member, no such conversation, Redis
-    /// away) is answered by an `error` naming its conversation; the others go on.
+    /// 1,000, and 128 KiB of them over the whole frame), then `synced` with what cannot be
+    /// given; the conversation's live messages wait meanwhile (see Session+Messages.swift). A
+    /// position refused (not a member, no such conversation, Redis away) is answered by an
+    /// `error` naming its conversation; the others go on.
     private func sync(_ positions: [SyncPosition], id: String?) async {
         let frames = gateway.frames
         // One answer stays well inside what a session may have waiting to be written (a slow
