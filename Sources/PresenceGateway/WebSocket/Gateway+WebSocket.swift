@@ -215,14 +215,16 @@ final class SessionRun: Sendable {
             await gateway.hub.unregister(session)
             return openingEnded()
         }
-        // The conversations whose messages it gets, beside the rest of the opening (not after
-        // it: a client that writes at once would queue frames meanwhile); done before its first
-        // frame is handled, so that a `sync` finds its live messages routed.
+        // The conversations whose messages it gets, beside the device's write (not after it: a
+        // client that writes at once would queue frames meanwhile), and done before
+        // `initial_state`: from its first frame on, the session gets every message stored
+        // after, and a `sync` finds its live messages routed.
         async let routed: Void = gateway.hub.refreshMessageRoutes(of: [session])
         do {
             let opened = try await gateway.engine.connect(user: user.userID, device: device, session: session.id, status: status)
             if opened.change.changed { GatewayMetrics.transition() }
             if let replaced = opened.replaced { await gateway.hub.closeRemote(node: replaced.node, session: replaced.session) }
+            await routed
             try await sendInitialState(to: session, user: user.userID)
         } catch {
             await routed
@@ -233,7 +235,6 @@ final class SessionRun: Sendable {
             _ = try? await gateway.engine.disconnect(user: user.userID, device: device, session: session.id, clean: true)
             return openingEnded()
         }
-        await routed
         // Clamped: a far-future `exp` must not overflow the conversion to nanoseconds.
         let expiry = min(max(0, user.expiresAt.timeIntervalSinceNow), 366 * 86_400)
         connection.expire(at: .now() + .milliseconds(Int64(expiry * 1000)))
