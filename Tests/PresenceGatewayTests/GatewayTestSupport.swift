@@ -197,6 +197,23 @@ final class TestSocket: Sendable {
         }
     }
 
+    /// The first unread frame of `type`, waiting up to `timeout`; frames of other types stay
+    /// unread. For answers whose order against other frames is not fixed: the `message_ack` of
+    /// a `send` and the live `message` it makes reach the sender's session in either order.
+    func pick(_ type: String, timeout: Duration = .seconds(5)) async throws -> Frame {
+        let deadline = ContinuousClock.now + timeout
+        while ContinuousClock.now < deadline {
+            let start = cursor.withLockedValue { $0 }
+            let found = received.withLockedValue { received -> Frame? in
+                guard let index = received.indices.dropFirst(start).first(where: { received[$0].type == type }) else { return nil }
+                return received.remove(at: index)
+            }
+            if let found { return found }
+            try await Task.sleep(for: .milliseconds(5))
+        }
+        throw TestSocketError.timeout("no \(type) frame within \(timeout)")
+    }
+
     /// Every frame that arrives within `window`.
     func drain(for window: Duration) async -> [Frame] {
         let deadline = ContinuousClock.now + window

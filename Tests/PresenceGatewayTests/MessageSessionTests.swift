@@ -44,17 +44,17 @@ struct MessageSessionTests {
             // Past the opening hold: live messages go straight out.
             try await Task.sleep(for: SessionHub.messageOpeningHold + .milliseconds(200))
             Self.send(alice, "local-1", "hello")
-            let ack = try await alice.next("message_ack")
+            let ack = try await alice.pick("message_ack")
             #expect(ack.id == "local-1" && ack.data["seq"] as? Int == 1 && ack.data["duplicate"] as? Bool == false)
             #expect(ack.data["client_message_id"] as? String == "local-1" && ack.data["conversation_id"] as? String == "room")
             for socket in [alice, bobPhone, bobTablet] {
                 let got = await Self.messages(socket, count: 1)
-                #expect(Self.seqs(got) == [1], "\(got)")
+                #expect(Self.seqs(got) == [1], "\(socket.frames.map(\.type))")
                 #expect(got.first?.data["text"] as? String == "hello" && got.first?.data["sender_id"] as? String == "alice")
                 #expect(got.first?.data["id"] as? String == ack.data["id"] as? String)
             }
             Self.send(alice, "local-1", "hello again", id: "retry")
-            let again = try await alice.next("message_ack")
+            let again = try await alice.pick("message_ack")
             #expect(again.id == "retry" && again.data["seq"] as? Int == 1 && again.data["duplicate"] as? Bool == true)
             #expect(await bobPhone.staysQuiet(for: .milliseconds(500)))
         }
@@ -149,7 +149,7 @@ struct MessageSessionTests {
             let alice = try await Self.open(ports[0], "alice", device: "laptop")
             let large = String(repeating: "é", count: 8_000)
             for number in 1...20 { Self.send(alice, "m\(number)", large) }
-            for _ in 1...20 { _ = try await alice.next("message_ack") }
+            for _ in 1...20 { _ = try await alice.pick("message_ack") }
             let bob = try await Self.open(ports[0], "bob", device: "phone")
             bob.send("sync", ["positions": [["conversation_id": "room", "after_seq": 0]]], id: "p1")
             var first: [Frame] = []
@@ -162,7 +162,7 @@ struct MessageSessionTests {
             #expect(!first.isEmpty && first.count < 20 && Self.seqs(first) == Array(1...first.count), "\(Self.seqs(first))")
             // Behind: a live message is not sent past the gap, it waits in the history.
             Self.send(alice, "m21", "short")
-            _ = try await alice.next("message_ack")
+            _ = try await alice.pick("message_ack")
             #expect(await Self.messages(bob, count: 1, timeout: .milliseconds(500)).isEmpty)
             var seqs = Self.seqs(first)
             var rounds = 0
@@ -189,7 +189,7 @@ struct MessageSessionTests {
             try await ConversationTests.setUp(ports[0], ["alice", "bob"])
             let alice = try await Self.open(ports[0], "alice", device: "laptop")
             for number in 1...6 { Self.send(alice, "m\(number)", "#\(number)") }
-            for _ in 1...6 { _ = try await alice.next("message_ack") }
+            for _ in 1...6 { _ = try await alice.pick("message_ack") }
             let bob = try await Self.open(ports[0], "bob", device: "phone")
             bob.send("sync", ["positions": [["conversation_id": "room", "after_seq": 1]]], id: "trimmed")
             let kept = await Self.messages(bob, count: 3)
@@ -242,7 +242,7 @@ struct MessageSessionTests {
             #expect(try await call(ports[0], "DELETE", "/api/admin/conversations/room/members/bob", token: adminToken).status == 200)
             try await Task.sleep(for: .seconds(1))
             Self.send(alice, "after", "bob is gone")
-            _ = try await alice.next("message_ack")
+            _ = try await alice.pick("message_ack")
             #expect(await Self.messages(bob, count: 1, timeout: .seconds(1)).isEmpty)
             Self.send(bob, "late", "hello?", id: "late")
             #expect(try await bob.next("error").data["code"] as? String == "forbidden")
@@ -256,7 +256,7 @@ struct MessageSessionTests {
             let alice = try await Self.open(ports[0], "alice", device: "laptop")
             let bob = try await Self.open(ports[1], "bob", device: "phone")
             for number in 1...3 { Self.send(alice, "m\(number)", "#\(number)") }
-            for _ in 1...3 { _ = try await alice.next("message_ack") }
+            for _ in 1...3 { _ = try await alice.pick("message_ack") }
             bob.send("delivered", ["conversation_id": "room", "seq": 3], id: "d")
             #expect(try await bob.next("ack").id == "d")
             let delivered = try await alice.next("receipt")
@@ -280,7 +280,7 @@ struct MessageSessionTests {
             let two = try await Self.open(ports[1], "2", device: "b")
             try await Task.sleep(for: SessionHub.messageOpeningHold + .milliseconds(200))
             one.send("send", ["conversation_id": 77, "client_message_id": "n1", "text": "numbers"], id: "n1")
-            let ack = try await one.next("message_ack")
+            let ack = try await one.pick("message_ack")
             #expect(ack.data["conversation_id"] as? Int == 77 && ack.data["seq"] as? Int == 1)
             let live = try #require(await Self.messages(two, count: 1).first)
             #expect(live.data["conversation_id"] as? Int == 77 && live.data["sender_id"] as? Int == 1)
