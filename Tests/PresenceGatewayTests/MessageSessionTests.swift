@@ -60,6 +60,36 @@ struct MessageSessionTests {
         }
     }
 
+    @Test("the first message of a history arriving while the node reads it (found empty: no epoch yet) is delivered, not taken for an older life")
+    func firstMessageDuringRead() async throws {
+        try await withGateway { port, gateway in
+            try await ConversationTests.setUp(port, ["alice", "bob"])
+            let alice = try await Self.open(port, "alice", device: "laptop")
+            let bob = try await Self.open(port, "bob", device: "phone")
+            try await Task.sleep(for: SessionHub.messageOpeningHold + .milliseconds(200))
+            let routes = gateway.hub.messages
+            let entered = AsyncStream<Void>.makeStream()
+            let release = AsyncStream<Void>.makeStream()
+            routes.afterDeliveryRead.withLockedValue { probe in
+                probe = { _ in
+                    entered.continuation.yield()
+                    for await _ in release.stream { break }
+                }
+            }
+            // A read as after a pub/sub reconnect; the history is still empty when it reads.
+            routes.readAgain()
+            for await _ in entered.stream { break }
+            routes.afterDeliveryRead.withLockedValue { $0 = nil }
+            Self.send(alice, "m1", "first")
+            _ = try await alice.pick("message_ack")
+            #expect(await eventually(timeout: .seconds(5)) { routes.waitingCount("room") == 1 })
+            release.continuation.yield()
+            for socket in [alice, bob] {
+                #expect(Self.seqs(await Self.messages(socket, count: 1)) == [1])
+            }
+        }
+    }
+
     @Test("3 senders × 30 messages on two nodes: every member's session gets seq 1…90 once, in order, each sender's own order kept")
     func concurrentSenders() async throws {
         try await withNodes(2) { ports in

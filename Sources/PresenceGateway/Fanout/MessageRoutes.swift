@@ -22,6 +22,9 @@ final class MessageRoutes: Sendable {
     let frames: FrameCoder
     let logger: Logger
     private let state = NIOLockedValueBox(RoutesState())
+    /// Runs between a delivery read of the history and its use, when set: tests make messages
+    /// arrive during a read here.
+    let afterDeliveryRead = NIOLockedValueBox<(@Sendable (String) async -> Void)?>(nil)
 
     struct RoutesState {
         var routes: [String: Route] = [:]
@@ -43,6 +46,9 @@ final class MessageRoutes: Sendable {
         var readAgain = false
         /// Messages that arrived while the position was unknown or a read ran, in arrival order.
         var waiting: [StoredMessage] = []
+        /// The life of the history a read found replaced (it expired, or Redis lost it): a
+        /// message of it that arrives late is older than anything delivered since, and dropped.
+        var leftEpoch: String?
     }
 
     init(engine: PresenceEngine, subscriber: any RedisChannelSubscriber, frames: FrameCoder, logger: Logger) {
@@ -50,6 +56,11 @@ final class MessageRoutes: Sendable {
         self.subscriber = subscriber
         self.frames = frames
         self.logger = logger
+    }
+
+    /// How many messages of `conversation` wait for a read of its history to end.
+    func waitingCount(_ conversation: String) -> Int {
+        state.withLockedValue { $0.routes[conversation]?.waiting.count ?? 0 }
     }
 
     /// The conversations `session` receives messages of.
@@ -144,6 +155,7 @@ final class MessageRoutes: Sendable {
             route.waiting.append(message)
             return false
         }
+        if message.epoch == route.leftEpoch { return false }
         if message.epoch != route.epoch {
             // A new life of the history (expired, deleted and made again, or lost): seqs start
             // from 1 again. Anything else (a message of it that came first) is read from it.
@@ -183,7 +195,7 @@ final class MessageRoutes: Sendable {
                 guard var route = state.routes[conversation] else { return false }
                 if let position = positions[conversation] { Self.place(&route, epoch: position.epoch, lastSeq: position.lastSeq) }
                 route.reading = false
-                let again = drainWaiting(&route, authoritativeEpoch: nil) || route.readAgain
+                let again = drainWaiting(&route) || route.readAgain
                 state.routes[conversation] = route
                 return again
             }
@@ -227,6 +239,7 @@ final class MessageRoutes: Sendable {
                 // Unknown position: where the history stands is enough (nothing before it is owed).
                 let page = try await engine.deliveryPage(of: conversation, position.settled ? .after(position.lastSeq) : .latest, limit: position.settled ? PresenceEngine.maxHistoryPage : 1)
                 failures = 0
+                if let probe = afterDeliveryRead.withLockedValue({ $0 }) { await probe(conversation) }
                 let done = state.withLockedValue { state -> Bool in
                     guard var route = state.routes[conversation] else { return true }
                     defer { state.routes[conversation] = route }
@@ -234,6 +247,7 @@ final class MessageRoutes: Sendable {
                         Self.place(&route, epoch: page.epoch, lastSeq: page.lastSeq)
                     } else if page.epoch != route.epoch {
                         // The history started again: read it from its start.
+                        if !route.epoch.isEmpty { route.leftEpoch = route.epoch }
                         route.epoch = page.epoch
                         route.lastSeq = 0
                         return false
@@ -245,7 +259,7 @@ final class MessageRoutes: Sendable {
                         }
                         if page.messages.count >= PresenceEngine.maxHistoryPage { return false }
                     }
-                    let gap = drainWaiting(&route, authoritativeEpoch: page.epoch)
+                    let gap = drainWaiting(&route)
                     if gap || route.readAgain {
                         route.readAgain = false
                         return false
@@ -276,9 +290,10 @@ final class MessageRoutes: Sendable {
     }
 
     /// Delivers what waited, in order, now that the route knows its position; returns whether a
-    /// gap remains (another read is needed). With `authoritativeEpoch`, messages of another
-    /// epoch are left to the history read (they came from before it).
-    private func drainWaiting(_ route: inout Route, authoritativeEpoch: String?) -> Bool {
+    /// gap remains (another read is needed). A message of another epoch than the route's starts
+    /// a new life (it was stored after the read: an empty history has no epoch yet), unless it
+    /// is of the life a read found replaced.
+    private func drainWaiting(_ route: inout Route) -> Bool {
         let waiting = route.waiting
         route.waiting = []
         guard route.settled else {
@@ -291,7 +306,7 @@ final class MessageRoutes: Sendable {
                 route.waiting.append(message)
                 continue
             }
-            if let authoritativeEpoch, message.epoch != authoritativeEpoch, message.epoch != route.epoch { continue }
+            if message.epoch == route.leftEpoch { continue }
             if message.epoch != route.epoch {
                 route.epoch = message.epoch
                 route.lastSeq = 0
