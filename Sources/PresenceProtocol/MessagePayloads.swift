@@ -262,18 +262,26 @@ public struct SyncedPayload: Sendable, Hashable, Codable {
     public var more: Bool
     /// Exactly what cannot be given; empty when `complete`.
     public var missing: [MissingRange]
+    /// Every member's cursors (`user_id` set), as read after the messages; `nil` (left out) for
+    /// a conversation over ``SyncedPayload/receiptsLimit`` members.
+    public var receipts: [ReceiptPayload]?
 
-    public init(conversationID: String, epoch: String, lastSeq: Int64, complete: Bool, more: Bool, missing: [MissingRange]) {
+    /// The most members whose cursors a `synced` carries.
+    public static let receiptsLimit = 100
+
+    public init(conversationID: String, epoch: String, lastSeq: Int64, complete: Bool, more: Bool, missing: [MissingRange],
+                receipts: [ReceiptPayload]? = nil) {
         self.conversationID = conversationID
         self.epoch = epoch
         self.lastSeq = lastSeq
         self.complete = complete
         self.more = more
         self.missing = missing
+        self.receipts = receipts
     }
 
     enum CodingKeys: String, CodingKey {
-        case conversationID = "conversation_id", epoch, lastSeq = "last_seq", complete, more, missing
+        case conversationID = "conversation_id", epoch, lastSeq = "last_seq", complete, more, missing, receipts
     }
 
     public init(from decoder: any Decoder) throws {
@@ -284,6 +292,7 @@ public struct SyncedPayload: Sendable, Hashable, Codable {
         complete = try container.decode(Bool.self, forKey: .complete)
         more = try container.decode(Bool.self, forKey: .more)
         missing = try container.decode([MissingRange].self, forKey: .missing)
+        receipts = try container.decodeIfPresent([ReceiptPayload].self, forKey: .receipts)
     }
 
     public func encode(to encoder: any Encoder) throws {
@@ -294,5 +303,6 @@ public struct SyncedPayload: Sendable, Hashable, Codable {
         try container.encode(complete, forKey: .complete)
         try container.encode(more, forKey: .more)
         try container.encode(missing, forKey: .missing)
+        try container.encodeIfPresent(receipts, forKey: .receipts)
     }
 }

@@ -298,6 +298,13 @@ struct MessageSessionTests {
             bob.send("read", ["conversation_id": "room", "seq": 1], id: "back")
             #expect(try await bob.next("ack").id == "back")
             #expect(await alice.staysQuiet(for: .milliseconds(500)))
+            // A `synced` carries every member's cursors: the sender's moved with its send.
+            alice.send("sync", ["positions": [["conversation_id": "room", "after_seq": 3]]], id: "s")
+            let synced = try await alice.next("synced")
+            let rows = (synced.data["receipts"] as? [[String: Any]] ?? []).map {
+                "\($0["user_id"] as? String ?? "?") \($0["delivered_seq"] as? Int ?? -1) \($0["read_seq"] as? Int ?? -1)"
+            }
+            #expect(rows.sorted() == ["alice 3 3", "bob 3 3"], "\(synced.data)")
         }
     }
 

@@ -183,7 +183,7 @@ struct FrameHandler {
                 }
                 let synced = frames.text(.synced(SyncedPayload(
                     conversationID: conversation, epoch: answer.epoch, lastSeq: answer.lastSeq, complete: missing.isEmpty,
-                    more: answer.more, missing: missing
+                    more: answer.more, missing: missing, receipts: try await receipts(of: conversation)
                 )), id: id)
                 session.endSync(conversation, answer: (answer.messages, synced, answer.more)) { message in
                     ByteBuffer(string: frames.text(.message(MessagePayload(message))))
@@ -195,6 +195,14 @@ struct FrameHandler {
                 session.send(frames.text(.error(ErrorPayload(code: apiError.code, message: apiError.message, conversationID: conversation)), id: id))
             }
         }
+    }
+
+    /// Every member's cursors for a `synced`, read after its messages (a client sets its sent
+    /// messages' status from them); `nil` past ``SyncedPayload/receiptsLimit`` members.
+    private func receipts(of conversation: String) async throws -> [ReceiptPayload]? {
+        let rows = try await gateway.engine.receipts(of: conversation, for: user.userID)
+        guard rows.count <= SyncedPayload.receiptsLimit else { return nil }
+        return rows.map { ReceiptPayload(userID: $0.user, deliveredSeq: $0.cursors.deliveredSeq, readSeq: $0.cursors.readSeq) }
     }
 
     /// A frame names at most `maxIDsPerRequest` users.
