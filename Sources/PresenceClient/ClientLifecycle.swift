@@ -46,6 +46,8 @@ public struct ClientLifecycle: Sendable {
     public private(set) var offlineInBackground = false
     /// Whether the device has a network path.
     public private(set) var networkAvailable = true
+    /// The app's own offline switch (airplane mode for this client): offline, no session.
+    public private(set) var offlineMode = false
     /// The status the person chose for when the app is active.
     public private(set) var chosenStatus = PresenceStatus.online
     /// Set once the client must not reconnect.
@@ -67,6 +69,7 @@ public struct ClientLifecycle: Sendable {
     /// The status the device should have now.
     public var desiredStatus: PresenceStatus {
         switch phase {
+        case _ where offlineMode: .offline
         case .active: chosenStatus
         case .background where offlineInBackground: .offline
         case .background: chosenStatus == .online ? .away : chosenStatus
@@ -76,7 +79,7 @@ public struct ClientLifecycle: Sendable {
 
     /// Whether a session should be open.
     public var shouldConnect: Bool {
-        stopReason == nil && networkAvailable && (phase == .active || phase == .background && !offlineInBackground)
+        stopReason == nil && networkAvailable && !offlineMode && (phase == .active || phase == .background && !offlineInBackground)
     }
 
     /// Whether the device may send typing and be shown others' typing.
@@ -129,6 +132,12 @@ public struct ClientLifecycle: Sendable {
     public mutating func networkChanged(available: Bool) {
         networkAvailable = available
         if available { quickRetryUsed = false }
+    }
+
+    /// The app's offline switch was turned on or off.
+    public mutating func setOffline(_ offline: Bool) {
+        offlineMode = offline
+        if !offline { quickRetryUsed = false }
     }
 
     /// The person chose a status (`offline` appears offline while staying connected).

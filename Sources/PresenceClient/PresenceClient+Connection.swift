@@ -11,6 +11,7 @@ extension PresenceClient {
         }
         running = true
         defer { running = false }
+        await loadOutbox()
         await withTaskGroup(of: Void.self) { group in
             group.addTask { await self.connectionLoop() }
             group.addTask { await self.timerLoop() }
@@ -95,6 +96,7 @@ extension PresenceClient {
         awaitingInitialState = false
         pending = [:]
         retries = []
+        outboxSessionEnded()
         debouncer.forget()
         emit(cache.clearTyping())
         sessionEnded.signal()
@@ -138,7 +140,7 @@ extension PresenceClient {
             let openDeadline = awaitingInitialState ? attempt?.deadline : nil
             let deadlines = [
                 debouncer.nextDeadline, cache.nextTypingExpiry, retries.map(\.due).min(), lifecycle.statusRetryAt, openDeadline,
-                lifecycle.backgroundDeadline,
+                lifecycle.backgroundDeadline, chat.nextDeadline,
             ].compactMap { $0 }
             await timers.wait(after: seen, until: deadlines.min(), clock: clock)
             fireTimers()
@@ -163,6 +165,7 @@ extension PresenceClient {
             if let id = send(retry.frame, request: retry.request), retry.catchingUp { catchUp.insert(id) }
         }
         sendOwedStatus()
+        outboxTimers(at: now)
     }
 
     // MARK: - Frames from the gateway
@@ -211,19 +214,38 @@ extension PresenceClient {
             if let id, pending.removeValue(forKey: id) != nil { answered(id) }
         case .pong:
             break
-        case .message, .messageAck, .synced, .receipt:
-            // Messages are not this client's yet: it carries presence only.
-            break
+        case .message(let payload):
+            received(message: payload)
+        case .messageAck(let ack):
+            if let id { pending[id] = nil }
+            received(ack: ack)
+        case .synced(let synced):
+            received(synced: synced)
+        case .receipt(let receipt):
+            received(receipt: receipt)
         case .error(let error):
-            refused(id: id, code: error.code, message: error.message)
+            refused(id: id, code: error.code, message: error.message, conversation: error.conversationID)
         }
     }
 
-    private func refused(id: String?, code: ErrorCode, message: String) {
+    private func refused(id: String?, code: ErrorCode, message: String, conversation: String?) {
         logger.info("the gateway refused a request", metadata: ["presence.code": "\(code)", "presence.message": "\(message)"])
-        guard let id, let request = pending.removeValue(forKey: id) else {
+        guard let id, let request = pending[id] else {
             emit([.error(code: code, message: message)])
             return
+        }
+        switch request {
+        case .message(let clientMessageID):
+            pending[id] = nil
+            messageRefused(clientMessageID, code: code, message: message)
+            return
+        case .sync:
+            // One `sync` names several conversations: it is answered once for each.
+            if let conversation { syncRefused(conversation) }
+            emit([.error(code: code, message: message)])
+            return
+        default:
+            pending[id] = nil
         }
         let retryAt = clock.now.addingTimeInterval(configuration.retryDelay)
         switch request {
@@ -257,6 +279,7 @@ extension PresenceClient {
         subscribe(users: Array(watchedUsers), catchingUp: true)
         for conversation in joinedConversations.sorted() { subscribe(conversation: conversation, catchingUp: true) }
         sendOwedStatus()
+        messagesSessionOpened()
         answered(nil)
     }
 

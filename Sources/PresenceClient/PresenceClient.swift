@@ -19,6 +19,9 @@ public actor PresenceClient {
         case users([String])
         case conversation(String)
         case typing
+        /// A `send` of the outbox message with this client message id.
+        case message(String)
+        case sync
         case other
     }
 
@@ -26,11 +29,15 @@ public actor PresenceClient {
     let tokenProvider: TokenProvider
     let clock: any PresenceClientClock
     let transport: any PresenceTransport
+    let outboxStore: any MessageOutboxStore
     let logger: Logger
 
     var lifecycle = ClientLifecycle()
     var backoff: ReconnectBackoff
     var debouncer: TypingDebouncer
+    var chat = ChatState()
+    /// The last save of the outbox under way.
+    var saving: Task<Void, Never>?
     /// Everything known of others.
     public internal(set) var cache = PresenceCache()
     /// The link to the gateway.
@@ -66,18 +73,21 @@ public actor PresenceClient {
     /// A session ended.
     let sessionEnded = AsyncSignal()
 
-    /// A client. `transport` defaults to SwiftNIO WebSockets; `clock` to the system clock.
+    /// A client. `transport` defaults to SwiftNIO WebSockets; `clock` to the system clock;
+    /// `outboxStore` to a file of the device's (``FileMessageOutboxStore/defaultURL(deviceID:)``).
     public init(
         configuration: PresenceClientConfiguration,
         tokenProvider: @escaping TokenProvider,
         clock: any PresenceClientClock = SystemPresenceClock(),
         transport: (any PresenceTransport)? = nil,
+        outboxStore: (any MessageOutboxStore)? = nil,
         logger: Logger
     ) {
         self.configuration = configuration
         self.tokenProvider = tokenProvider
         self.clock = clock
         self.transport = transport ?? WebSocketTransport(logger: logger)
+        self.outboxStore = outboxStore ?? FileMessageOutboxStore(url: FileMessageOutboxStore.defaultURL(deviceID: configuration.deviceID))
         self.logger = logger
         self.backoff = configuration.backoff
         self.debouncer = TypingDebouncer(refreshInterval: configuration.typingRefreshInterval, idleTimeout: configuration.typingIdleTimeout)
@@ -270,7 +280,7 @@ public actor PresenceClient {
         if let send = debouncer.stop(in: conversation) { sendTyping(send) }
     }
 
-    private func sendTyping(_ typing: TypingDebouncer.Send) {
+    func sendTyping(_ typing: TypingDebouncer.Send) {
         send(.typing(conversationID: typing.conversationID, isTyping: typing.isTyping), request: .typing)
     }
 

@@ -65,6 +65,13 @@ public enum PresenceClientEvent: Sendable, Hashable {
     /// The gateway answered a request with an error (`forbidden`, `invalid_request`,
     /// `rate_limited`, ...).
     case error(code: ErrorCode, message: String)
+    /// A message was written here, or the gateway stored or delivered one (see
+    /// ``PresenceClient/messages(in:)``).
+    case message(ChatMessage)
+    /// A message's status changed.
+    case messageStatus(MessageStatusChange)
+    /// A `sync` could not give some messages (trimmed, or a history Redis lost).
+    case messageGap(MessageGap)
 }
 
 /// An error of the client library.

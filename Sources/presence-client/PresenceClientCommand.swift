@@ -14,8 +14,16 @@ struct PresenceClientCommand: AsyncParsableCommand {
         join CONVERSATION, leave CONVERSATION, type CONVERSATION, send CONVERSATION, list,
         background, foreground, help, quit. End of input signs out cleanly.
 
+        With --chat CONVERSATION, each line typed is a message to that conversation, and
+        messages print with their status as it changes (sending, sent, delivered, read,
+        failed). Commands then start with a slash: /offline (the app's offline switch: the
+        session closes, messages wait in the outbox), /online, /retry ID, /list, /quit, and the
+        others above. The outbox is kept in --outbox (by default a file per device), so
+        messages written before a quit go out on the next run.
+
         Example, with a gateway from `make run`:
           presence-client --url ws://127.0.0.1:8080 --token-command 'scripts/token alice' --device laptop
+          presence-client --token-command 'scripts/token alice' --device laptop --chat room
         """
     )
 
@@ -37,6 +45,12 @@ struct PresenceClientCommand: AsyncParsableCommand {
     @Option(help: "A conversation to follow from the start.")
     var join: String?
 
+    @Option(help: "A conversation to chat in: typed lines are sent to it as messages.")
+    var chat: String?
+
+    @Option(help: "The file that keeps unsent messages (default: a file per device in the user's data folder).")
+    var outbox: String?
+
     @Option(help: "Log level of the client library (trace, debug, info, warning, error).")
     var logLevel: String = "warning"
 
@@ -55,8 +69,10 @@ struct PresenceClientCommand: AsyncParsableCommand {
         guard let level = Logger.Level(rawValue: logLevel) else { throw ValidationError("--log-level \(logLevel) is not a log level") }
         var logger = Logger(label: "presence-client")
         logger.logLevel = level
-        let client = PresenceClient(configuration: configuration, tokenProvider: provider, logger: logger)
-        let display = Display()
+        let store = FileMessageOutboxStore(url: outbox.map { URL(fileURLWithPath: $0) } ?? FileMessageOutboxStore.defaultURL(deviceID: device))
+        let client = PresenceClient(configuration: configuration, tokenProvider: provider, outboxStore: store, logger: logger)
+        let display = Display(chat: chat)
+        if let chat { try await display.apply(client, "/join \(chat)") }
         if let watch {
             try await display.apply(client, "watch " + watch.split(separator: ",").joined(separator: " "))
         }
@@ -76,6 +92,7 @@ struct PresenceClientCommand: AsyncParsableCommand {
                         say("! \(error)")
                     }
                 }
+                await client.outboxSaved()
                 await client.signOut()
             }
             await group.next()
@@ -126,6 +143,12 @@ struct PresenceClientCommand: AsyncParsableCommand {
 
 /// Prints events and runs typed commands.
 actor Display {
+    /// The conversation typed lines go to, in chat mode.
+    let chat: String?
+
+    init(chat: String?) {
+        self.chat = chat
+    }
 
     private func stamp() -> String {
         let time = Date().formatted(Date.ISO8601FormatStyle(timeZone: .current).time(includingFractionalSeconds: false))
@@ -146,6 +169,14 @@ actor Display {
             say("\(stamp()) \(group.conversationID): \(PresenceText.group(group))")
         case .error(let code, let message):
             say("\(stamp()) ! \(code.rawValue): \(message)")
+        case .message(let message):
+            let seq = message.seq.map { "#\($0)" } ?? "-"
+            say("\(stamp()) \(message.conversationID) \(seq) \(message.senderID ?? "me"): \(message.text)  [\(message.status.rawValue)] (\(message.clientMessageID.prefix(8)))")
+        case .messageStatus(let change):
+            let reason = change.failure.map { ": \($0)" } ?? ""
+            say("\(stamp()) \(change.conversationID) (\(change.clientMessageID.prefix(8))) \(change.status.rawValue)\(reason)")
+        case .messageGap(let gap):
+            say("\(stamp()) \(gap.conversationID): messages \(gap.fromSeq)…\(gap.toSeq.map(String.init) ?? "end") of epoch \(gap.epoch ?? "?") cannot be given")
         }
     }
 
@@ -164,7 +195,12 @@ actor Display {
     /// Runs one command line; returns false for `quit`.
     @discardableResult
     func apply(_ client: PresenceClient, _ line: String) async throws -> Bool {
-        let words = line.split(separator: " ").map(String.init)
+        if let chat, !line.hasPrefix("/") {
+            guard !line.trimmingCharacters(in: .whitespaces).isEmpty else { return true }
+            try await client.send(line, to: chat)
+            return true
+        }
+        let words = (line.hasPrefix("/") ? String(line.dropFirst()) : line).split(separator: " ").map(String.init)
         guard let command = words.first else { return true }
         let arguments = Array(words.dropFirst())
         func one() throws -> String {
@@ -172,6 +208,15 @@ actor Display {
             return arguments[0]
         }
         switch command {
+        case "online" where chat != nil:
+            await client.setOffline(false)
+        case "offline" where chat != nil:
+            await client.setOffline(true)
+        case "retry":
+            let prefix = try one()
+            let matching = await client.messages(in: chat ?? "").filter { $0.status == .failed && $0.clientMessageID.hasPrefix(prefix) }
+            guard let message = matching.first else { throw ValidationError("no failed message \(prefix) here") }
+            await client.retry(message.clientMessageID)
         case "online", "away", "offline":
             await client.setStatus(PresenceStatus(rawValue: command)!)
         case "watch": try await client.watch(arguments)

@@ -46,11 +46,13 @@ public final class LiveClient: Sendable {
     private let listening: Task<Void, Never>
 
     public convenience init(_ user: String, device: String, nodes: [GatewayProcess], tokenLifetime: TimeInterval = 3600,
+                     outboxStore: any MessageOutboxStore = MemoryMessageOutboxStore(),
                      configure: (inout PresenceClientConfiguration) -> Void = { _ in }) async throws {
-        try await self.init(user, device: device, ports: nodes.map(\.port), tokenLifetime: tokenLifetime, configure: configure)
+        try await self.init(user, device: device, ports: nodes.map(\.port), tokenLifetime: tokenLifetime, outboxStore: outboxStore, configure: configure)
     }
 
     public init(_ user: String, device: String, ports: [Int], tokenLifetime: TimeInterval = 3600, secret: String = secret,
+         outboxStore: any MessageOutboxStore = MemoryMessageOutboxStore(),
          configure: (inout PresenceClientConfiguration) -> Void = { _ in }) async throws {
         self.user = user
         var configuration = try PresenceClientConfiguration(
@@ -61,7 +63,7 @@ public final class LiveClient: Sendable {
         client = PresenceClient(configuration: configuration, tokenProvider: { refresh in
             calls.withLockedValue { $0.append(refresh) }
             return try await mint(user, expiresIn: tokenLifetime, secret: secret)
-        }, logger: TestRedis.logger("client-\(user)"))
+        }, outboxStore: outboxStore, logger: TestRedis.logger("client-\(user)"))
         let events = await client.events()
         let log = self.log
         listening = Task { for await event in events { log.withLockedValue { $0.append((ContinuousClock.now, event)) } } }

@@ -70,7 +70,7 @@ struct ClientLoopTests {
     func makeClient(_ transport: ScriptedTransport, clock: ManualClock) throws -> PresenceClient {
         var configuration = try PresenceClientConfiguration(gatewayURL: URL(string: "ws://gateway.test")!, deviceID: "phone")
         configuration.typingIdleTimeout = 3
-        return PresenceClient(configuration: configuration, tokenProvider: { _ in "token" }, clock: clock, transport: transport, logger: Logger(label: "test"))
+        return PresenceClient(configuration: configuration, tokenProvider: { _ in "token" }, clock: clock, transport: transport, outboxStore: MemoryMessageOutboxStore(), logger: Logger(label: "test"))
     }
 
     /// Waits (bounded, in real time) for the client to reach a state.
@@ -145,7 +145,7 @@ struct ClientLoopTests {
         let transport = ScriptedTransport([.open, .open])
         var configuration = try PresenceClientConfiguration(gatewayURL: URL(string: "ws://gateway.test")!, deviceID: "phone")
         configuration.backgroundPolicy = .offline(after: 30)
-        let client = PresenceClient(configuration: configuration, tokenProvider: { _ in "token" }, clock: clock, transport: transport, logger: Logger(label: "test"))
+        let client = PresenceClient(configuration: configuration, tokenProvider: { _ in "token" }, clock: clock, transport: transport, outboxStore: MemoryMessageOutboxStore(), logger: Logger(label: "test"))
         let run = Task { await client.run() }
         defer { run.cancel() }
         #expect(await state(client, { $0 == .connected }) == .connected)

@@ -21,7 +21,8 @@ struct ParityTests {
         // The default configuration, as the fixture says (typingDisplayTimeout 8 s).
         let configuration = try PresenceClientConfiguration(gatewayURL: URL(string: "wss://gateway.test")!, deviceID: "parity")
         let client = PresenceClient(
-            configuration: configuration, tokenProvider: { _ in "token" }, clock: clock, transport: transport, logger: Logger(label: "parity")
+            configuration: configuration, tokenProvider: { _ in "token" }, clock: clock, transport: transport,
+            outboxStore: MemoryMessageOutboxStore(), logger: Logger(label: "parity")
         )
         let recorder = EventRecorder()
         let events = await client.events()
@@ -119,6 +120,22 @@ struct ParityTests {
             ]
         case .error(let code, let message):
             return ["event": "error", "code": .string(code.rawValue), "message": .string(message)]
+        case .message(let message):
+            return [
+                "event": "message", "conversation_id": .string(message.conversationID), "client_message_id": .string(message.clientMessageID),
+                "seq": message.seq.map { .number(Double($0)) } ?? .null, "sender_id": message.senderID.map { .string($0) } ?? .null,
+                "text": .string(message.text), "status": .string(message.status.rawValue),
+            ]
+        case .messageStatus(let change):
+            return [
+                "event": "message_status", "conversation_id": .string(change.conversationID),
+                "client_message_id": .string(change.clientMessageID), "status": .string(change.status.rawValue),
+            ]
+        case .messageGap(let gap):
+            return [
+                "event": "message_gap", "conversation_id": .string(gap.conversationID), "from_seq": .number(Double(gap.fromSeq)),
+                "to_seq": gap.toSeq.map { .number(Double($0)) } ?? .null,
+            ]
         }
     }
 
