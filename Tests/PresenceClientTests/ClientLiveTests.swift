@@ -284,10 +284,14 @@ struct ClientLiveTests {
         let node = try await GatewayProcess(nodeID: "node", environment: nodeEnvironment(prefix: prefix, extra: ["PRESENCE_VISIBILITY": "open"]))
         let output = FileManager.default.temporaryDirectory.appendingPathComponent("presence-client-\(UUID().uuidString).out")
         _ = FileManager.default.createFile(atPath: output.path, contents: nil)
-        defer { try? FileManager.default.removeItem(at: output) }
+        defer {
+            try? FileManager.default.removeItem(at: output)
+            try? FileManager.default.removeItem(atPath: output.path + ".outbox")
+        }
         let process = Process()
         process.executableURL = GatewayProcess.binary.deletingLastPathComponent().appendingPathComponent("presence-client")
-        process.arguments = ["--url", "ws://127.0.0.1:\(node.port)", "--token", try await mint("bob"), "--device", "terminal", "--watch", "alice"]
+        process.arguments = ["--url", "ws://127.0.0.1:\(node.port)", "--token", try await mint("bob"), "--device", "terminal", "--watch", "alice",
+                             "--outbox", output.path + ".outbox"]
         let input = Pipe()
         process.standardInput = input
         process.standardOutput = try FileHandle(forWritingTo: output)
@@ -314,5 +318,59 @@ struct ClientLiveTests {
         #expect(await eventually(timeout: .seconds(5)) { !process.isRunning }, "quit ends the client")
         #expect(process.terminationStatus == 0)
         #expect(await printed("[signed out]"))
+    }
+
+    @Test("presence-client --chat: typed lines are messages; written while /offline they wait as sending and go out on /online")
+    func terminalChat() async throws {
+        let prefix = TestRedis.uniquePrefix("sdk-chat")
+        let node = try await GatewayProcess(nodeID: "node", environment: nodeEnvironment(prefix: prefix))
+        #expect(admin(node, "PUT", "/api/admin/conversations/room", #"{"member_ids":["alice","bob"]}"#)?.status == 200)
+        let directory = FileManager.default.temporaryDirectory.appendingPathComponent("presence-chat-\(UUID().uuidString)")
+        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+        defer { try? FileManager.default.removeItem(at: directory) }
+        let output = directory.appendingPathComponent("out")
+        _ = FileManager.default.createFile(atPath: output.path, contents: nil)
+        let process = Process()
+        process.executableURL = GatewayProcess.binary.deletingLastPathComponent().appendingPathComponent("presence-client")
+        process.arguments = ["--url", "ws://127.0.0.1:\(node.port)", "--token", try await mint("bob"), "--device", "terminal",
+                             "--chat", "room", "--outbox", directory.appendingPathComponent("outbox.json").path]
+        let input = Pipe()
+        process.standardInput = input
+        process.standardOutput = try FileHandle(forWritingTo: output)
+        process.standardError = try FileHandle(forWritingTo: output)
+        try process.run()
+        defer { if process.isRunning { kill(process.processIdentifier, SIGKILL) } }
+        func printed(_ text: String) async -> Bool {
+            await eventually(timeout: .seconds(10), poll: .milliseconds(20)) {
+                ((try? String(contentsOf: output, encoding: .utf8)) ?? "").contains(text)
+            }
+        }
+        /// A printed line with every one of `parts`.
+        func printedLine(_ parts: String...) async -> Bool {
+            await eventually(timeout: .seconds(10), poll: .milliseconds(20)) {
+                ((try? String(contentsOf: output, encoding: .utf8)) ?? "").split(separator: "\n").contains { line in
+                    parts.allSatisfy { line.contains($0) }
+                }
+            }
+        }
+        #expect(await printed("[connected]"))
+        let alice = try await LiveClient("alice", device: "phone", nodes: [node])
+        #expect(await alice.connected())
+        input.fileHandleForWriting.write(Data("/offline\n".utf8))
+        #expect(await printed("[idle]"))
+        input.fileHandleForWriting.write(Data("written offline\n".utf8))
+        #expect(await printed("me: written offline  [sending]"))
+        try await Task.sleep(for: .milliseconds(300))
+        #expect(await alice.client.messages(in: "room").isEmpty)
+        input.fileHandleForWriting.write(Data("/online\n".utf8))
+        #expect(await alice.waitUntil { await $0.messages(in: "room").map(\.text) == ["written offline"] })
+        // Its line is printed from the ack (sender "me") or from the gateway's copy (bob),
+        // whichever comes first.
+        #expect(await printedLine("room #1 ", ": written offline  [sent]"))
+        try await alice.client.send("hi bob", to: "room")
+        #expect(await printed("room #2 alice: hi bob  [delivered]"))
+        input.fileHandleForWriting.write(Data("/quit\n".utf8))
+        #expect(await eventually(timeout: .seconds(5)) { !process.isRunning }, "quit ends the client")
+        #expect(process.terminationStatus == 0)
     }
 }
