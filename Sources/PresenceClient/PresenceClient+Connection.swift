@@ -140,7 +140,7 @@ extension PresenceClient {
             let openDeadline = awaitingInitialState ? attempt?.deadline : nil
             let deadlines = [
                 debouncer.nextDeadline, cache.nextTypingExpiry, retries.map(\.due).min(), lifecycle.statusRetryAt, openDeadline,
-                lifecycle.backgroundDeadline, chat.nextDeadline,
+                lifecycle.backgroundDeadline, chat.nextDeadline(after: clock.now),
             ].compactMap { $0 }
             await timers.wait(after: seen, until: deadlines.min(), clock: clock)
             fireTimers()

@@ -49,9 +49,15 @@ struct ChatState {
     /// Whether the store's outbox was read.
     var loaded = false
 
-    /// The earliest moment an outbox message needs attention.
-    var nextDeadline: Date? {
-        outbox.compactMap { $0.frameID != nil ? $0.deadline : ($0.message.status == .sending ? $0.due : nil) }.min()
+    /// The earliest moment after `now` an outbox message needs attention: an attempt's answer
+    /// is overdue, or a wait before the next attempt ends. A wait already over needs none: the
+    /// message goes when its conversation's message under way is answered.
+    func nextDeadline(after now: Date) -> Date? {
+        outbox.compactMap { entry in
+            if entry.frameID != nil { return entry.deadline }
+            guard entry.message.status == .sending, let due = entry.due, due > now else { return nil }
+            return due
+        }.min()
     }
 }
 
@@ -146,24 +152,33 @@ extension PresenceClient {
     /// after the saved ones.
     func loadOutbox() async {
         guard !chat.loaded else { return }
-        chat.loaded = true
+        // Saves wait until the read is done (`send` may run meanwhile), so none replaces it.
+        defer { chat.loaded = true }
         do {
             let saved = try await outboxStore.load()
             let known = Set(chat.outbox.map(\.message.clientMessageID))
             let restored = saved.filter { !known.contains($0.clientMessageID) }.map { ChatState.Outgoing(message: $0) }
+            let writtenBefore = !chat.outbox.isEmpty
             chat.outbox = restored + chat.outbox
             for message in saved {
                 chat.written.insert(message.clientMessageID)
                 if chat.logs[message.conversationID] == nil { chat.logs[message.conversationID] = ChatState.Log() }
             }
             if !restored.isEmpty { logger.info("outbox restored", metadata: ["presence.messages": "\(restored.count)"]) }
+            // Messages written before the read were not saved (that would have replaced the
+            // store's outbox): saved with it now.
+            if writtenBefore {
+                chat.loaded = true
+                saveOutbox()
+            }
         } catch {
             logger.error("the outbox store could not be read; starting with an empty outbox", metadata: ["error": "\(error)"])
         }
     }
 
-    /// Saves the outbox, after the saves before it.
+    /// Saves the outbox, after the saves before it; not before the store's outbox was read.
     func saveOutbox() {
+        guard chat.loaded else { return }
         let snapshot = chat.outbox.map(\.message)
         let previous = saving
         let store = outboxStore
