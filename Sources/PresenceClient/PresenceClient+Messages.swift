@@ -326,6 +326,8 @@ extension PresenceClient {
         message.failure = nil
         saveOutbox()
         place(message)
+        statusChanged(message)
+        refreshStatuses(message.conversationID)
         sendOutbox()
     }
 
@@ -335,14 +337,17 @@ extension PresenceClient {
         if chat.written.contains(payload.clientMessageID) { chat.ownUserID = payload.senderID }
         let own = payload.senderID == chat.ownUserID
         var message = ChatMessage(payload, epoch: epoch, status: own ? .sent : .delivered)
+        let isNew = chat.logs[conversation] == nil
         // The gateway's copy of a message this device wrote may come before its ack.
         if own, let index = chat.outbox.firstIndex(where: { $0.message.clientMessageID == payload.clientMessageID }) {
             let local = chat.outbox.remove(at: index).message
             message.createdAt = local.createdAt
             saveOutbox()
+            place(message)
+            statusChanged(message)
+        } else if place(message) {
+            emit([.message(message)])
         }
-        let isNew = chat.logs[conversation] == nil
-        place(message)
         var log = chat.logs[conversation] ?? ChatState.Log()
         if log.epoch != epoch {
             log.epoch = epoch
@@ -350,6 +355,7 @@ extension PresenceClient {
         }
         log.lastSeq = max(log.lastSeq, payload.seq)
         chat.logs[conversation] = log
+        refreshStatuses(conversation)
         if isNew {
             // First heard of here: what came before, and every member's cursors.
             sync([SyncPosition(conversationID: conversation, afterSeq: 0)])
@@ -406,9 +412,11 @@ extension PresenceClient {
         }
     }
 
-    /// Puts a stored message in its conversation's log (once), in history order.
-    private func place(_ message: ChatMessage) {
-        guard let id = message.id else { return }
+    /// Puts a stored message in its conversation's log (once), in history order; returns
+    /// whether it is new there.
+    @discardableResult
+    private func place(_ message: ChatMessage) -> Bool {
+        guard let id = message.id else { return false }
         var log = chat.logs[message.conversationID] ?? ChatState.Log()
         if log.seen.contains(id) {
             // Already there (the ack and the gateway's copy): keep the later details.
@@ -416,15 +424,13 @@ extension PresenceClient {
                 log.messages[index].senderID = message.senderID
             }
             chat.logs[message.conversationID] = log
-            return
+            return false
         }
         log.seen.insert(id)
         let position = log.messages.lastIndex { $0.epoch == message.epoch && ($0.seq ?? 0) < (message.seq ?? 0) || $0.epoch != message.epoch }
         log.messages.insert(message, at: position.map { $0 + 1 } ?? 0)
         chat.logs[message.conversationID] = log
-        emit([.message(message)])
-        if message.status != .sending { statusChanged(message) }
-        refreshStatuses(message.conversationID)
+        return true
     }
 
     /// Own messages' status from the other members' cursors: delivered (read) once every other

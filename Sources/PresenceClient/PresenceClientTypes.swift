@@ -65,8 +65,9 @@ public enum PresenceClientEvent: Sendable, Hashable {
     /// The gateway answered a request with an error (`forbidden`, `invalid_request`,
     /// `rate_limited`, ...).
     case error(code: ErrorCode, message: String)
-    /// A message was written here, or the gateway stored or delivered one (see
-    /// ``PresenceClient/messages(in:)``).
+    /// A message joined ``PresenceClient/messages(in:)``: written here (`sending`), or
+    /// delivered by the gateway (a message this device did not write). One written here
+    /// announces its later changes (`sent` once stored, ...) as ``messageStatus(_:)``.
     case message(ChatMessage)
     /// A message's status changed.
     case messageStatus(MessageStatusChange)

@@ -170,14 +170,21 @@ actor Display {
         case .error(let code, let message):
             say("\(stamp()) ! \(code.rawValue): \(message)")
         case .message(let message):
-            let seq = message.seq.map { "#\($0)" } ?? "-"
-            say("\(stamp()) \(message.conversationID) \(seq) \(message.senderID ?? "me"): \(message.text)  [\(message.status.rawValue)] (\(message.clientMessageID.prefix(8)))")
+            say("\(stamp()) \(Self.describe(message))")
         case .messageStatus(let change):
             let reason = change.failure.map { ": \($0)" } ?? ""
-            say("\(stamp()) \(change.conversationID) (\(change.clientMessageID.prefix(8))) \(change.status.rawValue)\(reason)")
+            let message = await client.messages(in: change.conversationID).last { $0.clientMessageID == change.clientMessageID }
+            say("\(stamp()) \(message.map(Self.describe) ?? "\(change.conversationID) (\(change.clientMessageID.prefix(8)))")\(reason)")
         case .messageGap(let gap):
             say("\(stamp()) \(gap.conversationID): messages \(gap.fromSeq)…\(gap.toSeq.map(String.init) ?? "end") of epoch \(gap.epoch ?? "?") cannot be given")
         }
+    }
+
+    /// `room #3 alice: hi  [delivered] (1c0e2b7a)`; `me` for this device's messages until the
+    /// gateway's copy names the sender, `-` for a seq not given yet.
+    static func describe(_ message: ChatMessage) -> String {
+        let seq = message.seq.map { "#\($0)" } ?? "-"
+        return "\(message.conversationID) \(seq) \(message.senderID ?? "me"): \(message.text)  [\(message.status.rawValue)] (\(message.clientMessageID.prefix(8)))"
     }
 
     static func describe(_ state: ConnectionState) -> String {
