@@ -7,6 +7,7 @@ import { FakeClock as SharedFakeClock, settle } from "./fake-clock.mjs";
 
 import {
   DEVICE_ID_STORAGE_KEY,
+  MemoryOutboxStore,
   PresenceClient,
   PresenceClientError,
   PresenceText,
@@ -93,7 +94,7 @@ function memoryStorage(entries = {}) {
   return { getItem: (key) => map.get(key) ?? null, setItem: (key, value) => map.set(key, String(value)), map };
 }
 
-const EVENT_NAMES = ["connection", "presence", "removed", "typing", "group", "error"];
+const EVENT_NAMES = ["connection", "presence", "removed", "typing", "group", "error", "message", "messagestatus", "messagegap"];
 
 /** A client on fakes, its page, and what it announced. */
 function setup(options = {}) {
@@ -325,9 +326,11 @@ describe("catching up", () => {
     let socket = h.last();
     socket.open([presence("carol", "online")]);
     await settle();
+    // The joined conversation's messages are synced too (from the start: none known yet).
     assert.deepEqual(socket.sent, [
       '{"data":{"user_ids":["alice","bob"]},"id":"1.1","type":"subscribe"}',
       '{"data":{"conversation_id":"room"},"id":"1.2","type":"subscribe"}',
+      '{"data":{"positions":[{"after_seq":0,"conversation_id":"room"}]},"id":"1.3","type":"sync"}',
     ]);
     assert.equal(h.client.connectionState.state, "connecting", "connected only once the catch-up is answered");
     socket.deliver({ type: "initial_state", id: "1.1", data: { presences: [presence("alice", "online"), presence("bob", "away")] } });
@@ -346,8 +349,8 @@ describe("catching up", () => {
     assert.equal(h.sockets.length, 2);
     socket.open([presence("carol", "online")]);
     await settle();
-    assert.deepEqual(socket.frames.map((frame) => frame.data), [{ user_ids: ["alice", "bob"] }, { conversation_id: "room" }], "the same requests again");
-    const [users, room] = socket.frames.map((frame) => frame.id);
+    assert.deepEqual(socket.framesOf("subscribe").map((frame) => frame.data), [{ user_ids: ["alice", "bob"] }, { conversation_id: "room" }], "the same requests again");
+    const [users, room] = socket.framesOf("subscribe").map((frame) => frame.id);
     // bob is no longer visible: left out of the answer.
     socket.deliver({ type: "initial_state", id: users, data: { presences: [presence("alice", "away")] } });
     socket.deliver({ type: "group_presence", id: room, data: { conversation_id: "room", total: 3, online: 2, away: 1 } });
@@ -741,4 +744,206 @@ test("timestamps: ISO 8601 UTC, the fraction optional and cut at milliseconds", 
   for (const bad of ["2026-11-21 12:00:00Z", "2026-13-01T00:00:00Z", "2026-11-21T12:00:00", "2026-11-21T12:00:00.Z", "yesterday", null]) {
     assert.equal(parseTimestamp(bad), null, String(bad));
   }
+});
+
+// MARK: Messages
+
+/** A `message` frame's data as the gateway writes it. */
+const stored = (seq, sender, text, clientMessageId = `${sender}-${seq}`, epoch = "e1") => ({
+  conversation_id: "room", seq, id: `${epoch}-${seq}`, sender_id: sender, client_message_id: clientMessageId, type: "text", text,
+  image_url: null, created_at: "2026-11-21T12:00:00.000Z", client_created_at: null,
+});
+
+/** The answer to a `send` frame. */
+const ackOf = (frame, seq, epoch = "e1") => ({
+  type: "message_ack", id: frame.id, data: {
+    conversation_id: frame.data.conversation_id, client_message_id: frame.data.client_message_id, seq, id: `${epoch}-${seq}`,
+    created_at: "2026-11-21T12:00:00.000Z", duplicate: false,
+  },
+});
+
+const syncedOf = (frame, lastSeq, extra = {}) => ({
+  type: "synced", id: frame.id, data: { conversation_id: "room", epoch: "e1", last_seq: lastSeq, complete: true, more: false, missing: [], ...extra },
+});
+
+describe("messages", () => {
+  test("written offline: returned at once as sending, nothing sent; the session syncs, then sends; the ack makes it sent, the gateway's copy is no second message", async () => {
+    const store = new MemoryOutboxStore();
+    const h = setup({ outboxStore: store });
+    const local = h.client.send("room", "hello");
+    assert.equal(local.status, "sending");
+    assert.equal(local.seq, null);
+    assert.deepEqual(h.client.messages("room").map((message) => message.text), ["hello"]);
+    const socket = await h.connect();
+    assert.deepEqual(socket.frames.map((frame) => frame.type), ["sync", "send"]);
+    const [sync, send] = socket.frames;
+    assert.deepEqual(sync.data, { positions: [{ after_seq: 0, conversation_id: "room" }] });
+    assert.equal(send.data.client_message_id, local.clientMessageId);
+    assert.equal(send.data.text, "hello");
+    socket.deliver(syncedOf(sync, 0, { receipts: [{ user_id: "alice", delivered_seq: 0, read_seq: 0 }, { user_id: "bob", delivered_seq: 0, read_seq: 0 }] }));
+    socket.deliver(ackOf(send, 1));
+    socket.deliver({ type: "message", data: stored(1, "alice", "hello", local.clientMessageId) });
+    await settle();
+    assert.deepEqual(h.of("messagestatus").map((change) => change.status), ["sent"]);
+    assert.equal(h.of("message").length, 1, "announced once, when written");
+    assert.deepEqual(h.client.messages("room").map((message) => `${message.seq}:${message.status}:${message.senderId}`), ["1:sent:alice"]);
+    await h.client.outboxSaved();
+    assert.deepEqual(await store.load(), [], "stored by the gateway: out of the outbox");
+    // bob's device has it, then bob read it.
+    socket.deliver({ type: "receipt", data: { conversation_id: "room", user_id: "bob", delivered_seq: 1, read_seq: 0 } });
+    socket.deliver({ type: "receipt", data: { conversation_id: "room", user_id: "bob", delivered_seq: 1, read_seq: 1 } });
+    await settle();
+    assert.deepEqual(h.of("messagestatus").map((change) => change.status), ["sent", "delivered", "read"]);
+  });
+
+  test("3 attempts on a live session, 1 s and 2 s apart, with the same client_message_id; then failed, kept, and the next message goes; retry sends it again", async () => {
+    const h = setup({ outboxStore: new MemoryOutboxStore() });
+    const socket = await h.connect();
+    const first = h.client.send("room", "one");
+    const second = h.client.send("room", "two");
+    await settle();
+    const sends = () => socket.framesOf("send");
+    assert.equal(sends().length, 1, "one message of a conversation under way at a time");
+    socket.deliver({ type: "error", id: sends()[0].id, data: { code: "internal", message: "boom" } });
+    await settle();
+    await h.clock.advance(0.9);
+    assert.equal(sends().length, 1);
+    await h.clock.advance(0.1);
+    assert.equal(sends().length, 2, "the second attempt after 1 s");
+    // No answer within 10 s counts as a failed attempt too.
+    await h.clock.advance(10);
+    await h.clock.advance(2);
+    assert.equal(sends().length, 3, "the third attempt 2 s after the second failed");
+    socket.deliver({ type: "error", id: sends()[2].id, data: { code: "unavailable", message: "later" } });
+    await settle();
+    assert.deepEqual(sends().map((frame) => frame.data.client_message_id), [first.clientMessageId, first.clientMessageId, first.clientMessageId, second.clientMessageId]);
+    const failed = h.client.messages("room").find((message) => message.clientMessageId === first.clientMessageId);
+    assert.equal(failed.status, "failed");
+    assert.equal(failed.failure, "unavailable: later");
+    socket.deliver(ackOf(sends()[3], 1));
+    await settle();
+    assert.equal(h.client.retry(first.clientMessageId), true);
+    await settle();
+    assert.equal(sends().length, 5);
+    assert.equal(sends()[4].data.client_message_id, first.clientMessageId);
+    socket.deliver(ackOf(sends()[4], 2));
+    await settle();
+    assert.deepEqual(h.client.messages("room").map((message) => `${message.seq}:${message.text}:${message.status}`), ["1:two:sent", "2:one:sent"]);
+  });
+
+  test("forbidden fails at once with the reason; rate_limited waits retryDelay and costs no attempt; a dropped session costs none either", async () => {
+    const h = setup({ outboxStore: new MemoryOutboxStore() });
+    let socket = await h.connect();
+    const refused = h.client.send("other", "not mine");
+    const limited = h.client.send("room", "busy");
+    await settle();
+    const sendOf = (message) => socket.framesOf("send").filter((frame) => frame.data.client_message_id === message.clientMessageId);
+    socket.deliver({ type: "error", id: sendOf(refused)[0].id, data: { code: "forbidden", message: "you are not a member of this conversation" } });
+    await settle();
+    assert.equal(h.client.messages("other")[0].status, "failed");
+    assert.equal(h.client.messages("other")[0].failure, "forbidden: you are not a member of this conversation");
+    for (let answer = 0; answer < 4; answer += 1) {
+      socket.deliver({ type: "error", id: sendOf(limited).at(-1).id, data: { code: "rate_limited", message: "slow down" } });
+      await settle();
+      await h.clock.advance(1);
+    }
+    assert.equal(sendOf(limited).length, 5, "four rate-limited answers, still going");
+    assert.equal(h.client.messages("room")[0].status, "sending");
+    socket.serverClose(1006);
+    await settle();
+    await h.clock.advance(h.waitingDelay());
+    socket = h.last();
+    socket.open();
+    await settle();
+    assert.equal(sendOf(limited).length, 1, "sent again on the new session");
+    socket.deliver(ackOf(sendOf(limited)[0], 1));
+    await settle();
+    assert.equal(h.client.messages("room")[0].status, "sent");
+  });
+
+  test("received messages are announced once each, in order; delivered and read go to the gateway; gaps are announced; a cut sync goes on", async () => {
+    const h = setup({ outboxStore: new MemoryOutboxStore() });
+    h.client.join("room");
+    h.client.start();
+    await settle();
+    const socket = h.last();
+    socket.open();
+    await settle();
+    const sync = socket.framesOf("sync")[0];
+    socket.deliver({ type: "message", data: stored(1, "bob", "b1") });
+    socket.deliver({ type: "message", data: stored(2, "bob", "b2") });
+    socket.deliver(syncedOf(sync, 5, { more: true }));
+    await settle();
+    const again = socket.framesOf("sync").at(-1);
+    assert.deepEqual(again.data, { positions: [{ after_seq: 2, conversation_id: "room", epoch: "e1" }] }, "the cut sync goes on from the last seq");
+    socket.deliver({ type: "message", data: stored(2, "bob", "b2") });
+    socket.deliver(syncedOf(again, 5, { complete: false, missing: [{ epoch: "e1", from_seq: 3, to_seq: 5 }] }));
+    await settle();
+    assert.deepEqual(h.of("message").map((message) => message.text), ["b1", "b2"]);
+    assert.deepEqual(h.of("messagegap"), [{ conversationId: "room", epoch: "e1", fromSeq: 3, toSeq: 5 }]);
+    assert.deepEqual(socket.framesOf("delivered").map((frame) => frame.data), [{ conversation_id: "room", seq: 5 }]);
+    socket.deliver({ type: "message", data: stored(6, "bob", "b6") });
+    await settle();
+    assert.deepEqual(socket.framesOf("delivered").map((frame) => frame.data.seq), [5, 6]);
+    h.client.markRead("room");
+    await settle();
+    assert.deepEqual(socket.framesOf("read").map((frame) => frame.data), [{ conversation_id: "room", seq: 6 }]);
+    assert.deepEqual(h.client.messages("room").map((message) => message.status), ["read", "read", "read"]);
+    // On screen in a visible page: what arrives is read at once.
+    h.client.showConversation("room");
+    socket.deliver({ type: "message", data: stored(7, "bob", "b7") });
+    await settle();
+    assert.deepEqual(socket.framesOf("read").map((frame) => frame.data.seq), [6, 7]);
+  });
+
+  test("setOffline: a clean close, no typing either way; writes wait; setOffline(false) connects and sends them", async () => {
+    const h = setup({ outboxStore: new MemoryOutboxStore() });
+    const socket = await h.connect();
+    h.client.setOffline(true);
+    await settle();
+    assert.deepEqual(socket.closeCalls, [1000]);
+    assert.equal(h.client.connectionState.state, "idle");
+    assert.equal(h.client.isOffline, true);
+    h.client.userTyped("room");
+    h.client.send("room", "offline 1");
+    h.client.send("room", "offline 2");
+    await h.clock.advance(30);
+    assert.equal(h.sockets.length, 1, "no connection while offline");
+    h.client.setOffline(false);
+    await settle();
+    const next = h.last();
+    assert.equal(h.sockets.length, 2);
+    next.open();
+    await settle();
+    assert.deepEqual(next.framesOf("send").map((frame) => frame.data.text), ["offline 1"]);
+    assert.deepEqual(next.framesOf("typing"), [], "no typing was kept for later");
+    next.deliver(ackOf(next.framesOf("send")[0], 1));
+    await settle();
+    assert.deepEqual(next.framesOf("send").map((frame) => frame.data.text), ["offline 1", "offline 2"]);
+  });
+
+  test("the outbox in a store survives the client: a new client on the same store sends it once", async () => {
+    const store = new MemoryOutboxStore();
+    const before = setup({ outboxStore: store });
+    before.client.start();
+    await settle();
+    before.client.send("room", "kept 1");
+    before.client.send("room", "kept 2");
+    await before.client.outboxSaved();
+    await before.client.stop();
+    assert.deepEqual((await store.load()).map((message) => `${message.text}:${message.status}`), ["kept 1:sending", "kept 2:sending"]);
+    const after = setup({ outboxStore: store });
+    const socket = await after.connect();
+    await settle();
+    assert.deepEqual(after.client.messages("room").map((message) => message.text), ["kept 1", "kept 2"]);
+    const send = socket.framesOf("send")[0];
+    assert.equal(send.data.text, "kept 1");
+    socket.deliver(ackOf(send, 1));
+    await settle();
+    socket.deliver(ackOf(socket.framesOf("send")[1], 2));
+    await settle();
+    await after.client.outboxSaved();
+    assert.deepEqual(await store.load(), []);
+    assert.equal(socket.framesOf("send").length, 2, "each sent once");
+  });
 });

@@ -65,6 +65,75 @@ export interface PresenceClientEventMap {
   typing: CustomEvent<TypingChange>;
   group: CustomEvent<GroupPresence>;
   error: CustomEvent<PresenceErrorDetail>;
+  /** A message joined `messages()`: written here (`sending`), or delivered and not written here. */
+  message: CustomEvent<ChatMessage>;
+  /** A message's status changed (this device's: `sent`, `delivered`, `read`, `failed`; others': `read`). */
+  messagestatus: CustomEvent<MessageStatusChange>;
+  /** A `sync` could not give these messages (trimmed, or a history Redis lost). */
+  messagegap: CustomEvent<MessageGap>;
+}
+
+/** `sending` (in the outbox), `sent` (stored), `delivered` and `read` (by every other member), `failed` (kept for `retry`). */
+export type MessageStatus = "sending" | "sent" | "delivered" | "read" | "failed";
+
+/** A conversation's message on this device. */
+export interface ChatMessage {
+  readonly conversationId: string;
+  /** Made on this device; the same on every attempt. */
+  readonly clientMessageId: string;
+  /** Null until the gateway stored it. */
+  readonly seq: number | null;
+  readonly id: string | null;
+  readonly epoch: string | null;
+  /** Null for this device's messages until the gateway's copy names the sender. */
+  readonly senderId: string | null;
+  readonly type: string;
+  readonly text: string;
+  readonly imageUrl: string | null;
+  readonly createdAt: Date;
+  readonly status: MessageStatus;
+  /** Why it failed, when it did. */
+  readonly failure: string | null;
+}
+
+export interface MessageStatusChange {
+  readonly conversationId: string;
+  readonly clientMessageId: string;
+  readonly status: MessageStatus;
+  readonly failure: string | null;
+}
+
+export interface MemberReceipt {
+  readonly userId: string;
+  readonly deliveredSeq: number;
+  readonly readSeq: number;
+}
+
+export interface MessageGap {
+  readonly conversationId: string;
+  readonly epoch: string | null;
+  readonly fromSeq: number;
+  /** Null: the rest of a lost epoch. */
+  readonly toSeq: number | null;
+}
+
+/** Keeps the outbox across page loads; written whole after every change, one write after another. */
+export interface OutboxStore {
+  load(): Promise<ChatMessage[]>;
+  save(messages: ChatMessage[]): Promise<void>;
+}
+
+/** An outbox in memory, for as long as the object lives. */
+export declare class MemoryOutboxStore implements OutboxStore {
+  load(): Promise<ChatMessage[]>;
+  save(messages: ChatMessage[]): Promise<void>;
+}
+
+/** An outbox in IndexedDB (database `presence`, object store `outbox`, one record per key). */
+export declare class IndexedDBOutboxStore implements OutboxStore {
+  constructor(key: string, options?: { databaseName?: string; indexedDB?: IDBFactory });
+  load(): Promise<ChatMessage[]>;
+  save(messages: ChatMessage[]): Promise<void>;
 }
 
 /** Where the client reads the time (milliseconds since 1970) and sets its timers. */
@@ -136,6 +205,8 @@ export interface PresenceClientOptions {
   document?: (EventTarget & { visibilityState?: string }) | null;
   /** Default: none. */
   logger?: PresenceLogger | null;
+  /** Where unsent messages are kept. Default: IndexedDB keyed by the device id, or memory where it is missing. */
+  outboxStore?: OutboxStore;
 }
 
 /** The `localStorage` key of the device id the client makes when none is given: `presence.device_id`. */
@@ -208,6 +279,24 @@ export declare class PresenceClient extends EventTarget {
   userTyped(conversationId: string): void;
   /** The message was sent (or the draft cleared): typing stops now. */
   messageSent(conversationId: string): void;
+
+  /** Writes a message: returned at once as `sending` (not a Promise); it goes out when a session is open. */
+  send(conversationId: string, text: string, options?: { type?: "text" | "image"; imageUrl?: string }): ChatMessage;
+  /** The conversation's messages: stored ones in seq order, then this device's unsent ones. */
+  messages(conversationId: string): ChatMessage[];
+  /** Every member's cursors, as last heard. */
+  receipts(conversationId: string): MemberReceipt[];
+  /** Sends a failed message again; false if there is no such failed message. */
+  retry(clientMessageId: string): boolean;
+  /** Everything received in the conversation counts as read. */
+  markRead(conversationId: string): void;
+  /** The conversation on screen (null: none): while the page is visible, what arrives in it is read. */
+  showConversation(conversationId: string | null): void;
+  /** The page's own offline switch (airplane mode for this client). */
+  setOffline(offline: boolean): void;
+  readonly isOffline: boolean;
+  /** Resolves once every outbox change so far is saved. */
+  outboxSaved(): Promise<void>;
 
   addEventListener<K extends keyof PresenceClientEventMap>(
     type: K,

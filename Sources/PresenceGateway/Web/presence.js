@@ -84,6 +84,30 @@
  * @property {EventTarget & { visibilityState?: string } | null} [document] Where
  *   `visibilitychange` comes from. Default: `globalThis.document`; `null`: none.
  * @property {PresenceLogger | null} [logger] Gets connection detail. Default: none.
+ * @property {OutboxStore} [outboxStore] Where messages not stored by the gateway yet are kept.
+ *   Default: IndexedDB (one record per device id), or memory where IndexedDB is missing.
+ */
+
+/** @typedef {"sending" | "sent" | "delivered" | "read" | "failed"} MessageStatus */
+
+/**
+ * A conversation's message on this device: one it wrote (in the outbox until the gateway stores
+ * it) or one the gateway delivered. `seq`, `id` and `epoch` are null until stored; `senderId` is
+ * null for this device's messages until the gateway's copy names it.
+ * @typedef {Readonly<{ conversationId: string, clientMessageId: string, seq: number | null, id: string | null,
+ *   epoch: string | null, senderId: string | null, type: string, text: string, imageUrl: string | null,
+ *   createdAt: Date, status: MessageStatus, failure: string | null }>} ChatMessage
+ */
+
+/** @typedef {Readonly<{ conversationId: string, clientMessageId: string, status: MessageStatus, failure: string | null }>} MessageStatusChange */
+/** @typedef {Readonly<{ userId: string, deliveredSeq: number, readSeq: number }>} MemberReceipt */
+/** @typedef {Readonly<{ conversationId: string, epoch: string | null, fromSeq: number, toSeq: number | null }>} MessageGap */
+
+/**
+ * Keeps the outbox (messages written here and not stored by the gateway yet, `sending` or
+ * `failed`) across page loads. The client reads it once when it starts and writes the whole
+ * outbox after every change, one write after another.
+ * @typedef {{ load(): Promise<ChatMessage[]>, save(messages: ChatMessage[]): Promise<void> }} OutboxStore
  */
 
 /** The `localStorage` key of the device id the client makes when none is given. */
@@ -93,12 +117,22 @@ export const DEVICE_ID_STORAGE_KEY = "presence.device_id";
 const SESSION_PATH = "/api/presence/subscribe";
 const STATUSES = ["online", "away", "offline"];
 const ERROR_CODES = [
-  "unauthorized", "forbidden", "not_found", "method_not_allowed", "invalid_request", "rate_limited", "unavailable", "internal",
+  "unauthorized", "forbidden", "not_found", "payload_too_large", "method_not_allowed", "invalid_request", "rate_limited", "unavailable", "internal",
 ];
 const ID_PATTERN = /^[A-Za-z0-9._:@-]{1,128}$/;
 const ID_RULE = "1-128 characters of A-Z a-z 0-9 . _ : @ -";
 /** Ids per `subscribe` frame, as the Swift client sends them. */
 const SUBSCRIBE_CHUNK = 500;
+/** Positions per `sync` frame (the gateway's limit). */
+const SYNC_CHUNK = 100;
+/** Attempts per message on live sessions, and the waits (s) before the second and third. */
+const MESSAGE_ATTEMPTS = 3;
+const ATTEMPT_DELAYS = [1, 2];
+/** Seconds an attempt waits for its `message_ack`. */
+const ACK_TIMEOUT = 10;
+const STATUS_RANK = { failed: 0, sending: 1, sent: 2, delivered: 3, read: 4 };
+/** Refusals a message cannot get past by being sent again. */
+const FINAL_REFUSALS = ["forbidden", "not_found", "invalid_request", "payload_too_large"];
 
 /** The close codes of the API, and the two this service adds (4009 and 1013). */
 export const CloseCode = Object.freeze({
@@ -426,7 +460,9 @@ export class TypingDebouncer {
  * A change to announce: the name of the event and its `detail`.
  * @typedef {{ type: "connection", detail: ConnectionState } | { type: "presence", detail: PresenceSnapshot }
  *   | { type: "removed", detail: RemovedUser } | { type: "typing", detail: TypingChange }
- *   | { type: "group", detail: GroupPresence } | { type: "error", detail: PresenceErrorDetail }} ClientEvent
+ *   | { type: "group", detail: GroupPresence } | { type: "error", detail: PresenceErrorDetail }
+ *   | { type: "message", detail: ChatMessage } | { type: "messagestatus", detail: MessageStatusChange }
+ *   | { type: "messagegap", detail: MessageGap }} ClientEvent
  */
 
 /**
@@ -640,6 +676,8 @@ class ClientLifecycle {
   /** @type {Phase} */
   phase = "active";
   networkAvailable = true;
+  /** The page's own offline switch (airplane mode for this client): offline, no session. */
+  offlineMode = false;
   /** @type {PresenceStatus} */
   chosenStatus = "online";
   /** @type {StopReason | null} */
@@ -659,6 +697,7 @@ class ClientLifecycle {
 
   /** @returns {PresenceStatus} */
   get desiredStatus() {
+    if (this.offlineMode) return "offline";
     switch (this.phase) {
       case "active": return this.chosenStatus;
       case "background": return this.chosenStatus === "online" ? "away" : this.chosenStatus;
@@ -667,7 +706,7 @@ class ClientLifecycle {
   }
 
   get shouldConnect() {
-    return this.stopReason === null && this.networkAvailable && (this.phase === "active" || this.phase === "background");
+    return this.stopReason === null && this.networkAvailable && !this.offlineMode && (this.phase === "active" || this.phase === "background");
   }
 
   /** Whether the device may send typing and be shown others' typing. */
@@ -709,6 +748,12 @@ class ClientLifecycle {
 
   /** @param {PresenceStatus} status */
   choose(status) { this.chosenStatus = status; }
+
+  /** @param {boolean} offline the page's offline switch was turned on or off */
+  setOffline(offline) {
+    this.offlineMode = offline;
+    if (!offline) this.#quickRetryUsed = false;
+  }
 
   /** The status to open the next session with: the latest wanted. */
   get openingStatus() { return this.desiredStatus; }
@@ -783,7 +828,13 @@ class ClientLifecycle {
  *   | { type: "typing_update", id: string | null, userId: string, conversationId: string, isTyping: boolean }
  *   | { type: "group_presence", id: string | null, group: GroupPresence }
  *   | { type: "ack" | "pong", id: string | null }
- *   | { type: "error", id: string | null, code: string, message: string }
+ *   | { type: "error", id: string | null, code: string, message: string, conversationId: string | null }
+ *   | { type: "message", id: string | null, message: ChatMessage }
+ *   | { type: "message_ack", id: string | null, conversationId: string, clientMessageId: string, seq: number, messageId: string,
+ *       epoch: string, createdAt: Date }
+ *   | { type: "synced", id: string | null, conversationId: string, epoch: string, lastSeq: number, more: boolean,
+ *       missing: Array<{ epoch: string | null, fromSeq: number, toSeq: number | null }>, receipts: MemberReceipt[] | null }
+ *   | { type: "receipt", id: string | null, conversationId: string, receipt: MemberReceipt }
  *   | { type: "unknown", id: string | null, name: string }} ServerMessage
  */
 
@@ -828,6 +879,43 @@ function readPresence(data) {
   return Object.freeze({ userId: readId(record.user_id), status: /** @type {PresenceStatus} */ (status), lastSeen });
 }
 
+/** @param {unknown} value */
+function readSeq(value) {
+  if (typeof value === "number" && Number.isSafeInteger(value) && value >= 0) return value;
+  throw new Unreadable("a seq is not a whole number");
+}
+
+/** @param {unknown} value */
+function readString(value, what) {
+  if (typeof value === "string") return value;
+  throw new Unreadable(`${what} is not a string`);
+}
+
+/**
+ * A `message` frame's data (epoch from its id, `epoch-seq`).
+ * @param {Record<string, unknown>} record
+ * @param {MessageStatus} status
+ * @returns {ChatMessage}
+ */
+function readMessage(record, status) {
+  const id = readString(record.id, "a message id");
+  const created = parseTimestamp(record.created_at);
+  if (created === null) throw new Unreadable("created_at is not an ISO 8601 UTC timestamp");
+  return Object.freeze({
+    conversationId: readId(record.conversation_id), clientMessageId: readString(record.client_message_id, "client_message_id"),
+    seq: readSeq(record.seq), id, epoch: id.split("-")[0], senderId: readId(record.sender_id),
+    type: readString(record.type, "type"), text: readString(record.text, "text"),
+    imageUrl: typeof record.image_url === "string" ? record.image_url : null, createdAt: new Date(created), status, failure: null,
+  });
+}
+
+/** @param {unknown} value */
+function readReceipt(value) {
+  if (!isObject(value)) throw new Unreadable("a receipt is not an object");
+  const record = /** @type {Record<string, unknown>} */ (value);
+  return Object.freeze({ userId: readId(record.user_id), deliveredSeq: readSeq(record.delivered_seq), readSeq: readSeq(record.read_seq) });
+}
+
 /**
  * Reads a server frame as the Swift SDK's decoder does: a frame whose fields do not read is
  * `null` (dropped), a `type` this version does not know is `unknown` (newer gateways may send more).
@@ -849,7 +937,8 @@ function readServerMessage(text) {
     if (typeof type !== "string") throw new Unreadable("the frame has no type");
     const data = message.data;
     const record = /** @type {Record<string, unknown>} */ (isObject(data) ? data : {});
-    if (["initial_state", "presence_update", "typing_update", "group_presence", "error"].includes(type) && !isObject(data)) {
+    if (["initial_state", "presence_update", "typing_update", "group_presence", "error", "message", "message_ack", "synced", "receipt"].includes(type)
+      && !isObject(data)) {
       throw new Unreadable("data is not an object");
     }
     switch (type) {
@@ -875,8 +964,36 @@ function readServerMessage(text) {
         if (typeof record.code !== "string" || typeof record.message !== "string") throw new Unreadable("an error needs a code and a message");
         // A code from a newer gateway reads as `internal`, so the page still sees the error.
         const code = ERROR_CODES.includes(record.code) ? record.code : "internal";
-        return { type, id, code, message: record.message };
+        const conversationId = record.conversation_id === undefined || record.conversation_id === null ? null : readId(record.conversation_id);
+        return { type, id, code, message: record.message, conversationId };
       }
+      case "message":
+        return { type, id, message: readMessage(record, "delivered") };
+      case "message_ack": {
+        const messageId = readString(record.id, "a message id");
+        const created = parseTimestamp(record.created_at);
+        if (created === null) throw new Unreadable("created_at is not an ISO 8601 UTC timestamp");
+        return {
+          type, id, conversationId: readId(record.conversation_id), clientMessageId: readString(record.client_message_id, "client_message_id"),
+          seq: readSeq(record.seq), messageId, epoch: messageId.split("-")[0], createdAt: new Date(created),
+        };
+      }
+      case "synced": {
+        if (typeof record.more !== "boolean" || !Array.isArray(record.missing)) throw new Unreadable("synced needs more and missing");
+        const missing = record.missing.map((range) => {
+          if (!isObject(range)) throw new Unreadable("a missing range is not an object");
+          const entry = /** @type {Record<string, unknown>} */ (range);
+          return { epoch: typeof entry.epoch === "string" ? entry.epoch : null, fromSeq: readSeq(entry.from_seq),
+            toSeq: entry.to_seq === null || entry.to_seq === undefined ? null : readSeq(entry.to_seq) };
+        });
+        const receipts = Array.isArray(record.receipts) ? record.receipts.map(readReceipt) : null;
+        return {
+          type, id, conversationId: readId(record.conversation_id), epoch: readString(record.epoch, "epoch"),
+          lastSeq: readSeq(record.last_seq), more: record.more, missing, receipts,
+        };
+      }
+      case "receipt":
+        return { type, id, conversationId: readId(record.conversation_id), receipt: readReceipt(data) };
       default:
         return { type: "unknown", id, name: type.slice(0, 64) };
     }
@@ -913,6 +1030,111 @@ function checkIds(ids, what) {
  * @returns {string}
  */
 const checkId = (id, what) => checkIds([id], what)[0];
+
+// MARK: - The outbox's stores
+
+/**
+ * A message as plain data, for a store (`createdAt` in milliseconds).
+ * @param {ChatMessage} message
+ */
+const storable = (message) => ({ ...message, createdAt: message.createdAt.getTime() });
+
+/**
+ * A stored message read back; an entry that does not read is left out.
+ * @param {unknown} value
+ * @returns {ChatMessage[]}
+ */
+function readStored(value) {
+  if (!isObject(value)) return [];
+  const record = /** @type {Record<string, any>} */ (value);
+  if (typeof record.conversationId !== "string" || typeof record.clientMessageId !== "string" || typeof record.text !== "string"
+    || typeof record.createdAt !== "number") return [];
+  return [Object.freeze({
+    conversationId: record.conversationId, clientMessageId: record.clientMessageId, seq: null, id: null, epoch: null, senderId: null,
+    type: typeof record.type === "string" ? record.type : "text", text: record.text,
+    imageUrl: typeof record.imageUrl === "string" ? record.imageUrl : null, createdAt: new Date(record.createdAt),
+    status: record.status === "failed" ? "failed" : "sending", failure: typeof record.failure === "string" ? record.failure : null,
+  })];
+}
+
+/** An outbox kept in memory, for as long as the store object lives (tests, or a page that keeps its own). */
+export class MemoryOutboxStore {
+  /** @type {ChatMessage[]} */
+  #saved = [];
+
+  async load() { return [...this.#saved]; }
+
+  /** @param {ChatMessage[]} messages */
+  async save(messages) { this.#saved = [...messages]; }
+}
+
+/**
+ * An outbox in IndexedDB: one record per key (the device id) in the `outbox` object store of a
+ * database (`presence` by default), so that a reload or a closed tab keeps what was not sent.
+ */
+export class IndexedDBOutboxStore {
+  #key;
+  #name;
+  #indexedDB;
+
+  /**
+   * @param {string} key
+   * @param {{ databaseName?: string, indexedDB?: IDBFactory }} [options]
+   */
+  constructor(key, options = {}) {
+    this.#key = key;
+    this.#name = options.databaseName ?? "presence";
+    this.#indexedDB = options.indexedDB ?? globalThis.indexedDB;
+    if (!this.#indexedDB) throw invalid("IndexedDB is not available here: use MemoryOutboxStore");
+  }
+
+  /** @returns {Promise<IDBDatabase>} */
+  #open() {
+    return new Promise((resolve, reject) => {
+      const request = this.#indexedDB.open(this.#name, 1);
+      request.onupgradeneeded = () => request.result.createObjectStore("outbox");
+      request.onsuccess = () => resolve(request.result);
+      request.onerror = () => reject(request.error);
+    });
+  }
+
+  /** @returns {Promise<ChatMessage[]>} */
+  async load() {
+    const database = await this.#open();
+    try {
+      const value = await new Promise((resolve, reject) => {
+        const request = database.transaction("outbox").objectStore("outbox").get(this.#key);
+        request.onsuccess = () => resolve(request.result);
+        request.onerror = () => reject(request.error);
+      });
+      return Array.isArray(value) ? value.flatMap(readStored) : [];
+    } finally {
+      database.close();
+    }
+  }
+
+  /** @param {ChatMessage[]} messages */
+  async save(messages) {
+    const database = await this.#open();
+    try {
+      await new Promise((resolve, reject) => {
+        const transaction = database.transaction("outbox", "readwrite");
+        transaction.objectStore("outbox").put(messages.map(storable), this.#key);
+        transaction.oncomplete = () => resolve(undefined);
+        transaction.onerror = () => reject(transaction.error);
+        transaction.onabort = () => reject(transaction.error);
+      });
+    } finally {
+      database.close();
+    }
+  }
+}
+
+/**
+ * A new client message id: a UUID, or 32 random hex digits where `crypto.randomUUID` is missing.
+ * @param {() => number} random
+ */
+const makeMessageId = (random) => makeDeviceId(random);
 
 // MARK: - Options
 
@@ -1058,8 +1280,39 @@ function sameState(a, b) {
 /**
  * What a request sent under a frame id was, until the gateway answers it.
  * @typedef {{ kind: "status" } | { kind: "users", users: string[] } | { kind: "conversation", conversationId: string }
- *   | { kind: "typing" } | { kind: "other" }} Request
+ *   | { kind: "typing" } | { kind: "message", clientMessageId: string } | { kind: "sync" } | { kind: "other" }} Request
  */
+
+/**
+ * One conversation as this device knows it.
+ * @typedef {object} ConversationLog
+ * @property {string | null} epoch The history's epoch; null before any message.
+ * @property {number} lastSeq The last seq received in order.
+ * @property {ChatMessage[]} messages Stored messages, in history order.
+ * @property {Set<string>} seen Their ids.
+ * @property {Map<string, MemberReceipt>} receipts Members' cursors.
+ * @property {boolean} receiptsComplete A `synced` named every member.
+ * @property {number} deliveredSent The highest seq said `delivered` on this session.
+ * @property {number} readUpTo The highest seq the page read.
+ * @property {number} readSent The highest seq said `read` on this session.
+ */
+
+/**
+ * A message of the outbox and its attempts.
+ * @typedef {{ message: ChatMessage, attempts: number, frameId: string | null, deadline: number | null, due: number | null }} Outgoing
+ */
+
+/** @returns {ConversationLog} */
+const newLog = () => ({
+  epoch: null, lastSeq: 0, messages: [], seen: new Set(), receipts: new Map(), receiptsComplete: false, deliveredSent: 0, readUpTo: 0, readSent: 0,
+});
+
+/**
+ * @param {ChatMessage} message
+ * @param {Partial<ChatMessage>} changes
+ * @returns {ChatMessage}
+ */
+const changed = (message, changes) => Object.freeze({ ...message, ...changes });
 
 /**
  * One WebSocket attempt, from its creation to its close.
@@ -1135,6 +1388,19 @@ export class PresenceClient extends EventTarget {
   #events = [];
   #depth = 0;
   #dispatching = false;
+  /** @type {OutboxStore} */
+  #outboxStore;
+  /**
+   * Messages: each conversation as this device knows it, the outbox (oldest first), this
+   * device's user (learned from the gateway's copy of a message it wrote), the client message
+   * ids written here, the conversations whose `sync` is under way, and the conversation on screen.
+   * @type {{ logs: Map<string, ConversationLog>, outbox: Outgoing[], ownUserId: string | null, written: Set<string>,
+   *   syncing: Set<string>, loaded: boolean, loading: boolean, saving: Promise<void>, onScreen: string | null }}
+   */
+  #chat = {
+    logs: new Map(), outbox: [], ownUserId: null, written: new Set(), syncing: new Set(), loaded: false, loading: false,
+    saving: Promise.resolve(), onScreen: null,
+  };
 
   /** @param {PresenceClientOptions} options */
   constructor(options) {
@@ -1164,6 +1430,14 @@ export class PresenceClient extends EventTarget {
     this.#WebSocket = options.WebSocket ?? globalThis.WebSocket;
     if (typeof this.#WebSocket !== "function") throw invalid("no WebSocket: pass the WebSocket option");
     this.#logger = options.logger ?? null;
+    if (options.outboxStore !== undefined) {
+      if (!isObject(options.outboxStore) || typeof options.outboxStore.load !== "function" || typeof options.outboxStore.save !== "function") {
+        throw invalid("outboxStore must have load() and save(messages)");
+      }
+      this.#outboxStore = options.outboxStore;
+    } else {
+      this.#outboxStore = globalThis.indexedDB ? new IndexedDBOutboxStore(this.#deviceId) : new MemoryOutboxStore();
+    }
   }
 
   // MARK: Reading
@@ -1225,6 +1499,7 @@ export class PresenceClient extends EventTarget {
     this.#act(() => {
       if (this.#started) return;
       this.#started = true;
+      this.#loadOutbox();
       this.#attachPage();
       this.#lifecycle.resume(false);
       this.#lifecycle.networkChanged(/** @type {any} */ (this.#window)?.navigator?.onLine !== false);
@@ -1368,6 +1643,131 @@ export class PresenceClient extends EventTarget {
     });
   }
 
+  // MARK: Messages
+
+  /**
+   * Writes a message: it is returned at once as `sending` (not a Promise), kept in the outbox
+   * (saved in the background) and goes out when a session is open, in the order written.
+   * @param {string} conversationId
+   * @param {string} text
+   * @param {{ type?: "text" | "image", imageUrl?: string }} [options]
+   * @returns {ChatMessage}
+   */
+  send(conversationId, text, options = {}) {
+    return this.#act(() => {
+      checkId(conversationId, "conversation id");
+      if (typeof text !== "string" || text === "") throw invalid("a message's text must be a string that is not empty");
+      const type = options.type ?? "text";
+      if (type !== "text" && type !== "image") throw invalid("a message's type is text or image");
+      /** @type {ChatMessage} */
+      const message = Object.freeze({
+        conversationId, clientMessageId: makeMessageId(this.#random), seq: null, id: null, epoch: null, senderId: null, type, text,
+        imageUrl: options.imageUrl ?? null, createdAt: new Date(this.#clock.now()), status: /** @type {MessageStatus} */ ("sending"), failure: null,
+      });
+      this.#chat.outbox.push({ message, attempts: 0, frameId: null, deadline: null, due: null });
+      this.#chat.written.add(message.clientMessageId);
+      if (!this.#chat.logs.has(conversationId)) this.#chat.logs.set(conversationId, newLog());
+      const stop = this.#debouncer.stop(conversationId);
+      if (stop) this.#sendTyping(stop);
+      this.#saveOutbox();
+      this.#emit([{ type: "message", detail: message }]);
+      this.#sendOutbox();
+      return message;
+    });
+  }
+
+  /**
+   * A conversation's messages, at once: those the gateway stored, in order, then this device's
+   * not stored yet (sending or failed).
+   * @param {string} conversationId
+   * @returns {ChatMessage[]}
+   */
+  messages(conversationId) {
+    return [
+      ...(this.#chat.logs.get(conversationId)?.messages ?? []),
+      ...this.#chat.outbox.map((entry) => entry.message).filter((message) => message.conversationId === conversationId),
+    ];
+  }
+
+  /**
+   * Every member's cursors in a conversation, as last heard, sorted by user id.
+   * @param {string} conversationId
+   * @returns {MemberReceipt[]}
+   */
+  receipts(conversationId) {
+    return [...(this.#chat.logs.get(conversationId)?.receipts.values() ?? [])].sort((a, b) => (a.userId < b.userId ? -1 : 1));
+  }
+
+  /**
+   * Sends a `failed` message again (three new attempts); returns whether it was in the outbox.
+   * @param {string} clientMessageId
+   */
+  retry(clientMessageId) {
+    return this.#act(() => {
+      const index = this.#chat.outbox.findIndex((entry) => entry.message.clientMessageId === clientMessageId && entry.message.status === "failed");
+      if (index < 0) return false;
+      const message = changed(this.#chat.outbox[index].message, { status: "sending", failure: null });
+      this.#chat.outbox[index] = { message, attempts: 0, frameId: null, deadline: null, due: null };
+      this.#messageStatusChanged(message);
+      this.#saveOutbox();
+      this.#sendOutbox();
+      return true;
+    });
+  }
+
+  /**
+   * The conversation is on screen: everything received in it counts as read (said to the
+   * gateway now, or when a session opens).
+   * @param {string} conversationId
+   */
+  markRead(conversationId) {
+    this.#act(() => this.#markRead(conversationId));
+  }
+
+  /**
+   * The conversation the page shows (`null`: none). While the page is visible, messages
+   * arriving in it are read at once; when the page becomes visible again, it is marked read.
+   * @param {string | null} conversationId
+   */
+  showConversation(conversationId) {
+    this.#act(() => {
+      if (conversationId !== null) checkId(conversationId, "conversation id");
+      this.#chat.onScreen = conversationId;
+      if (conversationId !== null && !this.#isHidden()) this.#markRead(conversationId);
+    });
+  }
+
+  /**
+   * The page's own offline switch, like airplane mode: `true` closes the session cleanly
+   * (others see this device offline), sends nothing (messages wait in the outbox) and hides
+   * others' typing; `false` connects again and sends the outbox.
+   * @param {boolean} offline
+   */
+  setOffline(offline) {
+    this.#act(() => {
+      if (typeof offline !== "boolean") throw invalid("setOffline takes true or false");
+      this.#lifecycle.setOffline(offline);
+      if (offline) {
+        for (const send of this.#debouncer.stopAll()) this.#sendTyping(send);
+        this.#emit(this.#cache.clearTyping());
+        const session = this.#session;
+        if (session) this.#closeSession(session, CloseCode.normal);
+      } else {
+        this.#backoffReset();
+      }
+      this.#advance();
+    });
+  }
+
+  /** Whether the page's offline switch is on. */
+  get isOffline() { return this.#lifecycle.offlineMode; }
+
+  /**
+   * Resolves once every outbox change so far is saved.
+   * @returns {Promise<void>}
+   */
+  outboxSaved() { return this.#chat.saving; }
+
   // MARK: Running things
 
   /**
@@ -1483,6 +1883,7 @@ export class PresenceClient extends EventTarget {
     this.#lifecycle.didBecomeActive();
     this.#backoffReset();
     this.#statusChanged();
+    if (this.#chat.onScreen !== null) this.#markRead(this.#chat.onScreen);
   }
 
   /** Hidden past the offline policy's time: offline at once (1000); visible reconnects. */
@@ -1739,6 +2140,7 @@ export class PresenceClient extends EventTarget {
     if (code !== null || !session.awaitingInitialState) this.#lastCloseCode = code;
     this.#debouncer.forget();
     this.#emit(this.#cache.clearTyping());
+    this.#outboxSessionEnded();
     for (const resolve of session.endWaiters) resolve();
     this.#log("info", "session ended", { code, refused });
     const wanted = this.#started && this.#lifecycle.shouldConnect;
@@ -1789,6 +2191,7 @@ export class PresenceClient extends EventTarget {
       this.#lifecycle.statusRetryAt,
       session?.awaitingInitialState ? session.openDeadline : null,
       ...(session?.retries.map((retry) => retry.due) ?? []),
+      this.#outboxDeadline(this.#clock.now()),
     ].filter((deadline) => deadline !== null);
     const next = deadlines.length > 0 ? Math.min(.../** @type {number[]} */ (deadlines)) : null;
     if (next === this.#timerDeadline) return;
@@ -1822,6 +2225,7 @@ export class PresenceClient extends EventTarget {
       }
     }
     this.#sendOwedStatus();
+    this.#outboxTimers(now);
   }
 
   // MARK: Sending
@@ -1885,6 +2289,420 @@ export class PresenceClient extends EventTarget {
     if (id !== null && catchingUp) this.#session?.catchUp.add(id);
   }
 
+  // MARK: The outbox
+
+  /** Reads the store's outbox once; messages written before it came go after the saved ones. */
+  #loadOutbox() {
+    if (this.#chat.loaded || this.#chat.loading) return;
+    this.#chat.loading = true;
+    Promise.resolve()
+      .then(() => this.#outboxStore.load())
+      .then(
+        (saved) => this.#act(() => this.#outboxLoaded(Array.isArray(saved) ? saved : [])),
+        (error) => this.#act(() => {
+          this.#log("warn", "the outbox store could not be read; starting with an empty outbox", error);
+          this.#outboxLoaded([]);
+        }),
+      );
+  }
+
+  /** @param {ChatMessage[]} saved */
+  #outboxLoaded(saved) {
+    const known = new Set(this.#chat.outbox.map((entry) => entry.message.clientMessageId));
+    const writtenBefore = this.#chat.outbox.length > 0;
+    const restored = saved.filter((message) => !known.has(message.clientMessageId))
+      .map((message) => ({ message, attempts: 0, frameId: null, deadline: null, due: null }));
+    this.#chat.outbox = [...restored, ...this.#chat.outbox];
+    for (const message of saved) {
+      this.#chat.written.add(message.clientMessageId);
+      if (!this.#chat.logs.has(message.conversationId)) this.#chat.logs.set(message.conversationId, newLog());
+    }
+    this.#chat.loading = false;
+    this.#chat.loaded = true;
+    if (restored.length > 0) {
+      this.#log("info", "outbox restored", restored.length);
+      this.#emit(restored.map((entry) => ({ type: "message", detail: entry.message })));
+    }
+    // Messages written before the read were not saved (that would have replaced the store's
+    // outbox): saved with it now.
+    if (writtenBefore) this.#saveOutbox();
+    const session = this.#session;
+    if (session && !session.awaitingInitialState) this.#messagesSessionOpened();
+  }
+
+  /** Saves the outbox, after the saves before it; not before the store's outbox was read. */
+  #saveOutbox() {
+    if (!this.#chat.loaded) return;
+    const snapshot = this.#chat.outbox.map((entry) => entry.message);
+    const store = this.#outboxStore;
+    this.#chat.saving = this.#chat.saving
+      .then(() => store.save(snapshot))
+      .catch((error) => this.#log("warn", "the outbox could not be saved", error));
+  }
+
+  /**
+   * Sends what is due: per conversation, its oldest `sending` message, unless another of the
+   * conversation is under way. Nothing without an open session, or before the outbox is read.
+   */
+  #sendOutbox() {
+    const session = this.#session;
+    if (!session || session.awaitingInitialState || !this.#chat.loaded) return;
+    const now = this.#clock.now();
+    const busy = new Set(this.#chat.outbox.filter((entry) => entry.frameId !== null).map((entry) => entry.message.conversationId));
+    for (const entry of this.#chat.outbox) {
+      const { message } = entry;
+      if (message.status !== "sending" || entry.frameId !== null || busy.has(message.conversationId)) continue;
+      busy.add(message.conversationId);
+      if (entry.due !== null && entry.due > now) continue;
+      /** @type {Record<string, unknown>} */
+      const data = {
+        client_created_at: formatTimestamp(message.createdAt), client_message_id: message.clientMessageId,
+        conversation_id: message.conversationId,
+      };
+      if (message.imageUrl !== null) data.image_url = message.imageUrl;
+      data.text = message.text;
+      data.type = message.type;
+      entry.frameId = this.#send("send", data, { kind: "message", clientMessageId: message.clientMessageId });
+      entry.deadline = now + ACK_TIMEOUT * 1000;
+    }
+  }
+
+  /**
+   * The earliest moment after `now` an outbox message needs attention: an attempt's answer is
+   * overdue, or a wait before the next attempt ends.
+   * @param {number} now
+   */
+  #outboxDeadline(now) {
+    const deadlines = this.#chat.outbox.flatMap((entry) => {
+      if (entry.frameId !== null) return entry.deadline === null ? [] : [entry.deadline];
+      return entry.message.status === "sending" && entry.due !== null && entry.due > now ? [entry.due] : [];
+    });
+    return deadlines.length > 0 ? Math.min(...deadlines) : null;
+  }
+
+  /**
+   * Attempts that went unanswered count as failed ones; then what is due goes.
+   * @param {number} now
+   */
+  #outboxTimers(now) {
+    for (const entry of this.#chat.outbox) {
+      if (entry.frameId === null || entry.deadline === null || entry.deadline > now) continue;
+      this.#session?.pending.delete(entry.frameId);
+      this.#attemptFailed(entry, `no answer within ${ACK_TIMEOUT} s`);
+    }
+    this.#sendOutbox();
+  }
+
+  /** The session ended: attempts under way used nothing up, and go again on the next one. */
+  #outboxSessionEnded() {
+    for (const entry of this.#chat.outbox) {
+      entry.frameId = null;
+      entry.deadline = null;
+      entry.due = null;
+    }
+    this.#chat.syncing.clear();
+    // What was said on the ended session may not have arrived: said again on the next.
+    for (const log of this.#chat.logs.values()) {
+      log.deliveredSent = 0;
+      log.readSent = 0;
+    }
+  }
+
+  /**
+   * The gateway refused an attempt.
+   * @param {string} clientMessageId
+   * @param {string} code
+   * @param {string} reason
+   */
+  #messageRefused(clientMessageId, code, reason) {
+    const entry = this.#chat.outbox.find((candidate) => candidate.message.clientMessageId === clientMessageId);
+    if (!entry) return;
+    entry.frameId = null;
+    entry.deadline = null;
+    if (code === "rate_limited") {
+      // Costs no attempt: it waits and goes again.
+      entry.due = this.#clock.now() + this.#retryDelay * 1000;
+    } else if (FINAL_REFUSALS.includes(code)) {
+      this.#fail(entry, `${code}: ${reason}`);
+    } else {
+      this.#attemptFailed(entry, `${code}: ${reason}`);
+    }
+    this.#sendOutbox();
+  }
+
+  /**
+   * @param {Outgoing} entry
+   * @param {string} reason
+   */
+  #attemptFailed(entry, reason) {
+    entry.frameId = null;
+    entry.deadline = null;
+    entry.attempts += 1;
+    if (entry.attempts >= MESSAGE_ATTEMPTS) {
+      this.#fail(entry, reason);
+      return;
+    }
+    entry.due = this.#clock.now() + ATTEMPT_DELAYS[Math.min(entry.attempts, ATTEMPT_DELAYS.length) - 1] * 1000;
+    this.#log("info", "a message attempt failed; trying again", entry.message.clientMessageId, reason);
+  }
+
+  /**
+   * @param {Outgoing} entry
+   * @param {string} reason
+   */
+  #fail(entry, reason) {
+    entry.message = changed(entry.message, { status: "failed", failure: reason });
+    entry.due = null;
+    this.#log("warn", "a message failed; it stays in the outbox for retry()", entry.message.clientMessageId, reason);
+    this.#messageStatusChanged(entry.message);
+    this.#saveOutbox();
+  }
+
+  /** @param {ChatMessage} message */
+  #messageStatusChanged(message) {
+    this.#emit([{
+      type: "messagestatus",
+      detail: Object.freeze({ conversationId: message.conversationId, clientMessageId: message.clientMessageId, status: message.status, failure: message.failure }),
+    }]);
+  }
+
+  // MARK: Sync and receipts
+
+  /**
+   * The session opened: every conversation this device knows is synced (from its last seq and
+   * epoch, or from the start of what the gateway keeps), then the outbox goes out.
+   */
+  #messagesSessionOpened() {
+    const conversations = [...new Set([...this.#chat.logs.keys(), ...this.#joined])].sort();
+    this.#sync(conversations.map((conversationId) => {
+      const log = this.#chat.logs.get(conversationId);
+      return { conversationId, afterSeq: log?.lastSeq ?? 0, epoch: log?.epoch ?? null };
+    }));
+    for (const conversationId of [...this.#chat.logs.keys()].sort()) this.#sendCursors(conversationId);
+    this.#sendOutbox();
+  }
+
+  /** @param {Array<{ conversationId: string, afterSeq: number, epoch: string | null }>} positions */
+  #sync(positions) {
+    // Nothing to sync: the empty `sync` ends the session's opening hold of live messages.
+    if (positions.length === 0) this.#send("sync", { positions: [] }, { kind: "other" });
+    for (let start = 0; start < positions.length; start += SYNC_CHUNK) {
+      const chunk = positions.slice(start, start + SYNC_CHUNK);
+      for (const position of chunk) this.#chat.syncing.add(position.conversationId);
+      this.#send("sync", {
+        positions: chunk.map((position) => (position.epoch === null
+          ? { after_seq: position.afterSeq, conversation_id: position.conversationId }
+          : { after_seq: position.afterSeq, conversation_id: position.conversationId, epoch: position.epoch })),
+      }, { kind: "sync" });
+    }
+  }
+
+  /**
+   * @param {string} conversationId
+   * @param {string} clientMessageId
+   * @param {number} seq
+   * @param {string} messageId
+   * @param {string} epoch
+   */
+  #acknowledged(conversationId, clientMessageId, seq, messageId, epoch) {
+    const index = this.#chat.outbox.findIndex((entry) => entry.message.clientMessageId === clientMessageId);
+    if (index < 0) return;
+    const [entry] = this.#chat.outbox.splice(index, 1);
+    const message = changed(entry.message, { seq, id: messageId, epoch, status: "sent", failure: null });
+    this.#saveOutbox();
+    this.#place(message);
+    this.#messageStatusChanged(message);
+    this.#refreshStatuses(conversationId);
+    this.#sendOutbox();
+  }
+
+  /** @param {ChatMessage} received */
+  #receivedMessage(received) {
+    const conversationId = received.conversationId;
+    if (this.#chat.written.has(received.clientMessageId)) this.#chat.ownUserId = received.senderId;
+    const own = received.senderId === this.#chat.ownUserId;
+    let message = changed(received, { status: own ? "sent" : this.#isReadHere(conversationId) ? "read" : "delivered" });
+    const isNew = !this.#chat.logs.has(conversationId);
+    // The gateway's copy of a message this device wrote may come before its ack.
+    const index = own ? this.#chat.outbox.findIndex((entry) => entry.message.clientMessageId === received.clientMessageId) : -1;
+    if (index >= 0) {
+      const [entry] = this.#chat.outbox.splice(index, 1);
+      message = changed(message, { createdAt: entry.message.createdAt });
+      this.#saveOutbox();
+      this.#place(message);
+      this.#messageStatusChanged(message);
+    } else if (this.#place(message)) {
+      this.#emit([{ type: "message", detail: message }]);
+    }
+    const log = /** @type {ConversationLog} */ (this.#chat.logs.get(conversationId));
+    if (log.epoch !== message.epoch) {
+      log.epoch = message.epoch;
+      log.lastSeq = 0;
+    }
+    log.lastSeq = Math.max(log.lastSeq, /** @type {number} */ (message.seq));
+    if (this.#isReadHere(conversationId)) log.readUpTo = log.lastSeq;
+    this.#refreshStatuses(conversationId);
+    if (isNew) {
+      // First heard of here: what came before, and every member's cursors.
+      this.#sync([{ conversationId, afterSeq: 0, epoch: null }]);
+    } else if (!this.#chat.syncing.has(conversationId)) {
+      this.#sendCursors(conversationId);
+    }
+    this.#sendOutbox();
+  }
+
+  /** @param {Extract<ServerMessage, { type: "synced" }>} synced */
+  #synced(synced) {
+    const conversationId = synced.conversationId;
+    this.#chat.syncing.delete(conversationId);
+    const log = this.#chat.logs.get(conversationId) ?? newLog();
+    this.#chat.logs.set(conversationId, log);
+    if (log.epoch !== synced.epoch) {
+      log.epoch = synced.epoch;
+      log.lastSeq = 0;
+    }
+    if (!synced.more) log.lastSeq = Math.max(log.lastSeq, synced.lastSeq);
+    if (synced.receipts) {
+      for (const receipt of synced.receipts) this.#mergeReceipt(log, receipt);
+      log.receiptsComplete = true;
+    }
+    for (const range of synced.missing) {
+      this.#emit([{ type: "messagegap", detail: Object.freeze({ conversationId, epoch: range.epoch, fromSeq: range.fromSeq, toSeq: range.toSeq }) }]);
+    }
+    if (this.#isReadHere(conversationId)) log.readUpTo = log.lastSeq;
+    this.#refreshStatuses(conversationId);
+    if (synced.more) this.#sync([{ conversationId, afterSeq: log.lastSeq, epoch: log.epoch }]);
+    else this.#sendCursors(conversationId);
+  }
+
+  /**
+   * @param {string} conversationId
+   * @param {MemberReceipt} receipt
+   */
+  #receivedReceipt(conversationId, receipt) {
+    const log = this.#chat.logs.get(conversationId);
+    if (!log) return;
+    this.#mergeReceipt(log, receipt);
+    this.#refreshStatuses(conversationId);
+  }
+
+  /**
+   * @param {ConversationLog} log
+   * @param {MemberReceipt} receipt
+   */
+  #mergeReceipt(log, receipt) {
+    const known = log.receipts.get(receipt.userId);
+    log.receipts.set(receipt.userId, Object.freeze({
+      userId: receipt.userId, deliveredSeq: Math.max(known?.deliveredSeq ?? 0, receipt.deliveredSeq),
+      readSeq: Math.max(known?.readSeq ?? 0, receipt.readSeq),
+    }));
+  }
+
+  /**
+   * A `sync` position was refused (not a member, no such conversation): it is not synced again.
+   * @param {string} conversationId
+   */
+  #syncRefused(conversationId) {
+    this.#chat.syncing.delete(conversationId);
+    const log = this.#chat.logs.get(conversationId);
+    if (log && log.messages.length === 0 && !this.#chat.outbox.some((entry) => entry.message.conversationId === conversationId)) {
+      this.#chat.logs.delete(conversationId);
+    }
+  }
+
+  /**
+   * Puts a stored message in its conversation's log (once), in history order; returns whether
+   * it is new there.
+   * @param {ChatMessage} message
+   */
+  #place(message) {
+    if (message.id === null) return false;
+    let log = this.#chat.logs.get(message.conversationId);
+    if (!log) {
+      log = newLog();
+      this.#chat.logs.set(message.conversationId, log);
+    }
+    if (log.seen.has(message.id)) {
+      // Already there (the ack and the gateway's copy): the sender's id is learned.
+      const index = log.messages.findIndex((candidate) => candidate.id === message.id);
+      if (index >= 0 && log.messages[index].senderId === null) log.messages[index] = changed(log.messages[index], { senderId: message.senderId });
+      return false;
+    }
+    log.seen.add(message.id);
+    let position = log.messages.length;
+    while (position > 0) {
+      const before = log.messages[position - 1];
+      if (before.epoch !== message.epoch || (before.seq ?? 0) < (message.seq ?? 0)) break;
+      position -= 1;
+    }
+    log.messages.splice(position, 0, message);
+    return true;
+  }
+
+  /**
+   * Own messages' status from the other members' cursors: delivered (read) once every other
+   * member's delivered (read) seq is at or past it.
+   * @param {string} conversationId
+   */
+  #refreshStatuses(conversationId) {
+    const log = this.#chat.logs.get(conversationId);
+    const own = this.#chat.ownUserId;
+    if (!log || !log.receiptsComplete || own === null) return;
+    const others = [...log.receipts.values()].filter((receipt) => receipt.userId !== own);
+    if (others.length === 0) return;
+    const delivered = Math.min(...others.map((receipt) => receipt.deliveredSeq));
+    const read = Math.min(...others.map((receipt) => receipt.readSeq));
+    log.messages.forEach((message, index) => {
+      if (message.senderId !== own && !this.#chat.written.has(message.clientMessageId)) return;
+      if (message.seq === null || message.epoch !== log.epoch) return;
+      /** @type {MessageStatus} */
+      const status = message.seq <= read ? "read" : message.seq <= delivered ? "delivered" : "sent";
+      if (STATUS_RANK[status] <= STATUS_RANK[message.status]) return;
+      log.messages[index] = changed(message, { status });
+      this.#messageStatusChanged(log.messages[index]);
+    });
+  }
+
+  /**
+   * Whether messages arriving in a conversation are read at once: it is on screen in a visible page.
+   * @param {string} conversationId
+   */
+  #isReadHere(conversationId) {
+    return this.#chat.onScreen === conversationId && !this.#isHidden();
+  }
+
+  /** @param {string} conversationId */
+  #markRead(conversationId) {
+    const log = this.#chat.logs.get(conversationId);
+    if (!log) return;
+    log.readUpTo = log.lastSeq;
+    log.messages.forEach((message, index) => {
+      if (message.senderId === this.#chat.ownUserId || this.#chat.written.has(message.clientMessageId) || message.status === "read") return;
+      log.messages[index] = changed(message, { status: "read" });
+      this.#messageStatusChanged(log.messages[index]);
+    });
+    this.#sendCursors(conversationId);
+  }
+
+  /**
+   * Tells the gateway what this device received and what the page read.
+   * @param {string} conversationId
+   */
+  #sendCursors(conversationId) {
+    const session = this.#session;
+    const log = this.#chat.logs.get(conversationId);
+    if (!session || session.awaitingInitialState || !log || log.lastSeq === 0) return;
+    if (log.readUpTo > log.readSent) {
+      this.#send("read", { conversation_id: conversationId, seq: log.readUpTo }, { kind: "other" });
+      log.readSent = log.readUpTo;
+      log.deliveredSent = Math.max(log.deliveredSent, log.readUpTo);
+    }
+    if (log.lastSeq > log.deliveredSent) {
+      this.#send("delivered", { conversation_id: conversationId, seq: log.lastSeq }, { kind: "other" });
+      log.deliveredSent = log.lastSeq;
+    }
+  }
+
   // MARK: Frames from the gateway
 
   /**
@@ -1933,8 +2751,21 @@ export class PresenceClient extends EventTarget {
         break;
       case "pong":
         break;
+      case "message":
+        this.#receivedMessage(message.message);
+        break;
+      case "message_ack":
+        if (id !== null) session.pending.delete(id);
+        this.#acknowledged(message.conversationId, message.clientMessageId, message.seq, message.messageId, message.epoch);
+        break;
+      case "synced":
+        this.#synced(message);
+        break;
+      case "receipt":
+        this.#receivedReceipt(message.conversationId, message.receipt);
+        break;
       case "error":
-        this.#refused(session, id, message.code, message.message);
+        this.#refused(session, id, message.code, message.message, message.conversationId);
         break;
       default:
         this.#log("debug", "a frame this client does not know", message.name);
@@ -1947,12 +2778,24 @@ export class PresenceClient extends EventTarget {
    * @param {string | null} id
    * @param {string} code
    * @param {string} message
+   * @param {string | null} conversationId
    */
-  #refused(session, id, code, message) {
+  #refused(session, id, code, message, conversationId) {
     this.#log("info", "the gateway refused a request", code, message);
     const error = /** @type {ClientEvent} */ ({ type: "error", detail: Object.freeze({ code, message }) });
     const request = id === null ? undefined : session.pending.get(id);
     if (id === null || !request) {
+      this.#emit([error]);
+      return;
+    }
+    if (request.kind === "message") {
+      session.pending.delete(id);
+      this.#messageRefused(request.clientMessageId, code, message);
+      return;
+    }
+    if (request.kind === "sync") {
+      // One `sync` names several conversations: it is answered once for each.
+      if (conversationId !== null) this.#syncRefused(conversationId);
       this.#emit([error]);
       return;
     }
@@ -1988,6 +2831,8 @@ export class PresenceClient extends EventTarget {
     this.#subscribeUsers([...this.#watched], true);
     for (const conversation of [...this.#joined].sort()) this.#subscribeConversation(conversation, true);
     this.#sendOwedStatus();
+    // Before the outbox is read, its reading does this.
+    if (this.#chat.loaded) this.#messagesSessionOpened();
     this.#answered(null);
   }
 
