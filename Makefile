@@ -50,6 +50,7 @@ test: build-tests check-deploy fuzz-build
 	  && scripts/test-run heavy timeout --kill-after=10 900 $(SWIFT) test --skip-build --no-parallel $(BUILD_FLAGS) --filter "$(HEAVY_TESTS)" \
 	  && scripts/test-run web timeout --kill-after=10 120 node --test Tests/Web/ \
 	  && scripts/test-run browser timeout --kill-after=10 300 Tests/Browser/e2e.py \
+	  && scripts/test-run browser-messaging timeout --kill-after=10 300 Tests/Browser/messaging.py \
 	  && timeout --kill-after=10 300 .build/debug/presence-bench soak --duration 60 --seed $(TEST_SEED)'
 	API_FUZZ_SEED=$(TEST_SEED) timeout --kill-after=10 300 scripts/api-fuzz
 	timeout --kill-after=10 300 scripts/fuzz --runs 30000 --seed $(TEST_SEED) resp

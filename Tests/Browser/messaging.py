@@ -1,0 +1,246 @@
+#!/usr/bin/python3
+"""Seed 004's offline messaging end to end, in headless Chromium, with two chat pages.
+
+Run beside a Redis (scripts/with-redis sets PRESENCE_REDIS_URL) after `swift build`, as root for
+the network cut (iptables):
+    scripts/with-redis Tests/Browser/messaging.py [--screenshots DIR]
+
+Alice's page (Tests/Browser/chat.*) talks to node A, Bob's to node B (one Redis). Checked:
+  1. with Alice's offline switch on, typing is neither sent nor shown on either side; switched
+     back, typing works both ways;
+  2. five messages written offline show "Not delivered" (sending); switched back, all five reach
+     Bob's page in order within 3 s, and each ends "read" on Alice's page, as Bob's page shows them;
+  3. offline/online cycles on both pages (Alice 3, Bob 2, Alice 12 messages) leave both pages
+     with the same complete history;
+  4. a reload while offline keeps the outbox (IndexedDB): its messages reach Bob once each;
+  5. a real network cut: iptables drops every packet between the browser and node A's port (the
+     WebSocket stays open, as on a dead network) and the page is told `offline`, as the
+     operating system's network change would tell the browser (Chromium's own offline emulation
+     leaves open WebSockets connected); five messages written meanwhile wait ("Not delivered")
+     and Bob's typing is not shown; the cut removed and `online` told, the five reach Bob in
+     order within 3 s.
+A check that cannot run (Chromium does not start, iptables refuses) is a failure with its reason.
+"""
+import argparse
+import http.server
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.parse
+
+from e2e import ROOT, Node, browser, check, fail, request, screenshot, token, wait_until
+
+CONVERSATION = "room"
+
+
+def messages(driver):
+    """The page's messages as it shows them: seq (None until stored), status, text."""
+    return driver.execute_script("""
+        return [...document.querySelectorAll('#messages li')].map((item) => ({
+          seq: item.dataset.seq === '' ? null : Number(item.dataset.seq), status: item.dataset.status,
+          text: item.dataset.text, shown: item.textContent }));""")
+
+
+def stored(driver):
+    return [(entry["seq"], entry["text"]) for entry in messages(driver) if entry["seq"] is not None]
+
+
+def connection(driver):
+    return driver.find_element("id", "connection").text
+
+
+def switch_offline(driver, offline):
+    box = driver.find_element("id", "offline")
+    if box.is_selected() != offline:
+        box.click()
+    wait_until(lambda: connection(driver) == ("idle" if offline else "connected"), 10, f"the page {'off' if offline else 'on'}line")
+
+
+def write(driver, text):
+    from selenium.webdriver.common.keys import Keys
+    driver.find_element("id", "composer").send_keys(text + Keys.ENTER)
+
+
+def typing_shown(driver):
+    return driver.find_element("id", "typing").text
+
+
+class Cut:
+    """iptables rules dropping every packet to and from a TCP port on this machine."""
+
+    def __init__(self, port):
+        self.tag = f"presence-browser-{os.getpid()}"
+        self.rules = [["INPUT", "-p", "tcp", "--dport", str(port)], ["INPUT", "-p", "tcp", "--sport", str(port)]]
+        self.active = False
+
+    def iptables(self, action, rule):
+        command = [shutil.which("iptables") or "/usr/sbin/iptables", action, *rule, "-m", "comment", "--comment", self.tag, "-j", "DROP"]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            fail(f"iptables {' '.join(command[1:])} refused ({result.stderr.strip()}): the network cut needs root and iptables")
+
+    def __enter__(self):
+        for rule in self.rules:
+            self.iptables("-I", rule)
+        self.active = True
+        return self
+
+    def remove(self):
+        if self.active:
+            for rule in self.rules:
+                self.iptables("-D", rule)
+            self.active = False
+
+    def __exit__(self, *_):
+        self.remove()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--screenshots", default=os.path.join(ROOT, ".build/browser"), help="where the screenshots go")
+    arguments = parser.parse_args()
+    redis_url = os.environ.get("PRESENCE_REDIS_URL") or fail("PRESENCE_REDIS_URL is not set: run under scripts/with-redis")
+    binary = os.environ.get("GATEWAY_BIN", os.path.join(ROOT, ".build/debug/presence-gateway"))
+    os.path.exists(binary) or fail(f"no gateway binary at {binary}: run swift build first")
+    os.makedirs(arguments.screenshots, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="presence-messaging-")
+    prefix = f"messaging{os.getpid()}"
+    nodes, drivers = [], []
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a: http.server.SimpleHTTPRequestHandler(*a, directory=os.path.join(ROOT, "Tests/Browser")))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    chat = f"http://127.0.0.1:{server.server_address[1]}/chat.html"
+    try:
+        a = Node("node-a", binary, redis_url, prefix, work)
+        b = Node("node-b", binary, redis_url, prefix, work)
+        nodes += [a, b]
+        request("PUT", f"{b.url}/api/admin/conversations/{CONVERSATION}", {"member_ids": ["alice", "bob"]})
+
+        def page(user, peer, node):
+            query = urllib.parse.urlencode({"gateways": node.url, "token": token(user), "me": user, "peer": peer, "conversation": CONVERSATION})
+            return f"{chat}?{query}"
+
+        alice = browser(os.path.join(work, "alice"))
+        bob = browser(os.path.join(work, "bob"))
+        drivers += [alice, bob]
+        alice.get(page("alice", "bob", a))
+        bob.get(page("bob", "alice", b))
+        for driver, name in [(alice, "Alice"), (bob, "Bob")]:
+            wait_until(lambda driver=driver: connection(driver) == "connected", 10, f"{name}'s page connected")
+        wait_until(lambda: bob.find_element("id", "peer-status").text == "Online", 5, "Bob sees Alice online")
+
+        # 1. Typing while offline: neither sent nor shown; back online, it works both ways.
+        switch_offline(alice, True)
+        wait_until(lambda: bob.find_element("id", "peer-status").text.startswith("Last seen"), 5, "Bob sees Alice offline (her switch closes cleanly)")
+        write_keys = alice.find_element("id", "composer")
+        bob_box = bob.find_element("id", "composer")
+        for key in "hey":
+            write_keys.send_keys(key)
+            bob_box.send_keys(key)
+            time.sleep(0.2)
+        time.sleep(1)
+        check(typing_shown(bob) == "", "offline: Alice's typing does not reach Bob's page")
+        check(typing_shown(alice) == "", "offline: Bob's typing is not shown on Alice's page")
+        write_keys.clear()
+        bob_box.clear()
+        switch_offline(alice, False)
+        time.sleep(3.5)  # the earlier indicators have ended
+        for key in "back":
+            bob_box.send_keys(key)
+            time.sleep(0.2)
+        wait_until(lambda: typing_shown(alice) == "bob is typing…", 3, "online again: Alice's page shows Bob typing")
+        for key in "back":
+            write_keys.send_keys(key)
+            time.sleep(0.2)
+        wait_until(lambda: typing_shown(bob) == "alice is typing…", 3, "online again: Bob's page shows Alice typing")
+        check(True, "typing works both ways after the switch is off")
+        write_keys.clear()
+        bob_box.clear()
+        time.sleep(3.5)
+
+        # 2. Five messages written offline: "Not delivered", then all five to Bob in order within 3 s, then read.
+        switch_offline(alice, True)
+        five = [f"offline {number}" for number in range(1, 6)]
+        for text in five:
+            write(alice, text)
+        wait_until(lambda: len(messages(alice)) == 5, 3, "Alice's page lists the five")
+        check(all(entry["status"] == "sending" and "[Not delivered]" in entry["shown"] for entry in messages(alice)),
+              "each shows \"Not delivered\" while offline")
+        time.sleep(0.5)
+        check(stored(bob) == [], "Bob has none of them while Alice is offline")
+        online_at = time.monotonic()
+        switch_offline(alice, False)
+        wait_until(lambda: len(stored(bob)) == 5, 3, "all five reach Bob's page")
+        check(True, f"all five reached Bob's page {time.monotonic() - online_at:.2f} s after Alice's switch went off (bound 3 s)")
+        check(stored(bob) == list(zip(range(1, 6), five)), f"in order, seqs 1-5: {stored(bob)}")
+        wait_until(lambda: [entry["status"] for entry in messages(alice)] == ["read"] * 5, 5, "each ends \"read\" on Alice's page")
+        check(True, "each of the five ends \"read\" on Alice's page (Bob's page shows the conversation)")
+        screenshot(alice, arguments.screenshots, "chat-alice", ["messages", "composer"])
+        screenshot(bob, arguments.screenshots, "chat-bob", ["messages", "composer"])
+
+        # 3. Offline/online cycles on both pages: the same complete history on both.
+        expected = list(five)
+        for driver, name, count in [(alice, "alice", 3), (bob, "bob", 2), (alice, "alice", 12)]:
+            switch_offline(driver, True)
+            for number in range(1, count + 1):
+                text = f"{name} {len(expected) + 1} ({number} of {count})"
+                expected.append(text)
+                write(driver, text)
+            switch_offline(driver, False)
+        for driver, name in [(alice, "Alice"), (bob, "Bob")]:
+            wait_until(lambda driver=driver: len(stored(driver)) == len(expected), 10, f"{name}'s page has all {len(expected)} messages")
+        check(stored(alice) == stored(bob) == list(zip(range(1, len(expected) + 1), expected)),
+              f"both pages have the same complete history of {len(expected)} messages, in the order written")
+
+        # 4. A reload while offline keeps the outbox; its messages reach Bob once each.
+        switch_offline(alice, True)
+        kept = ["kept through a reload 1", "kept through a reload 2"]
+        for text in kept:
+            write(alice, text)
+        wait_until(lambda: len(messages(alice)) == len(expected) + 2, 3, "Alice's page lists the two")
+        alice.execute_async_script("const done = arguments[0]; window.presenceClient.outboxSaved().then(() => done(true));")
+        alice.refresh()
+        wait_until(lambda: alice.execute_script("return window.presenceReady === true"), 10, "Alice's page loaded again")
+        expected += kept
+        wait_until(lambda: len(stored(bob)) == len(expected), 5, "the two reach Bob's page after the reload")
+        time.sleep(1)
+        texts = [text for _, text in stored(bob)]
+        check(all(texts.count(text) == 1 for text in kept) and len(texts) == len(expected), "each reached Bob once, after the reload")
+
+        # 5. A real network cut between Alice's browser and node A.
+        started = len(stored(bob))
+        with Cut(a.port) as cut:
+            alice.execute_script("window.dispatchEvent(new Event('offline'))")
+            wait_until(lambda: connection(alice) == "idle", 10, "Alice's page gives its session up")
+            cut_texts = [f"cut {number}" for number in range(1, 6)]
+            for text in cut_texts:
+                write(alice, text)
+            bob_box.send_keys("x")
+            time.sleep(1)
+            check(typing_shown(alice) == "", "cut off: Bob's typing is not shown on Alice's page")
+            check(len(stored(bob)) == started, "cut off: nothing of Alice's reaches Bob")
+            check(all(entry["status"] == "sending" and "[Not delivered]" in entry["shown"] for entry in messages(alice)[-5:]),
+                  "cut off: the five show \"Not delivered\"")
+            cut.remove()
+            back_at = time.monotonic()
+            alice.execute_script("window.dispatchEvent(new Event('online'))")
+            wait_until(lambda: len(stored(bob)) == started + 5, 3, "after the cut, the five reach Bob's page")
+            check(True, f"after the cut the five reached Bob {time.monotonic() - back_at:.2f} s after the network came back (bound 3 s)")
+            check([text for _, text in stored(bob)[started:]] == cut_texts, "in the order written")
+        print("messaging: all checks passed")
+    finally:
+        for driver in drivers:
+            try:
+                driver.quit()
+            except Exception:  # noqa: BLE001
+                pass
+        for node in nodes:
+            node.kill()
+        server.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
