@@ -1,5 +1,9 @@
 import ClientTestSupport
 import Foundation
+#if canImport(FoundationNetworking)
+import FoundationNetworking
+#endif
+import NIOConcurrencyHelpers
 import RedisTestSupport
 import Testing
 
@@ -155,5 +159,69 @@ struct ClientMessagingTests {
         #expect(admin(node, "PUT", "/api/admin/conversations/other", #"{"member_ids":["alice","bob","carol"]}"#)?.status == 200)
         #expect(await alice.client.retry(refused.clientMessageID))
         #expect(await alice.waitUntil { await $0.messages(in: "other").first?.seq == 1 })
+    }
+
+    @Test("the connection dropped after the gateway stored a message and before its ack arrived: one message, not two")
+    func ackLost() async throws {
+        let node = try await Self.node("msg-ack-lost")
+        let bob = try await LiveClient("bob", device: "laptop", nodes: [node])
+        #expect(await bob.connected())
+        let transport = AckDroppingTransport(inner: WebSocketTransport(logger: TestRedis.logger("transport")))
+        let configuration = try PresenceClientConfiguration(gatewayURL: URL(string: "ws://127.0.0.1:\(node.port)")!, deviceID: "phone")
+        let alice = PresenceClient(configuration: configuration, tokenProvider: { _ in try await mint("alice") }, transport: transport,
+                                   outboxStore: MemoryMessageOutboxStore(), logger: TestRedis.logger("client-alice"))
+        let running = Task { await alice.run() }
+        defer { running.cancel() }
+        let sent = try await alice.send("exactly once", to: "room")
+        // The first ack is lost with its connection; the reconnect sends the same message again.
+        #expect(await eventually(timeout: .seconds(10)) { await alice.messages(in: "room").first?.status == .sent })
+        #expect(transport.dropped.withLockedValue { $0 } == 1, "an ack was dropped with its connection")
+        #expect(await alice.messages(in: "room").map(\.seq) == [1])
+        #expect(await alice.messages(in: "room").first?.clientMessageID == sent.clientMessageID)
+        try await Task.sleep(for: .seconds(1))
+        #expect(await bob.client.messages(in: "room").map(\.text) == ["exactly once"], "bob got it once")
+        var request = URLRequest(url: URL(string: "http://127.0.0.1:\(node.port)/api/conversations/room/messages")!)
+        request.setValue("Bearer \(try await mint("bob"))", forHTTPHeaderField: "Authorization")
+        let (data, _) = try await URLSession.shared.data(for: request)
+        let history = String(decoding: data, as: UTF8.self)
+        #expect(history.components(separatedBy: "exactly once").count == 2 && history.contains(#""last_seq":1"#), "stored once: \(history)")
+    }
+}
+
+/// A transport that drops its connection (no close frame, as a network that goes away) instead of
+/// handing on the first `message_ack` it receives.
+final class AckDroppingTransport: PresenceTransport {
+    let inner: WebSocketTransport
+    let dropped = NIOLockedValueBox(0)
+
+    init(inner: WebSocketTransport) {
+        self.inner = inner
+    }
+
+    func session(url: URL, outgoing: AsyncStream<OutgoingFrame>, received: @escaping @Sendable (String) async -> Void) async throws -> UInt16? {
+        let cut = AsyncStream<Void>.makeStream()
+        let dropped = self.dropped
+        let inner = self.inner
+        return try await withThrowingTaskGroup(of: UInt16?.self) { group in
+            group.addTask {
+                try await inner.session(url: url, outgoing: outgoing) { text in
+                    if text.contains(#""type":"message_ack""#), dropped.withLockedValue({ count in
+                        count += 1
+                        return count == 1
+                    }) {
+                        cut.continuation.yield()
+                        return
+                    }
+                    await received(text)
+                }
+            }
+            group.addTask {
+                for await _ in cut.stream { break }
+                return nil
+            }
+            let first = try await group.next() ?? nil
+            group.cancelAll()
+            return first
+        }
     }
 }
