@@ -133,7 +133,8 @@ struct ParityTests {
             ]
         case .messageGap(let gap):
             return [
-                "event": "message_gap", "conversation_id": .string(gap.conversationID), "from_seq": .number(Double(gap.fromSeq)),
+                "event": "message_gap", "conversation_id": .string(gap.conversationID), "epoch": gap.epoch.map { .string($0) } ?? .null,
+                "from_seq": .number(Double(gap.fromSeq)),
                 "to_seq": gap.toSeq.map { .number(Double($0)) } ?? .null,
             ]
         }

@@ -6,7 +6,7 @@ import { test } from "node:test";
 
 import { FakeClock, settle } from "./fake-clock.mjs";
 
-import { PresenceClient, PresenceText, formatTimestamp, parseTimestamp } from "../../Sources/PresenceGateway/Web/presence.js";
+import { MemoryOutboxStore, PresenceClient, PresenceText, formatTimestamp, parseTimestamp } from "../../Sources/PresenceGateway/Web/presence.js";
 
 const fixture = JSON.parse(readFileSync(new URL("../Fixtures/parity.json", import.meta.url), "utf8"));
 
@@ -56,6 +56,15 @@ function describeEvent(type, detail, now, typing) {
     }
     case "group":
       return { event: type, conversation_id: detail.conversationId, total: detail.total, online: detail.online, away: detail.away, label: PresenceText.group(detail) };
+    case "message":
+      return {
+        event: type, conversation_id: detail.conversationId, client_message_id: detail.clientMessageId, seq: detail.seq, sender_id: detail.senderId,
+        text: detail.text, status: detail.status,
+      };
+    case "messagestatus":
+      return { event: "message_status", conversation_id: detail.conversationId, client_message_id: detail.clientMessageId, status: detail.status };
+    case "messagegap":
+      return { event: "message_gap", conversation_id: detail.conversationId, epoch: detail.epoch, from_seq: detail.fromSeq, to_seq: detail.toSeq };
     default:
       return { event: type, code: detail.code, message: detail.message };
   }
@@ -74,11 +83,12 @@ test("the browser SDK announces exactly what parity.json expects for its gateway
     window: null,
     document: null,
     storage: null,
+    outboxStore: new MemoryOutboxStore(),
   });
   /** Who types where, as the events tell. */
   const typing = new Map();
   let heard = [];
-  for (const type of ["connection", "presence", "removed", "typing", "group", "error"]) {
+  for (const type of ["connection", "presence", "removed", "typing", "group", "error", "message", "messagestatus", "messagegap"]) {
     client.addEventListener(type, (event) => heard.push(describeEvent(type, event.detail, clock.now(), typing)));
   }
 
