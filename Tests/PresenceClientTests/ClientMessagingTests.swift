@@ -173,9 +173,12 @@ struct ClientMessagingTests {
         let running = Task { await alice.run() }
         defer { running.cancel() }
         let sent = try await alice.send("exactly once", to: "room")
-        // The first ack is lost with its connection; the reconnect sends the same message again.
-        #expect(await eventually(timeout: .seconds(10)) { await alice.messages(in: "room").first?.status == .sent })
-        #expect(transport.dropped.withLockedValue { $0 } == 1, "an ack was dropped with its connection")
+        // The connection dies once the message is stored; the next session sends it again.
+        let stored = await eventually(timeout: .seconds(10)) { await alice.messages(in: "room").first?.seq != nil }
+        let state = await alice.messages(in: "room")
+        #expect(stored, "\(state)")
+        #expect(transport.cuts.withLockedValue { $0 } == 1, "the first session died after the store")
+        #expect(transport.sends.withLockedValue { $0 } == [sent.clientMessageID, sent.clientMessageID], "sent again, with the same id")
         #expect(await alice.messages(in: "room").map(\.seq) == [1])
         #expect(await alice.messages(in: "room").first?.clientMessageID == sent.clientMessageID)
         try await Task.sleep(for: .seconds(1))
@@ -188,11 +191,15 @@ struct ClientMessagingTests {
     }
 }
 
-/// A transport that drops its connection (no close frame, as a network that goes away) instead of
-/// handing on the first `message_ack` it receives.
+/// A transport whose first session dies right after the gateway stored a message: at the first
+/// `message_ack` or `message` frame it drops the connection (no close frame, as a network that
+/// goes away) without handing that frame on. It counts the `send` frames written.
 final class AckDroppingTransport: PresenceTransport {
     let inner: WebSocketTransport
-    let dropped = NIOLockedValueBox(0)
+    /// Connections dropped so far (only the first session's).
+    let cuts = NIOLockedValueBox(0)
+    /// The client message ids of the `send` frames written, in order.
+    let sends = NIOLockedValueBox<[String]>([])
 
     init(inner: WebSocketTransport) {
         self.inner = inner
@@ -200,19 +207,37 @@ final class AckDroppingTransport: PresenceTransport {
 
     func session(url: URL, outgoing: AsyncStream<OutgoingFrame>, received: @escaping @Sendable (String) async -> Void) async throws -> UInt16? {
         let cut = AsyncStream<Void>.makeStream()
-        let dropped = self.dropped
-        let inner = self.inner
+        let (forwarded, forward) = AsyncStream.makeStream(of: OutgoingFrame.self)
+        let (cuts, sends, inner) = (self.cuts, self.sends, self.inner)
+        let cutting = cuts.withLockedValue { $0 == 0 }
         return try await withThrowingTaskGroup(of: UInt16?.self) { group in
             group.addTask {
-                try await inner.session(url: url, outgoing: outgoing) { text in
-                    if text.contains(#""type":"message_ack""#), dropped.withLockedValue({ count in
-                        count += 1
-                        return count == 1
-                    }) {
-                        cut.continuation.yield()
-                        return
+                for await frame in outgoing {
+                    if case .text(let text) = frame, text.contains(#""type":"send""#),
+                       let object = try? JSONSerialization.jsonObject(with: Data(text.utf8)) as? [String: Any],
+                       let id = (object["data"] as? [String: Any])?["client_message_id"] as? String {
+                        sends.withLockedValue { $0.append(id) }
                     }
-                    await received(text)
+                    forward.yield(frame)
+                }
+                forward.finish()
+                // The session ends with the inner one, not here.
+                try await Task.sleep(for: .seconds(3_600))
+                return nil
+            }
+            group.addTask {
+                try await inner.session(url: url, outgoing: forwarded) { text in
+                    guard cutting else { return await received(text) }
+                    // From the first sign of the store on, nothing of this session arrives.
+                    let stored = text.contains(#""type":"message_ack""#) || text.contains(#""type":"message""#)
+                    let withheld = cuts.withLockedValue { count in
+                        if stored, count == 0 {
+                            count = 1
+                            cut.continuation.yield()
+                        }
+                        return count > 0
+                    }
+                    if !withheld { await received(text) }
                 }
             }
             group.addTask {
