@@ -84,6 +84,9 @@ extension PresenceClient {
             code = try await withTaskCancellationHandler { try await task.value } onCancel: { task.cancel() }
         } catch PresenceTransportError.upgradeRefused {
             refused = true
+        } catch PresenceTransportError.unsupported(let reason) {
+            logger.error("the transport cannot open WebSockets here; pass another transport", metadata: ["error": "\(reason)"])
+            emit([.error(code: .internal, message: reason)])
         } catch {
             logger.debug("session failed", metadata: ["error": "\(error)", "presence.gateway": "\(base.absoluteString)"])
         }

@@ -73,7 +73,8 @@ public actor PresenceClient {
     /// A session ended.
     let sessionEnded = AsyncSignal()
 
-    /// A client. `transport` defaults to SwiftNIO WebSockets; `clock` to the system clock;
+    /// A client. `transport` defaults to SwiftNIO WebSockets on Linux and to
+    /// ``URLSessionTransport`` on Apple platforms; `clock` to the system clock;
     /// `outboxStore` to a file of the device's (``FileMessageOutboxStore/defaultURL(deviceID:)``).
     public init(
         configuration: PresenceClientConfiguration,
@@ -86,7 +87,7 @@ public actor PresenceClient {
         self.configuration = configuration
         self.tokenProvider = tokenProvider
         self.clock = clock
-        self.transport = transport ?? WebSocketTransport(logger: logger)
+        self.transport = transport ?? defaultPresenceTransport(logger: logger)
         self.outboxStore = outboxStore ?? FileMessageOutboxStore(url: FileMessageOutboxStore.defaultURL(deviceID: configuration.deviceID))
         self.logger = logger
         self.backoff = configuration.backoff

@@ -1,5 +1,4 @@
 import Foundation
-import NIOConcurrencyHelpers
 
 /// Where the client reads the time and sleeps: the system clock in apps, a `ManualClock` in tests.
 public protocol PresenceClientClock: Sendable {
@@ -36,21 +35,21 @@ public final class ManualClock: PresenceClientClock {
         var nextID: UInt64 = 0
     }
 
-    private let state: NIOLockedValueBox<State>
+    private let state: Locked<State>
 
     /// A clock standing at `start`.
     public init(start: Date = Date(timeIntervalSince1970: 1_800_000_000)) {
-        state = NIOLockedValueBox(State(now: start))
+        state = Locked(State(now: start))
     }
 
-    public var now: Date { state.withLockedValue { $0.now } }
+    public var now: Date { state.withLock { $0.now } }
 
     /// How many tasks are sleeping on this clock.
-    public var sleeperCount: Int { state.withLockedValue { $0.sleepers.count } }
+    public var sleeperCount: Int { state.withLock { $0.sleepers.count } }
 
     /// Moves time forward and wakes every sleeper whose deadline has come.
     public func advance(by seconds: TimeInterval) {
-        let due: [CheckedContinuation<Void, any Error>] = state.withLockedValue { state in
+        let due: [CheckedContinuation<Void, any Error>] = state.withLock { state in
             state.now += seconds
             let now = state.now
             let ids = state.sleepers.filter { $0.value.deadline <= now }.map(\.key)
@@ -60,13 +59,13 @@ public final class ManualClock: PresenceClientClock {
     }
 
     public func sleep(until deadline: Date) async throws {
-        let id = state.withLockedValue { state -> UInt64 in
+        let id = state.withLock { state -> UInt64 in
             state.nextID += 1
             return state.nextID
         }
         try await withTaskCancellationHandler {
             try await withCheckedThrowingContinuation { (continuation: CheckedContinuation<Void, any Error>) in
-                let resumeNow: Bool = state.withLockedValue { state in
+                let resumeNow: Bool = state.withLock { state in
                     if deadline <= state.now || Task.isCancelled { return true }
                     state.sleepers[id] = Sleeper(deadline: deadline, continuation: continuation)
                     return false
@@ -74,7 +73,7 @@ public final class ManualClock: PresenceClientClock {
                 if resumeNow { continuation.resume() }
             }
         } onCancel: {
-            let sleeper = state.withLockedValue { $0.sleepers.removeValue(forKey: id) }
+            let sleeper = state.withLock { $0.sleepers.removeValue(forKey: id) }
             sleeper?.continuation.resume(throwing: CancellationError())
         }
         try Task.checkCancellation()
@@ -90,14 +89,14 @@ final class AsyncSignal: Sendable {
         var nextID: UInt64 = 0
     }
 
-    private let state = NIOLockedValueBox(State())
+    private let state = Locked(State())
 
     /// The current generation; pass it to `wait(after:)`.
-    var generation: Int { state.withLockedValue { $0.generation } }
+    var generation: Int { state.withLock { $0.generation } }
 
     /// Wakes every waiter.
     func signal() {
-        let waiters = state.withLockedValue { state in
+        let waiters = state.withLock { state in
             state.generation += 1
             defer { state.waiters = [:] }
             return Array(state.waiters.values)
@@ -107,13 +106,13 @@ final class AsyncSignal: Sendable {
 
     /// Returns when the generation moves past `seen`, or when the task is cancelled.
     func wait(after seen: Int) async {
-        let id = state.withLockedValue { state -> UInt64 in
+        let id = state.withLock { state -> UInt64 in
             state.nextID += 1
             return state.nextID
         }
         await withTaskCancellationHandler {
             await withCheckedContinuation { (continuation: CheckedContinuation<Void, Never>) in
-                let resumeNow: Bool = state.withLockedValue { state in
+                let resumeNow: Bool = state.withLock { state in
                     if state.generation != seen || Task.isCancelled { return true }
                     state.waiters[id] = continuation
                     return false
@@ -121,7 +120,7 @@ final class AsyncSignal: Sendable {
                 if resumeNow { continuation.resume() }
             }
         } onCancel: {
-            let waiter = state.withLockedValue { $0.waiters.removeValue(forKey: id) }
+            let waiter = state.withLock { $0.waiters.removeValue(forKey: id) }
             waiter?.resume()
         }
     }
