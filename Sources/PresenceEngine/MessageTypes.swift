@@ -116,3 +116,24 @@ public struct ConversationSummary: Sendable, Equatable {
     public var lastMessage: StoredMessage?
     public var unread: Int64 { max(0, lastSeq - cursors.readSeq) }
 }
+
+/// A conversation as an administrator sees it: its newest messages and every member's cursors.
+public struct ConversationSnapshot: Sendable {
+    public var page: HistoryPage
+    public var members: [(user: String, cursors: Cursors)]
+
+    public init(page: HistoryPage, members: [(user: String, cursors: Cursors)]) {
+        self.page = page
+        self.members = members
+    }
+
+    /// How far `message` got: `read` once every member but its sender has read it, `delivered`
+    /// once every such member's device has it, else `sent` (also with no other member).
+    public func reach(of message: StoredMessage) -> String {
+        let others = members.filter { $0.user != message.senderID }.map(\.cursors)
+        guard !others.isEmpty else { return "sent" }
+        if others.allSatisfy({ $0.readSeq >= message.seq }) { return "read" }
+        if others.allSatisfy({ $0.deliveredSeq >= message.seq }) { return "delivered" }
+        return "sent"
+    }
+}

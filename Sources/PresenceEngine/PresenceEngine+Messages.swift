@@ -186,6 +186,19 @@ extension PresenceEngine {
         return try await evaluate(MoveCursor(conversation: conversation, user: user, kind: kind, seq: seq))
     }
 
+    /// A conversation as an administrator sees it (the dashboard): its newest `limit` messages and
+    /// every member's cursors; `nil` when there is no such conversation.
+    public func conversationDetail(_ conversation: String, limit: Int = 50) async throws(PresenceError) -> ConversationSnapshot? {
+        let members: [(user: String, cursors: Cursors)]
+        do {
+            members = try await evaluate(ReadReceipts(conversation: conversation, reader: ""))
+        } catch where error.code == .notFound {
+            return nil
+        }
+        let page = try await deliveryPage(of: conversation, .latest, limit: limit)
+        return ConversationSnapshot(page: page, members: members)
+    }
+
     /// Every member's cursors in `conversation`, for the member `reader`.
     public func receipts(of conversation: String, for reader: String) async throws(PresenceError) -> [(user: String, cursors: Cursors)] {
         try await evaluate(ReadReceipts(conversation: conversation, reader: reader))

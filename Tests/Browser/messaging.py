@@ -18,7 +18,9 @@ Alice's page (Tests/Browser/chat.*) talks to node A, Bob's to node B (one Redis)
      operating system's network change would tell the browser (Chromium's own offline emulation
      leaves open WebSockets connected); five messages written meanwhile wait ("Not delivered")
      and Bob's typing is not shown; the cut removed and `online` told, the five reach Bob in
-     order within 3 s.
+     order within 3 s;
+  6. the dashboard's conversation card shows the newest 50 messages as the pages have them, each
+     "read" (both pages show the conversation), and the members' cursors at the last seq.
 A check that cannot run (Chromium does not start, iptables refuses) is a failure with its reason.
 """
 import argparse
@@ -31,7 +33,7 @@ import threading
 import time
 import urllib.parse
 
-from e2e import ROOT, Node, browser, check, fail, request, screenshot, token, wait_until
+from e2e import ADMIN, ROOT, Node, browser, check, fail, request, screenshot, token, wait_until
 
 CONVERSATION = "room"
 
@@ -229,6 +231,37 @@ def main():
             wait_until(lambda: len(stored(bob)) == started + 5, 3, "after the cut, the five reach Bob's page")
             check(True, f"after the cut the five reached Bob {time.monotonic() - back_at:.2f} s after the network came back (bound 3 s)")
             check([text for _, text in stored(bob)[started:]] == cut_texts, "in the order written")
+
+        # 6. The dashboard's view of the conversation.
+        board = browser(os.path.join(work, "board"))
+        drivers.append(board)
+        board.get(f"{b.url}/dashboard")
+        board.find_element("id", "token-input").send_keys(ADMIN)
+        board.find_element("css selector", "#token-form button[type=submit], #token-form button").click()
+        history = stored(alice)
+        wait_until(lambda: stored(bob) == history, 5, "both pages have the same history before the dashboard reads it")
+
+        def shown_rows():
+            field = board.find_element("id", "conversation-id")
+            field.clear()
+            field.send_keys(CONVERSATION)
+            board.find_element("css selector", "#conversation-form button").click()
+            time.sleep(0.3)
+            return [(int(row.get_attribute("data-seq")), row.find_elements("css selector", "td")[2].text, row.get_attribute("data-status"))
+                    for row in board.find_elements("css selector", "#conversation-result tr[data-seq]")]
+
+        def all_read():
+            found = shown_rows()
+            return found if found and all(status == "read" for _, _, status in found) else None
+        rows = wait_until(all_read, 10, "the dashboard shows the conversation, every message read")
+        newest = sorted(history)[-50:]
+        check(sorted((seq, text) for seq, text, _ in rows) == newest, f"the dashboard's {len(rows)} messages are the pages' newest {len(newest)}")
+        check([seq for seq, _, _ in rows] == sorted((seq for seq, _ in newest), reverse=True), "newest first")
+        cursors = {row.get_attribute("data-user-id"): [cell.text for cell in row.find_elements("css selector", "td")[1:]]
+                   for row in board.find_elements("css selector", ".conversation-members tr[data-user-id]")}
+        last = str(len(history))
+        check(cursors == {"alice": [last, last], "bob": [last, last]}, f"both members' cursors are at {last}: {cursors}")
+        screenshot(board, arguments.screenshots, "dashboard-conversation", ["conversation-result"])
         print("messaging: all checks passed")
     finally:
         for driver in drivers:

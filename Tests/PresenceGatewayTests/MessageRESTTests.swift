@@ -140,6 +140,41 @@ struct MessageRESTTests {
         }
     }
 
+    @Test("the admin's view of a conversation: its newest messages with how far each got, and every member's cursors")
+    func adminConversation() async throws {
+        try await withNodes(1) { ports in
+            let port = ports[0]
+            try await ConversationTests.setUp(port, ["alice", "bob", "carol"])
+            let alice = try await token("alice"), bob = try await token("bob"), carol = try await token("carol")
+            let empty = try await call(port, "GET", "/api/admin/conversations/room", token: adminToken)
+            #expect(empty.status == 200)
+            #expect((empty.json as? [String: Any])?["epoch"] is NSNull && (empty.json as? [String: Any])?["last_seq"] as? Int == 0)
+            for index in 1...3 {
+                _ = try await call(port, "POST", "/api/conversations/room/messages", token: alice, body: Self.body(["client_message_id": "m\(index)", "text": "#\(index)"]))
+            }
+            _ = try await call(port, "POST", "/api/conversations/room/read", token: bob, body: #"{"seq":3}"#)
+            // carol's device has 1 and 2, and she read 1.
+            let device = TestSocket(port: port, token: carol, device: "phone")
+            _ = try await device.next("initial_state")
+            device.send("delivered", ["conversation_id": "room", "seq": 2], id: "d")
+            #expect(try await device.pick("ack").id == "d")
+            _ = try await call(port, "POST", "/api/conversations/room/read", token: carol, body: #"{"seq":1}"#)
+            let detail = try await call(port, "GET", "/api/admin/conversations/room?limit=3", token: adminToken)
+            #expect(detail.status == 200)
+            let body = try #require(detail.json as? [String: Any])
+            #expect(body["conversation_id"] as? String == "room" && body["last_seq"] as? Int == 3 && (body["epoch"] as? String)?.isEmpty == false)
+            let messages = (body["messages"] as? [[String: Any]] ?? []).map { "\($0["seq"] as? Int ?? -1) \($0["text"] as? String ?? "?") \($0["status"] as? String ?? "?")" }
+            #expect(messages == ["1 #1 read", "2 #2 delivered", "3 #3 sent"], "\(messages)")
+            let members = (body["members"] as? [[String: Any]] ?? []).map { "\($0["user_id"] as? String ?? "?") \($0["delivered_seq"] as? Int ?? -1) \($0["read_seq"] as? Int ?? -1)" }
+            #expect(members == ["alice 3 3", "bob 3 3", "carol 2 1"], "\(members)")
+            let newest = try await call(port, "GET", "/api/admin/conversations/room?limit=1", token: adminToken).json as? [String: Any]
+            #expect((newest?["messages"] as? [[String: Any]])?.map { $0["seq"] as? Int } == [3], "limit keeps the newest")
+            #expect(try await call(port, "GET", "/api/admin/conversations/nope", token: adminToken).status == 404)
+            #expect(try await call(port, "GET", "/api/admin/conversations/room", token: alice).status == 401)
+            #expect(try await call(port, "GET", "/api/admin/conversations/room?limit=0", token: adminToken).status == 422)
+        }
+    }
+
     @Test("with numeric ids, conversation and user ids are JSON numbers in every message body")
     func numericIDs() async throws {
         try await withNodes(1, configure: { $0.idFormat = .numeric }) { ports in

@@ -262,7 +262,7 @@ struct MoveCursor: ScriptCall {
     """)
 }
 
-/// Every member's cursors in a conversation, for a member.
+/// Every member's cursors in a conversation, for a member (or, with no reader, an administrator).
 struct ReadReceipts: ScriptCall {
     var conversation: String
     var reader: String
@@ -291,8 +291,12 @@ struct ReadReceipts: ScriptCall {
     }
 
     static let script = RedisScript(ScriptLua.clock + MessageLua.common + """
-    local no = refused(KEYS[1], ARGV[2])
-    if no then return {no} end
+    if ARGV[2] ~= '' then
+      local no = refused(KEYS[1], ARGV[2])
+      if no then return {no} end
+    elseif redis.call('EXISTS', KEYS[1]) == 0 then
+      return {'missing'}
+    end
     local epoch = current(KEYS[2])
     local rows = {}
     for _, member in ipairs(redis.call('SMEMBERS', KEYS[1])) do

@@ -49,6 +49,15 @@ extension Gateway {
             let conversations = try await self.engine.conversationSummaries(of: user)
             return RESTBody.UserDetail(views: views, devices: devices, conversations: conversations)
         }
+        router.get("/api/admin/conversations/{conversation_id}") { request, context in
+            try self.requireAdmin(request)
+            let conversation = try self.pathID(context, "conversation_id", "conversation id")
+            let limit = try Self.limitParameter(request.uri.queryParameters.get("limit"), default: 50)
+            guard let detail = try await self.engine.conversationDetail(conversation, limit: limit) else {
+                throw APIError.notFound("no such conversation")
+            }
+            return RESTBody.ConversationDetail(conversation: conversation, detail: detail)
+        }
         router.get("/api/admin/overview") { request, _ in
             try self.requireAdmin(request)
             return RESTBody.Overview(try await self.overviews.current(engine: self.engine))
@@ -215,6 +224,58 @@ actor OverviewCache {
 }
 
 extension RESTBody {
+    /// `GET /api/admin/conversations/{conversation_id}`: the newest messages, each with how far
+    /// it got (`sent`, `delivered` to every other member, `read` by every other member), and every
+    /// member's cursors.
+    struct ConversationDetail: ResponseEncodable {
+        struct Member: Encodable {
+            var userId: JSONID
+            var deliveredSeq: Int64
+            var readSeq: Int64
+        }
+        /// A message as `message` frames carry it, with its `status`.
+        struct Reached: Encodable {
+            var message: MessagePayload
+            var status: String
+
+            enum CodingKeys: CodingKey { case status }
+
+            func encode(to encoder: any Encoder) throws {
+                try message.encode(to: encoder)
+                var container = encoder.container(keyedBy: CodingKeys.self)
+                try container.encode(status, forKey: .status)
+            }
+        }
+        enum CodingKeys: CodingKey { case conversationId, epoch, firstSeq, lastSeq, members, messages }
+
+        var conversationId: JSONID
+        var epoch: String?
+        var firstSeq: Int64
+        var lastSeq: Int64
+        var members: [Member]
+        var messages: [Reached]
+
+        init(conversation: String, detail: ConversationSnapshot) {
+            conversationId = JSONID(conversation)
+            epoch = detail.page.epoch.isEmpty ? nil : detail.page.epoch
+            firstSeq = detail.page.firstSeq
+            lastSeq = detail.page.lastSeq
+            members = detail.members.map { Member(userId: JSONID($0.user), deliveredSeq: $0.cursors.deliveredSeq, readSeq: $0.cursors.readSeq) }
+            messages = detail.page.messages.map { Reached(message: MessagePayload($0), status: detail.reach(of: $0)) }
+        }
+
+        /// `epoch` is written as null, not left out, while there is no history.
+        func encode(to encoder: any Encoder) throws {
+            var container = encoder.container(keyedBy: CodingKeys.self)
+            try container.encode(conversationId, forKey: .conversationId)
+            if let epoch { try container.encode(epoch, forKey: .epoch) } else { try container.encodeNil(forKey: .epoch) }
+            try container.encode(firstSeq, forKey: .firstSeq)
+            try container.encode(lastSeq, forKey: .lastSeq)
+            try container.encode(members, forKey: .members)
+            try container.encode(messages, forKey: .messages)
+        }
+    }
+
     /// `GET /api/admin/users/{user_id}`: what `presencectl user --json` prints.
     struct UserDetail: ResponseEncodable {
         struct Shown: Encodable {

@@ -72,8 +72,8 @@ extension Gateway {
     }
 
     /// The `limit` query parameter: 1 to 1,000, 100 when absent.
-    static func limitParameter(_ value: String?) throws(APIError) -> Int {
-        guard let value else { return 100 }
+    static func limitParameter(_ value: String?, default fallback: Int = 100) throws(APIError) -> Int {
+        guard let value else { return fallback }
         guard let limit = Int(value), (1...PresenceEngine.maxHistoryPage).contains(limit) else {
             throw .invalid("limit must be a whole number from 1 to \(PresenceEngine.maxHistoryPage)")
         }

@@ -34,6 +34,8 @@
 export const TOKEN_STORAGE_KEY = "presence.admin_token";
 export const EVENTS_PATH = "/api/admin/events";
 export const USER_PATH = "/api/admin/users/";
+/** A conversation's newest messages and members' cursors, for its id (URL-encoded) appended. */
+export const CONVERSATION_PATH = "/api/admin/conversations/";
 /** Seconds the chart covers. */
 export const CHART_SECONDS = 300;
 /** Presence changes kept in the tail. */
@@ -573,6 +575,9 @@ function startDashboard() {
     lookupForm: byId("lookup-form", HTMLFormElement),
     lookupUser: byId("lookup-user", HTMLInputElement),
     lookupResult: byId("lookup-result", HTMLElement),
+    conversationForm: byId("conversation-form", HTMLFormElement),
+    conversationId: byId("conversation-id", HTMLInputElement),
+    conversationResult: byId("conversation-result", HTMLElement),
     events: byId("events", HTMLElement),
   };
 
@@ -977,6 +982,7 @@ function startDashboard() {
     ui.conversations.replaceChildren();
     ui.events.replaceChildren();
     ui.lookupResult.replaceChildren();
+    ui.conversationResult.replaceChildren();
     ui.usersNote.hidden = true;
     ui.conversationsNote.hidden = true;
     drawChart();
@@ -1113,6 +1119,103 @@ function startDashboard() {
     }
   };
 
+  // MARK: Conversation
+
+  /** @type {AbortController | null} */
+  let conversationAbort = null;
+
+  /** @param {string} message */
+  const conversationMessage = (message) => {
+    ui.conversationResult.replaceChildren(make("p", message, "muted"));
+  };
+
+  /**
+   * A table with a header row of `titles`; returns its scrolling box and its body.
+   * @param {string} className
+   * @param {string[]} titles
+   */
+  const tableOf = (className, titles) => {
+    const table = make("table", undefined, className);
+    const head = table.createTHead().insertRow();
+    for (const title of titles) {
+      const cell = make("th", title);
+      cell.scope = "col";
+      head.appendChild(cell);
+    }
+    const scroll = make("div", undefined, "scroll");
+    scroll.appendChild(table);
+    return { scroll, rows: table.createTBody() };
+  };
+
+  /** @param {unknown} raw */
+  const renderConversation = (raw) => {
+    const body = record(raw);
+    const now = serverNow();
+    const summary = make("dl", undefined, "lookup-summary");
+    summary.append(make("dt", "conversation"), make("dd", idText(body.conversation_id)));
+    summary.append(make("dt", "epoch"), make("dd", body.epoch ? text(body.epoch) : "no history yet"));
+    summary.append(make("dt", "seqs kept"), make("dd", count(body.last_seq) === 0 ? "none" : `${count(body.first_seq)}–${count(body.last_seq)}`));
+    const members = tableOf("conversation-members", ["member", "delivered", "read"]);
+    for (const member of list(body.members).map(record)) {
+      const row = members.rows.insertRow();
+      const id = idText(member.user_id);
+      row.setAttribute("data-user-id", id);
+      setCell(row, 0, id);
+      setCell(row, 1, String(count(member.delivered_seq)));
+      setCell(row, 2, String(count(member.read_seq)));
+    }
+    const messages = list(body.messages).map(record);
+    if (messages.length === 0) {
+      ui.conversationResult.replaceChildren(summary, members.scroll, make("p", "no messages", "muted"));
+      return;
+    }
+    const table = tableOf("conversation-messages", ["seq", "sender", "text", "sent", "status"]);
+    // Newest first, as the event tail.
+    for (const message of [...messages].reverse()) {
+      const row = table.rows.insertRow();
+      const seq = String(count(message.seq));
+      const reach = text(message.status);
+      row.setAttribute("data-seq", seq);
+      row.setAttribute("data-status", reach);
+      setCell(row, 0, seq, "", text(message.id));
+      setCell(row, 1, idText(message.sender_id));
+      setCell(row, 2, message.type === "image" ? `[image] ${text(message.text)}` : text(message.text), "message-text");
+      setCell(row, 3, moment(parseTime(message.created_at), now));
+      setCell(row, 4, reach, `reach-${reach}`);
+    }
+    ui.conversationResult.replaceChildren(summary, members.scroll, table.scroll);
+  };
+
+  /** @param {string} conversation */
+  const showConversation = async (conversation) => {
+    conversationAbort?.abort();
+    const abort = new AbortController();
+    conversationAbort = abort;
+    conversationMessage(`reading ${conversation} …`);
+    try {
+      const response = await fetch(`${CONVERSATION_PATH}${encodeURIComponent(conversation)}?limit=50`, {
+        headers: { ...authorization(), Accept: "application/json" },
+        cache: "no-store",
+        signal: abort.signal,
+      });
+      const body = record(await response.json().catch(() => null));
+      if (abort !== conversationAbort) return;
+      if (response.status === 401) {
+        conversationMessage(WRONG_TOKEN_TEXT);
+        onUnauthorized();
+      } else if (response.status === 404) {
+        conversationMessage(adminOff || text(record(body.error).message) === "no such route" ? ADMIN_OFF_TEXT : "no such conversation");
+      } else if (!response.ok) {
+        const message = text(record(body.error).message);
+        conversationMessage(`reading the conversation failed: HTTP ${response.status}${message ? `: ${message}` : ""}`);
+      } else {
+        renderConversation(body);
+      }
+    } catch (error) {
+      if (abort === conversationAbort) conversationMessage(`reading the conversation failed: ${errorText(error)}`);
+    }
+  };
+
   // MARK: Wiring
 
   ui.tokenForm.addEventListener("submit", (event) => {
@@ -1129,6 +1232,7 @@ function startDashboard() {
   ui.forget.addEventListener("click", () => {
     stopFeed();
     lookupAbort?.abort();
+    conversationAbort?.abort();
     storeToken(null);
     clearData();
     setFeedState("no token", "idle");
@@ -1144,6 +1248,26 @@ function startDashboard() {
       return;
     }
     void lookUp(user);
+  });
+
+  ui.conversationForm.addEventListener("submit", (event) => {
+    event.preventDefault();
+    const conversation = ui.conversationId.value.trim();
+    if (conversation === "") return;
+    if (token === null) {
+      askForToken("paste the admin token first");
+      return;
+    }
+    void showConversation(conversation);
+  });
+
+  // A conversation of the looked-up user opens in the conversation card.
+  ui.lookupResult.addEventListener("click", (event) => {
+    const row = /** @type {Element | null} */ (event.target instanceof Element ? event.target.closest("tr[data-conversation-id]") : null);
+    const conversation = row?.getAttribute("data-conversation-id");
+    if (!conversation || token === null) return;
+    ui.conversationId.value = conversation;
+    void showConversation(conversation);
   });
 
   // Once a second: the reconnect countdown, the stall watchdog, relative times, leases, the chart.
