@@ -229,7 +229,7 @@ struct RESTTests {
                 ("DELETE", "/api/presence/status", "POST"),
                 ("GET", "/api/presence/privacy", "PUT"),
                 ("PATCH", "/api/conversations/c1/typing", "POST"),
-                ("POST", "/api/admin/conversations/c1", "DELETE, PUT"),
+                ("POST", "/api/admin/conversations/c1", "DELETE, GET, PUT"),
                 ("PUT", "/api/presence/subscribe", "GET"),
             ]
             for (method, path, allow) in cases {
