@@ -20,6 +20,7 @@ chromium-driver (scripts/install-deps installs them).
 """
 import argparse
 import base64
+import contextlib
 import hashlib
 import hmac
 import http.server
@@ -217,34 +218,72 @@ def presencectl(arguments, redis_url, prefix):
     return json.loads(output.stdout)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--screenshots", default=os.path.join(ROOT, ".build/browser"), help="where the screenshots go")
-    arguments = parser.parse_args()
-    redis_url = os.environ.get("PRESENCE_REDIS_URL") or fail("PRESENCE_REDIS_URL is not set: run under scripts/with-redis")
-    binary = os.environ.get("GATEWAY_BIN", os.path.join(ROOT, ".build/debug/presence-gateway"))
-    os.path.exists(binary) or fail(f"no gateway binary at {binary}: run swift build first")
-    os.makedirs(arguments.screenshots, exist_ok=True)
-    work = tempfile.mkdtemp(prefix="presence-browser-")
-    prefix = f"browser{os.getpid()}"
-    nodes, drivers = [], []
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a: http.server.SimpleHTTPRequestHandler(*a, directory=os.path.join(ROOT, "Tests/Browser")))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    app = f"http://127.0.0.1:{server.server_address[1]}/app.html"
+class Run:
+    """One browser test's world: its arguments, Redis, a key prefix of its own, a scratch folder, the
+    test pages served over HTTP, and the nodes and browsers it started (stopped at its end)."""
+
+    def __init__(self, description, name, page):
+        parser = argparse.ArgumentParser(description=description)
+        parser.add_argument("--screenshots", default=os.path.join(ROOT, ".build/browser"), help="where the screenshots go")
+        self.arguments = parser.parse_args()
+        self.redis_url = os.environ.get("PRESENCE_REDIS_URL") or fail("PRESENCE_REDIS_URL is not set: run under scripts/with-redis")
+        self.binary = os.environ.get("GATEWAY_BIN", os.path.join(ROOT, ".build/debug/presence-gateway"))
+        os.path.exists(self.binary) or fail(f"no gateway binary at {self.binary}: run swift build first")
+        os.makedirs(self.arguments.screenshots, exist_ok=True)
+        self.work = tempfile.mkdtemp(prefix=f"presence-{name}-")
+        self.prefix = f"{name}{os.getpid()}"
+        self.nodes, self.drivers = [], []
+        directory = os.path.join(ROOT, "Tests/Browser")
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a: http.server.SimpleHTTPRequestHandler(*a, directory=directory))
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.page = f"http://127.0.0.1:{self.server.server_address[1]}/{page}"
+
+    def node(self, name):
+        node = Node(name, self.binary, self.redis_url, self.prefix, self.work)
+        self.nodes.append(node)
+        return node
+
+    def browser(self, name):
+        driver = browser(os.path.join(self.work, name))
+        self.drivers.append(driver)
+        return driver
+
+    def stop(self):
+        for driver in self.drivers:
+            try:
+                driver.quit()
+            except Exception:  # noqa: BLE001
+                pass
+        for node in self.nodes:
+            node.kill()
+        self.server.shutdown()
+        shutil.rmtree(self.work, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def run_of(description, name, page):
+    """A browser test's ``Run``, stopped however the test ends."""
+    run = Run(description, name, page)
     try:
-        a = Node("node-a", binary, redis_url, prefix, work)
-        b = Node("node-b", binary, redis_url, prefix, work)
-        nodes += [a, b]
+        yield run
+    finally:
+        run.stop()
+
+
+def main():
+    with run_of(__doc__.splitlines()[0], "browser", "app.html") as run:
+        arguments, redis_url, prefix, app = run.arguments, run.redis_url, run.prefix, run.page
+        a = run.node("node-a")
+        b = run.node("node-b")
         request("PUT", f"{a.url}/api/admin/conversations/room", {"member_ids": ["alice", "bob"]})
 
         def page(user, peer, gateways):
             query = urllib.parse.urlencode({"gateways": ",".join(gateways), "token": token(user), "me": user, "peer": peer, "conversation": "room"})
             return f"{app}?{query}"
 
-        bob = browser(os.path.join(work, "bob"))
-        alice = browser(os.path.join(work, "alice"))
-        board = browser(os.path.join(work, "board"))
-        drivers += [bob, alice, board]
+        bob = run.browser("bob")
+        alice = run.browser("alice")
+        board = run.browser("board")
 
         # 1. Bob's page first, then Alice's: her presence reaches him within 1 s of her page loading.
         bob.get(page("bob", "alice", [b.url, a.url]))
@@ -351,16 +390,6 @@ def main():
         gone = wait_until(lambda: next((e for e in peer_events(bob, "alice", closed) if e["detail"]["status"] == "offline"), None), 3, "Bob sees Alice offline")
         check((gone["at"] - closed) / 1000 < 1.0, f"Bob saw Alice offline {(gone['at'] - closed) / 1000:.3f} s after her tab closed")
         print("e2e: all checks passed")
-    finally:
-        for driver in drivers:
-            try:
-                driver.quit()
-            except Exception:  # noqa: BLE001
-                pass
-        for node in nodes:
-            node.kill()
-        server.shutdown()
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

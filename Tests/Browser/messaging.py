@@ -23,17 +23,15 @@ Alice's page (Tests/Browser/chat.*) talks to node A, Bob's to node B (one Redis)
      "read" (both pages show the conversation), and the members' cursors at the last seq.
 A check that cannot run (Chromium does not start, iptables refuses) is a failure with its reason.
 """
-import argparse
-import http.server
 import os
 import shutil
 import subprocess
-import tempfile
-import threading
+import sys
 import time
 import urllib.parse
 
-from e2e import ADMIN, ROOT, Node, browser, check, fail, request, screenshot, token, wait_until
+sys.dont_write_bytecode = True  # importing e2e leaves no __pycache__ in the tree
+from e2e import ADMIN, check, fail, request, run_of, screenshot, token, wait_until
 
 CONVERSATION = "room"
 
@@ -101,32 +99,18 @@ class Cut:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--screenshots", default=os.path.join(ROOT, ".build/browser"), help="where the screenshots go")
-    arguments = parser.parse_args()
-    redis_url = os.environ.get("PRESENCE_REDIS_URL") or fail("PRESENCE_REDIS_URL is not set: run under scripts/with-redis")
-    binary = os.environ.get("GATEWAY_BIN", os.path.join(ROOT, ".build/debug/presence-gateway"))
-    os.path.exists(binary) or fail(f"no gateway binary at {binary}: run swift build first")
-    os.makedirs(arguments.screenshots, exist_ok=True)
-    work = tempfile.mkdtemp(prefix="presence-messaging-")
-    prefix = f"messaging{os.getpid()}"
-    nodes, drivers = [], []
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a: http.server.SimpleHTTPRequestHandler(*a, directory=os.path.join(ROOT, "Tests/Browser")))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    chat = f"http://127.0.0.1:{server.server_address[1]}/chat.html"
-    try:
-        a = Node("node-a", binary, redis_url, prefix, work)
-        b = Node("node-b", binary, redis_url, prefix, work)
-        nodes += [a, b]
+    with run_of(__doc__.splitlines()[0], "messaging", "chat.html") as run:
+        arguments, chat = run.arguments, run.page
+        a = run.node("node-a")
+        b = run.node("node-b")
         request("PUT", f"{b.url}/api/admin/conversations/{CONVERSATION}", {"member_ids": ["alice", "bob"]})
 
         def page(user, peer, node):
             query = urllib.parse.urlencode({"gateways": node.url, "token": token(user), "me": user, "peer": peer, "conversation": CONVERSATION})
             return f"{chat}?{query}"
 
-        alice = browser(os.path.join(work, "alice"))
-        bob = browser(os.path.join(work, "bob"))
-        drivers += [alice, bob]
+        alice = run.browser("alice")
+        bob = run.browser("bob")
         alice.get(page("alice", "bob", a))
         bob.get(page("bob", "alice", b))
         for driver, name in [(alice, "Alice"), (bob, "Bob")]:
@@ -233,8 +217,7 @@ def main():
             check([text for _, text in stored(bob)[started:]] == cut_texts, "in the order written")
 
         # 6. The dashboard's view of the conversation.
-        board = browser(os.path.join(work, "board"))
-        drivers.append(board)
+        board = run.browser("board")
         board.get(f"{b.url}/dashboard")
         board.find_element("id", "token-input").send_keys(ADMIN)
         board.find_element("css selector", "#token-form button[type=submit], #token-form button").click()
@@ -263,16 +246,6 @@ def main():
         check(cursors == {"alice": [last, last], "bob": [last, last]}, f"both members' cursors are at {last}: {cursors}")
         screenshot(board, arguments.screenshots, "dashboard-conversation", ["conversation-result"])
         print("messaging: all checks passed")
-    finally:
-        for driver in drivers:
-            try:
-                driver.quit()
-            except Exception:  # noqa: BLE001
-                pass
-        for node in nodes:
-            node.kill()
-        server.shutdown()
-        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
