@@ -282,42 +282,23 @@ struct ClientLiveTests {
     func terminalClient() async throws {
         let prefix = TestRedis.uniquePrefix("sdk-cli")
         let node = try await GatewayProcess(nodeID: "node", environment: nodeEnvironment(prefix: prefix, extra: ["PRESENCE_VISIBILITY": "open"]))
-        let output = FileManager.default.temporaryDirectory.appendingPathComponent("presence-client-\(UUID().uuidString).out")
-        _ = FileManager.default.createFile(atPath: output.path, contents: nil)
-        defer {
-            try? FileManager.default.removeItem(at: output)
-            try? FileManager.default.removeItem(atPath: output.path + ".outbox")
-        }
-        let process = Process()
-        process.executableURL = GatewayProcess.binary.deletingLastPathComponent().appendingPathComponent("presence-client")
-        process.arguments = ["--url", "ws://127.0.0.1:\(node.port)", "--token", try await mint("bob"), "--device", "terminal", "--watch", "alice",
-                             "--outbox", output.path + ".outbox"]
-        let input = Pipe()
-        process.standardInput = input
-        process.standardOutput = try FileHandle(forWritingTo: output)
-        process.standardError = try FileHandle(forWritingTo: output)
-        try process.run()
-        defer { if process.isRunning { kill(process.processIdentifier, SIGKILL) } }
-        func printed(_ text: String) async -> Bool {
-            await eventually(timeout: .seconds(10), poll: .milliseconds(20)) {
-                ((try? String(contentsOf: output, encoding: .utf8)) ?? "").contains(text)
-            }
-        }
-        #expect(await printed("[connected]"))
+        let terminal = try await TerminalClient(node, user: "bob", ["--watch", "alice"])
+        defer { terminal.stop() }
+        #expect(await terminal.printed("[connected]"))
         let alice = try await LiveClient("alice", device: "phone", nodes: [node])
         #expect(await alice.connected())
         try await alice.client.watch(["bob"])
         #expect(await alice.sees("bob", .online))
-        #expect(await printed("alice: Online"))
+        #expect(await terminal.printed("alice: Online"))
         await alice.client.setStatus(.away)
-        #expect(await printed("alice: Away"))
-        input.fileHandleForWriting.write(Data("list\n".utf8))
-        #expect(await printed("alice  Away"))
-        input.fileHandleForWriting.write(Data("quit\n".utf8))
+        #expect(await terminal.printed("alice: Away"))
+        terminal.type("list")
+        #expect(await terminal.printed("alice  Away"))
+        terminal.type("quit")
         #expect(await alice.sees("bob", .offline, within: .seconds(1.5)), "a clean close: offline before the 2 s linger")
-        #expect(await eventually(timeout: .seconds(5)) { !process.isRunning }, "quit ends the client")
-        #expect(process.terminationStatus == 0)
-        #expect(await printed("[signed out]"))
+        #expect(await eventually(timeout: .seconds(5)) { !terminal.process.isRunning }, "quit ends the client")
+        #expect(terminal.process.terminationStatus == 0)
+        #expect(await terminal.printed("[signed out]"))
     }
 
     @Test("presence-client --chat: typed lines are messages; written while /offline they wait as sending and go out on /online")
@@ -325,52 +306,77 @@ struct ClientLiveTests {
         let prefix = TestRedis.uniquePrefix("sdk-chat")
         let node = try await GatewayProcess(nodeID: "node", environment: nodeEnvironment(prefix: prefix))
         #expect(admin(node, "PUT", "/api/admin/conversations/room", #"{"member_ids":["alice","bob"]}"#)?.status == 200)
-        let directory = FileManager.default.temporaryDirectory.appendingPathComponent("presence-chat-\(UUID().uuidString)")
+        let terminal = try await TerminalClient(node, user: "bob", ["--chat", "room"])
+        defer { terminal.stop() }
+        #expect(await terminal.printed("[connected]"))
+        let alice = try await LiveClient("alice", device: "phone", nodes: [node])
+        #expect(await alice.connected())
+        terminal.type("/offline")
+        #expect(await terminal.printed("[idle]"))
+        terminal.type("written offline")
+        #expect(await terminal.printed("me: written offline  [sending]"))
+        try await Task.sleep(for: .milliseconds(300))
+        #expect(await alice.client.messages(in: "room").isEmpty)
+        terminal.type("/online")
+        #expect(await alice.waitUntil { await $0.messages(in: "room").map(\.text) == ["written offline"] })
+        // Its line is printed from the ack (sender "me") or from the gateway's copy (bob),
+        // whichever comes first.
+        #expect(await terminal.printedLine("room #1 ", ": written offline  [sent]"))
+        try await alice.client.send("hi bob", to: "room")
+        #expect(await terminal.printed("room #2 alice: hi bob  [delivered]"))
+        terminal.type("/quit")
+        #expect(await eventually(timeout: .seconds(5)) { !terminal.process.isRunning }, "quit ends the client")
+        #expect(terminal.process.terminationStatus == 0)
+    }
+}
+
+/// `presence-client` run against a node as `user`, with `arguments` besides the URL, token, device
+/// and an outbox of its own; what it prints goes to a file the checks read.
+final class TerminalClient {
+    let process: Process
+    private let input: Pipe
+    private let directory: URL
+    private var output: URL { directory.appendingPathComponent("out") }
+
+    init(_ node: GatewayProcess, user: String, _ arguments: [String]) async throws {
+        directory = FileManager.default.temporaryDirectory.appendingPathComponent("presence-client-\(UUID().uuidString)")
         try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
-        defer { try? FileManager.default.removeItem(at: directory) }
         let output = directory.appendingPathComponent("out")
         _ = FileManager.default.createFile(atPath: output.path, contents: nil)
-        let process = Process()
+        process = Process()
         process.executableURL = GatewayProcess.binary.deletingLastPathComponent().appendingPathComponent("presence-client")
-        process.arguments = ["--url", "ws://127.0.0.1:\(node.port)", "--token", try await mint("bob"), "--device", "terminal",
-                             "--chat", "room", "--outbox", directory.appendingPathComponent("outbox.json").path]
-        let input = Pipe()
+        process.arguments = ["--url", "ws://127.0.0.1:\(node.port)", "--token", try await mint(user), "--device", "terminal",
+                             "--outbox", directory.appendingPathComponent("outbox.json").path] + arguments
+        input = Pipe()
         process.standardInput = input
         process.standardOutput = try FileHandle(forWritingTo: output)
         process.standardError = try FileHandle(forWritingTo: output)
         try process.run()
-        defer { if process.isRunning { kill(process.processIdentifier, SIGKILL) } }
-        func printed(_ text: String) async -> Bool {
-            await eventually(timeout: .seconds(10), poll: .milliseconds(20)) {
-                ((try? String(contentsOf: output, encoding: .utf8)) ?? "").contains(text)
+    }
+
+    /// Types a line on its standard input.
+    func type(_ line: String) {
+        input.fileHandleForWriting.write(Data((line + "\n").utf8))
+    }
+
+    /// Whether it printed `text` within 10 s.
+    func printed(_ text: String) async -> Bool {
+        await printedLine(text)
+    }
+
+    /// Whether it printed, within 10 s, a line with every one of `parts`.
+    func printedLine(_ parts: String...) async -> Bool {
+        let output = self.output
+        return await eventually(timeout: .seconds(10), poll: .milliseconds(20)) {
+            ((try? String(contentsOf: output, encoding: .utf8)) ?? "").split(separator: "\n").contains { line in
+                parts.allSatisfy { line.contains($0) }
             }
         }
-        /// A printed line with every one of `parts`.
-        func printedLine(_ parts: String...) async -> Bool {
-            await eventually(timeout: .seconds(10), poll: .milliseconds(20)) {
-                ((try? String(contentsOf: output, encoding: .utf8)) ?? "").split(separator: "\n").contains { line in
-                    parts.allSatisfy { line.contains($0) }
-                }
-            }
-        }
-        #expect(await printed("[connected]"))
-        let alice = try await LiveClient("alice", device: "phone", nodes: [node])
-        #expect(await alice.connected())
-        input.fileHandleForWriting.write(Data("/offline\n".utf8))
-        #expect(await printed("[idle]"))
-        input.fileHandleForWriting.write(Data("written offline\n".utf8))
-        #expect(await printed("me: written offline  [sending]"))
-        try await Task.sleep(for: .milliseconds(300))
-        #expect(await alice.client.messages(in: "room").isEmpty)
-        input.fileHandleForWriting.write(Data("/online\n".utf8))
-        #expect(await alice.waitUntil { await $0.messages(in: "room").map(\.text) == ["written offline"] })
-        // Its line is printed from the ack (sender "me") or from the gateway's copy (bob),
-        // whichever comes first.
-        #expect(await printedLine("room #1 ", ": written offline  [sent]"))
-        try await alice.client.send("hi bob", to: "room")
-        #expect(await printed("room #2 alice: hi bob  [delivered]"))
-        input.fileHandleForWriting.write(Data("/quit\n".utf8))
-        #expect(await eventually(timeout: .seconds(5)) { !process.isRunning }, "quit ends the client")
-        #expect(process.terminationStatus == 0)
+    }
+
+    /// Kills it if it still runs, and removes its files.
+    func stop() {
+        if process.isRunning { kill(process.processIdentifier, SIGKILL) }
+        try? FileManager.default.removeItem(at: directory)
     }
 }

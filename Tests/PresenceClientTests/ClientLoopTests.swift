@@ -16,6 +16,7 @@ final class ScriptedTransport: PresenceTransport {
         var urls: [URL] = []
         var written: [String] = []
         var drop: AsyncStream<UInt16?>.Continuation?
+        var receive: (@Sendable (String) async -> Void)?
     }
 
     private let state = NIOLockedValueBox(State())
@@ -27,6 +28,12 @@ final class ScriptedTransport: PresenceTransport {
     var isOpen: Bool { state.withLockedValue { $0.drop != nil } }
 
     func then(_ attempts: [Attempt]) { state.withLockedValue { $0.script += attempts } }
+
+    /// Hands `text` to the client as a frame of the open session.
+    func deliver(_ text: String) async {
+        let receive = state.withLockedValue { $0.receive }
+        await receive?(text)
+    }
 
     /// Ends the open session as if the gateway closed with `code` (`nil`: the connection dropped).
     func drop(_ code: UInt16?) {
@@ -41,8 +48,16 @@ final class ScriptedTransport: PresenceTransport {
         }
         if case .refuse = attempt { throw CancellationError() }
         let (drops, dropper) = AsyncStream.makeStream(of: UInt16?.self)
-        state.withLockedValue { $0.drop = dropper }
-        defer { state.withLockedValue { $0.drop = nil } }
+        state.withLockedValue {
+            $0.drop = dropper
+            $0.receive = received
+        }
+        defer {
+            state.withLockedValue {
+                $0.drop = nil
+                $0.receive = nil
+            }
+        }
         if case .open = attempt { await received(#"{"type":"initial_state","data":{"presences":[]}}"#) }
         return await withTaskGroup(of: UInt16?.self) { group in
             group.addTask {
@@ -250,5 +265,54 @@ struct ClientLoopTests {
         try await client.userTyped(in: "room")
         try await Task.sleep(for: .milliseconds(30))
         #expect(typingFrames().count == 2, "no typing while appearing offline")
+    }
+
+    @Test("a message gets 3 attempts on a live session, 1 s and 2 s apart on the clock (an error, or no ack in 10 s), with one id; then failed, and the next goes")
+    func messageAttempts() async throws {
+        let clock = ManualClock()
+        let transport = ScriptedTransport([.open])
+        let client = try makeClient(transport, clock: clock)
+        let run = Task { await client.run() }
+        defer { run.cancel() }
+        #expect(await state(client, { $0 == .connected }) == .connected)
+        /// The `send` frames written so far: frame id and client message id.
+        func sends() -> [(id: String, message: String)] {
+            transport.written.compactMap { text in
+                guard let object = try? JSONSerialization.jsonObject(with: Data(text.utf8)) as? [String: Any], object["type"] as? String == "send",
+                      let id = object["id"] as? String, let message = (object["data"] as? [String: Any])?["client_message_id"] as? String else { return nil }
+                return (id, message)
+            }
+        }
+        func waitForSends(_ count: Int) async -> Bool {
+            for _ in 0..<1_000 where sends().count < count { try? await Task.sleep(for: .milliseconds(1)) }
+            return sends().count == count
+        }
+        let first = try await client.send("one", to: "room")
+        let second = try await client.send("two", to: "room")
+        #expect(await waitForSends(1), "one message of a conversation under way at a time")
+        await transport.deliver(#"{"type":"error","id":"\#(sends()[0].id)","data":{"code":"internal","message":"boom"}}"#)
+        clock.advance(by: 0.9)
+        try await Task.sleep(for: .milliseconds(30))
+        #expect(sends().count == 1, "not before 1 s")
+        clock.advance(by: 0.1)
+        #expect(await waitForSends(2), "the second attempt 1 s after the first failed")
+        // No answer within 10 s fails the second attempt; the third comes 2 s later.
+        clock.advance(by: 10)
+        try await Task.sleep(for: .milliseconds(30))
+        clock.advance(by: 1.9)
+        try await Task.sleep(for: .milliseconds(30))
+        #expect(sends().count == 2)
+        clock.advance(by: 0.1)
+        #expect(await waitForSends(3))
+        await transport.deliver(#"{"type":"error","id":"\#(sends()[2].id)","data":{"code":"unavailable","message":"later"}}"#)
+        #expect(await waitForSends(4), "the next message goes once the first has failed")
+        #expect(sends().map(\.message) == [first.clientMessageID, first.clientMessageID, first.clientMessageID, second.clientMessageID])
+        let failed = await client.messages(in: "room").first { $0.clientMessageID == first.clientMessageID }
+        #expect(failed?.status == .failed && failed?.failure == "unavailable: later", "\(String(describing: failed))")
+        // A rate-limited attempt costs none: the message waits retryDelay and goes again.
+        await transport.deliver(#"{"type":"error","id":"\#(sends()[3].id)","data":{"code":"rate_limited","message":"slow down"}}"#)
+        clock.advance(by: 1)
+        #expect(await waitForSends(5))
+        #expect(await client.messages(in: "room").first { $0.clientMessageID == second.clientMessageID }?.status == .sending)
     }
 }
