@@ -164,7 +164,10 @@ extension PresenceClient {
                 chat.written.insert(message.clientMessageID)
                 if chat.logs[message.conversationID] == nil { chat.logs[message.conversationID] = ChatState.Log() }
             }
-            if !restored.isEmpty { logger.info("outbox restored", metadata: ["presence.messages": "\(restored.count)"]) }
+            if !restored.isEmpty {
+                logger.info("outbox restored", metadata: ["presence.messages": "\(restored.count)"])
+                emit(restored.map { .message($0.message) })
+            }
             // Messages written before the read were not saved (that would have replaced the
             // store's outbox): saved with it now.
             if writtenBefore {

@@ -10,18 +10,27 @@ struct OutboxTests {
         ChatMessage(conversationID: "room", clientMessageID: "id-\(text)", text: text, createdAt: Date(timeIntervalSince1970: seconds), status: .sending)
     }
 
-    @Test("a message written before the store's outbox is read keeps what the store had: both are saved, the older first")
+    @Test("a message written before the store's outbox is read keeps what the store had: both are saved, the older first; each is announced",
+          .timeLimit(.minutes(1)))
     func writtenBeforeLoad() async throws {
         let store = MemoryMessageOutboxStore()
         try await store.save([Self.message("from the last run")])
         let configuration = try PresenceClientConfiguration(gatewayURL: URL(string: "ws://gateway.test")!, deviceID: "phone")
         let client = PresenceClient(configuration: configuration, tokenProvider: { _ in "token" }, outboxStore: store, logger: Logger(label: "test"))
+        let events = await client.events()
         try await client.send("written before run()", to: "room")
         await client.outboxSaved()
         await client.loadOutbox()
         await client.outboxSaved()
         #expect(try await store.load().map(\.text) == ["from the last run", "written before run()"])
         #expect(await client.messages(in: "room").map(\.text) == ["from the last run", "written before run()"])
+        // Each is announced once: the new one when written, the restored one when read back.
+        var announced: [String] = []
+        for await event in events {
+            if case .message(let message) = event { announced.append(message.text) }
+            if announced.count == 2 { break }
+        }
+        #expect(announced == ["written before run()", "from the last run"])
     }
 
     @Test("a wait before the next attempt that is over sets no timer while another message of its conversation is under way")
