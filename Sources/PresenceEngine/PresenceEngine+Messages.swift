@@ -191,7 +191,7 @@ extension PresenceEngine {
     public func conversationDetail(_ conversation: String, limit: Int = 50) async throws(PresenceError) -> ConversationSnapshot? {
         let members: [(user: String, cursors: Cursors)]
         do {
-            members = try await evaluate(ReadReceipts(conversation: conversation, reader: ""))
+            members = try await evaluate(ReadReceipts(conversation: conversation, reader: "")) ?? []
         } catch where error.code == .notFound {
             return nil
         }
@@ -201,7 +201,14 @@ extension PresenceEngine {
 
     /// Every member's cursors in `conversation`, for the member `reader`.
     public func receipts(of conversation: String, for reader: String) async throws(PresenceError) -> [(user: String, cursors: Cursors)] {
-        try await evaluate(ReadReceipts(conversation: conversation, reader: reader))
+        try await evaluate(ReadReceipts(conversation: conversation, reader: reader)) ?? []
+    }
+
+    /// Every member's cursors in `conversation`, for the member `reader`, unless it has more than
+    /// `limit` members: then `nil`, and they are not read (a large group's every reconnect must
+    /// not read all of them).
+    public func receipts(of conversation: String, for reader: String, atMost limit: Int) async throws(PresenceError) -> [(user: String, cursors: Cursors)]? {
+        try await evaluate(ReadReceipts(conversation: conversation, reader: reader, atMost: max(1, limit)))
     }
 
     /// `user`'s conversations with their history's state and the user's cursors, in id order.

@@ -262,23 +262,27 @@ struct MoveCursor: ScriptCall {
     """)
 }
 
-/// Every member's cursors in a conversation, for a member (or, with no reader, an administrator).
+/// Every member's cursors in a conversation, for a member (or, with no reader, an administrator);
+/// with `atMost` above 0, `nil` for a conversation of more members, which are not read.
 struct ReadReceipts: ScriptCall {
     var conversation: String
     var reader: String
+    var atMost = 0
 
     func keys(_ context: ScriptContext) -> [String] {
         [context.keys.members(conversation), context.keys.historyMeta(conversation), context.keys.cursors(conversation)]
     }
 
     func arguments(_ context: ScriptContext) -> [RedisArgument] {
-        [context.now, RedisArgument(reader)]
+        [context.now, RedisArgument(reader), RedisArgument(atMost)]
     }
 
-    func decode(_ reply: RESPValue) throws(PresenceError) -> [(user: String, cursors: Cursors)] {
+    func decode(_ reply: RESPValue) throws(PresenceError) -> [(user: String, cursors: Cursors)]? {
         let parts = reply.array ?? []
         if let refusal = MessageLua.refusal(parts) { throw refusal }
         switch parts.first?.string {
+        case "toomany":
+            return nil
         case "receipts":
             guard parts.count == 2, let rows = parts[1].array else { break }
             return rows.compactMap { row in
@@ -297,6 +301,8 @@ struct ReadReceipts: ScriptCall {
     elseif redis.call('EXISTS', KEYS[1]) == 0 then
       return {'missing'}
     end
+    local atMost = tonumber(ARGV[3])
+    if atMost > 0 and redis.call('SCARD', KEYS[1]) > atMost then return {'toomany'} end
     local epoch = current(KEYS[2])
     local rows = {}
     for _, member in ipairs(redis.call('SMEMBERS', KEYS[1])) do

@@ -200,8 +200,7 @@ struct FrameHandler {
     /// Every member's cursors for a `synced`, read after its messages (a client sets its sent
     /// messages' status from them); `nil` past ``SyncedPayload/receiptsLimit`` members.
     private func receipts(of conversation: String) async throws -> [ReceiptPayload]? {
-        let rows = try await gateway.engine.receipts(of: conversation, for: user.userID)
-        guard rows.count <= SyncedPayload.receiptsLimit else { return nil }
+        guard let rows = try await gateway.engine.receipts(of: conversation, for: user.userID, atMost: SyncedPayload.receiptsLimit) else { return nil }
         return rows.map { ReceiptPayload(userID: $0.user, deliveredSeq: $0.cursors.deliveredSeq, readSeq: $0.cursors.readSeq) }
     }
 
