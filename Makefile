@@ -34,8 +34,9 @@ HEAVY_TESTS = GatewayFaultTests
 # tests, then the engine and gateway suites again with the cluster as their Redis (one test at a
 # time: on 2 cores, six servers beside the parallel suite starve the 3 s leases; the model test
 # takes 500 steps there, 2000 on one server). Then, each on a fresh cluster (each kills a primary):
-# the sharded pub/sub subscriber through slot moves and failovers, and three gateway processes
-# under load through a CLUSTER FAILOVER and a kill -9 of a primary.
+# the sharded pub/sub subscriber through slot moves and failovers; three gateway processes
+# under load through a CLUSTER FAILOVER and a kill -9 of a primary, then a node cut off from every
+# cluster node by iptables (as root).
 # Both searches run with fixed seeds (printed), so that every run tries the same inputs: a red
 # `make test` means the code changed, not that a random search got lucky. Random, longer
 # campaigns are `make fuzz` and `make api-fuzz`.
@@ -59,7 +60,7 @@ test: build-tests check-deploy fuzz-build
 	  && PRESENCE_TEST_REDIS_URL="$$PRESENCE_TEST_REDIS_CLUSTER_URL" PRESENCE_MODEL_STEPS=500 scripts/test-run on-cluster \
 	     timeout --kill-after=10 600 $(SWIFT) test --skip-build --no-parallel $(BUILD_FLAGS) --filter "PresenceEngineTests|PresenceGatewayTests"'
 	scripts/with-redis-cluster scripts/test-run cluster-pubsub timeout --kill-after=10 300 $(SWIFT) test --skip-build $(BUILD_FLAGS) --filter ClusterSubscriberTests
-	scripts/with-redis-cluster scripts/test-run cluster-faults timeout --kill-after=10 300 $(SWIFT) test --skip-build $(BUILD_FLAGS) --filter ClusterGatewayTests
+	scripts/with-redis-cluster scripts/test-run cluster-faults timeout --kill-after=10 400 $(SWIFT) test --skip-build --no-parallel $(BUILD_FLAGS) --filter "ClusterGatewayTests|ClusterPartitionTests"
 	scripts/with-redis-cluster scripts/test-run cluster-chaos timeout --kill-after=10 600 $(SWIFT) test --skip-build --no-parallel $(BUILD_FLAGS) --filter "ChaosTests/chaosOnCluster"
 	PRESENCE_TEST_CLUSTER_CLOCK_OFFSET_MS=5000 scripts/with-redis-cluster scripts/test-run cluster-clocks timeout --kill-after=10 120 $(SWIFT) test --skip-build $(BUILD_FLAGS) --filter ClusterClockTests
 

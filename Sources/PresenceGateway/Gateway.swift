@@ -60,6 +60,9 @@ public final class Gateway: Sendable {
         // of the network's return.
         redisConfiguration.waitForConnection = .milliseconds(300)
         redisConfiguration.stallTimeout = Self.redisStallTimeout
+        // An idle connection (a cluster primary no command went to lately) finds a silent
+        // network within 250 ms + the stall timeout too.
+        redisConfiguration.heartbeatInterval = .milliseconds(250)
         redisConfiguration.connectTimeout = .seconds(1)
         redisConfiguration.connectHedgeInterval = .milliseconds(100)
         redisConfiguration.maximumBackoff = .seconds(1)
@@ -140,6 +143,7 @@ public func buildGateway(
     router.add(middleware: APIErrorMiddleware())
     router.add(middleware: RESTCodingMiddleware(coder: gateway.bodies, maxBody: configuration.maxBodySize))
     router.add(middleware: CurrentStateMiddleware(engine: gateway.engine))
+    router.add(middleware: StoreDeadlineMiddleware())
     gateway.addRESTRoutes(to: router)
     gateway.addMessageRoutes(to: router)
     gateway.addAdminRoutes(to: router)

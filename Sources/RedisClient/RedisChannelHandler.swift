@@ -75,10 +75,15 @@ final class RedisChannelHandler: ChannelDuplexHandler {
     private var pending = CircularBuffer<Pending>(initialCapacity: 64)
     private var closed = false
     private var timeoutCheck: RepeatedTask?
+    /// How long an idle connection stays silent before it sends a `PING`; nil: never.
+    private let heartbeat: TimeAmount?
+    /// When a reply last arrived, or the connection opened.
+    private var lastHeard = NIODeadline.now()
 
-    init(maxReplyBytes: Int, stallTimeout: Duration, onPush: (@Sendable (RedisPush) -> Void)?) {
+    init(maxReplyBytes: Int, stallTimeout: Duration, heartbeat: Duration? = nil, onPush: (@Sendable (RedisPush) -> Void)?) {
         self.parser = RESPParser(maxPendingBytes: maxReplyBytes)
         self.stallTimeout = TimeAmount(stallTimeout)
+        self.heartbeat = heartbeat.map(TimeAmount.init)
         self.onPush = onPush
     }
 
@@ -115,6 +120,7 @@ final class RedisChannelHandler: ChannelDuplexHandler {
 
     func channelRead(context: ChannelHandlerContext, data: NIOAny) {
         let buffer = unwrapInboundIn(data)
+        lastHeard = .now()
         do {
             try parser.feed(buffer)
             while let reply = try parser.next() {
@@ -188,8 +194,21 @@ final class RedisChannelHandler: ChannelDuplexHandler {
     }
 
     /// The oldest command waited past the stall timeout: the connection is dropped, not waited on.
+    /// An idle connection silent for the heartbeat interval sends a `PING` of its own, which the
+    /// same rule then times.
     private func checkDeadlines(context: ChannelHandlerContext) {
-        guard let front = pending.first, front.deadline < .now() else { return }
+        let now = NIODeadline.now()
+        if let heartbeat, !closed, pending.isEmpty, now - lastHeard >= heartbeat {
+            var buffer = context.channel.allocator.buffer(capacity: 14)
+            RESPEncoder.encode(["PING"], into: &buffer)
+            let answered = context.eventLoop.makePromise(of: RESPValue.self)
+            // Its reply only proves the connection alive (an error reply does too).
+            answered.futureResult.whenComplete { _ in }
+            pending.append(Pending(promise: answered, remaining: 1, counting: .replies, collected: [], deadline: now + stallTimeout))
+            context.writeAndFlush(wrapOutboundOut(buffer), promise: nil)
+            return
+        }
+        guard let front = pending.first, front.deadline < now else { return }
         fail(context: context, RedisError(.timeout, "Redis did not answer within \(stallTimeout.nanoseconds / 1_000_000) ms"))
     }
 

@@ -272,8 +272,8 @@ final class ConnectionObservers: Sendable {
 /// Overlapping connection attempts, one more every interval while fewer than a limit are under
 /// way: the first connection is returned as soon as it is made (an attempt a partition swallowed
 /// still waits for its connect timeout, and closes what it gets late). Fails with the last error
-/// once every attempt failed and none is under way.
-private final class ConnectRace: Sendable {
+/// once every attempt failed and none is under way; with a deadline, no attempt starts after it.
+final class ConnectRace: Sendable {
     private struct State {
         var continuation: CheckedContinuation<RedisConnection, any Error>?
         var underWay = 0
@@ -282,7 +282,7 @@ private final class ConnectRace: Sendable {
 
     private let state = NIOLockedValueBox(State())
 
-    func run(interval: Duration, limit: Int, _ attempt: @escaping @Sendable () async throws -> RedisConnection) async throws -> RedisConnection {
+    func run(interval: Duration, limit: Int, until deadline: ContinuousClock.Instant? = nil, _ attempt: @escaping @Sendable () async throws -> RedisConnection) async throws -> RedisConnection {
         try await withTaskCancellationHandler {
             try await withCheckedThrowingContinuation { (continuation: CheckedContinuation<RedisConnection, any Error>) in
                 let cancelled = state.withLockedValue { state -> Bool in
@@ -297,6 +297,7 @@ private final class ConnectRace: Sendable {
                 Task {
                     while self.launch(limit: limit, attempt) {
                         try? await Task.sleep(for: interval)
+                        if let deadline, ContinuousClock.now >= deadline { break }
                     }
                 }
             }

@@ -202,3 +202,15 @@ public func withRedisCommands<Result: Sendable>(
         try await body(client)
     }
 }
+
+/// A deadline for the commands a task sends, sooner than the client's own retry budget.
+///
+/// A Redis Cluster client retries a command whose node cannot be reached (a failover) for
+/// ``RedisConfiguration/waitForConnection`` plus ``RedisConfiguration/commandTimeout``; a caller
+/// that must answer sooner (an HTTP read that owes a 503 within a second) binds a deadline for
+/// its work, and commands sent within it fail with ``RedisError/Code/unavailable`` once it passed:
+///
+///     try await RedisCommandDeadline.$current.withValue(.now + .milliseconds(900)) { ... }
+public enum RedisCommandDeadline {
+    @TaskLocal public static var current: ContinuousClock.Instant?
+}

@@ -64,6 +64,10 @@ public struct RedisConfiguration: Sendable, Equatable {
     /// is taken for stalled (a network that drops packets, a stopped server) and dropped: its
     /// commands fail, and later ones go to a fresh connection rather than wait behind it.
     public var stallTimeout: Duration = .seconds(5)
+    /// When set, a command connection that heard nothing for this long and has nothing under
+    /// way sends a `PING`, so that a network that went silent is found by ``stallTimeout`` while
+    /// the connection is idle, not only once a command waits on it. Nil: no heartbeat.
+    public var heartbeatInterval: Duration?
     /// When set, a client reconnecting starts another attempt this often while earlier ones
     /// hang (at most 10 at once): a partition drops the connection's SYN, which TCP resends only
     /// a second later, so a fresh attempt reaches a network that came back sooner. Nil: one

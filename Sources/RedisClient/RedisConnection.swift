@@ -58,6 +58,7 @@ public final class RedisConnection: Sendable {
                         let handler = RedisChannelHandler(
                             maxReplyBytes: configuration.maxReplyBytes,
                             stallTimeout: configuration.stallTimeout,
+                            heartbeat: onPush == nil ? configuration.heartbeatInterval : nil,
                             onPush: onPush
                         )
                         try channel.pipeline.syncOperations.addHandler(handler)

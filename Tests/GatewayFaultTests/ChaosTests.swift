@@ -160,7 +160,7 @@ struct ChaosTests {
         func startNode(_ index: Int) async throws {
             let skew = skews[index]
             var variables = skew == 0 ? environment : environment.merging(try SkewedClock.environment(offset: skew)) { _, new in new }
-            if let redis, !partitions.isEmpty { variables["PRESENCE_REDIS_URL"] = "redis://\(partitions[index].address):\(redis.port)/0" }
+            if let redis, !partitions.isEmpty, let address = partitions[index].address { variables["PRESENCE_REDIS_URL"] = "redis://\(address):\(redis.port)/0" }
             let node = try await GatewayProcess(nodeID: "node\(index)", environment: variables, port: index < ports.count ? ports[index] : nil)
             if nodes.count <= index {
                 nodes.append(node)

@@ -48,11 +48,26 @@ struct PartitionTests {
     func shortCuts() async throws {
         let (redis, a, b, partition, _) = try await Self.start()
         defer { partition.heal() }
+        try await Self.shortCuts(a, b, partition, label: "shortCuts")
+        _ = redis
+    }
+
+    @Test("a cut of 8 s: REST on the node answers 503 within a second, /readyz follows within a second, and after it never says offline for a user connected there")
+    func longCut() async throws {
+        let (redis, a, b, partition, _) = try await Self.start()
+        defer { partition.heal() }
+        try await Self.longCut(a, b, partition, label: "longCut")
+        _ = redis
+    }
+
+    /// Five cuts of 1.7 s between `a` and Redis while bob, on `b`, watches alice, on `a`, and
+    /// reads her over REST on `b`.
+    static func shortCuts(_ a: GatewayProcess, _ b: GatewayProcess, _ partition: Partition, label: String) async throws {
         let (alice, bob) = try await Self.aliceAndBob(a, b)
         let reader = try await mint("reader")
         let seed = UInt64(ProcessInfo.processInfo.environment["PRESENCE_PARTITION_SEED"] ?? "") ?? 20_261_126
         var random = SeededRandom(seed: seed)
-        print("shortCuts: seed \(seed) (PRESENCE_PARTITION_SEED)")
+        print("\(label): seed \(seed) (PRESENCE_PARTITION_SEED)")
         let started = ContinuousClock.now
         var offlineReads: [String] = []
         for round in 1...5 {
@@ -70,21 +85,19 @@ struct PartitionTests {
             partition.heal()
             try await Task.sleep(for: .seconds(2))
         }
-        print("shortCuts: bob's timeline of alice: \(bob.timeline(since: started, peer: "alice"))")
+        print("\(label): bob's timeline of alice: \(bob.timeline(since: started, peer: "alice"))")
         if bob.statuses(of: "alice").contains(.offline) {
-            print("shortCuts: node a's log:\n\(a.output.split(separator: "\n").suffix(60).joined(separator: "\n"))")
-            print("shortCuts: node b's log:\n\(b.output.split(separator: "\n").suffix(30).joined(separator: "\n"))")
+            print("\(label): node a's log:\n\(a.output.split(separator: "\n").suffix(60).joined(separator: "\n"))")
+            print("\(label): node b's log:\n\(b.output.split(separator: "\n").suffix(30).joined(separator: "\n"))")
         }
         #expect(offlineReads.isEmpty, "\(offlineReads)")
         #expect(!bob.statuses(of: "alice").contains(.offline), "bob never heard alice go offline: \(bob.timeline(since: started, peer: "alice"))")
         #expect(await alice.client.connectionState == .connected, "alice's session was never closed")
-        _ = redis
     }
 
-    @Test("a cut of 8 s: REST on the node answers 503 within a second, /readyz follows within a second, and after it never says offline for a user connected there")
-    func longCut() async throws {
-        let (redis, a, b, partition, _) = try await Self.start()
-        defer { partition.heal() }
+    /// A cut of 8 s between `a` and Redis, alice on `a` and bob on `b`, with reads of alice on `a`
+    /// throughout and for 4 s after.
+    static func longCut(_ a: GatewayProcess, _ b: GatewayProcess, _ partition: Partition, label: String) async throws {
         let (alice, bob) = try await Self.aliceAndBob(a, b)
         let reader = try await mint("reader")
         // Three readers of alice on a, from the cut until 4 s after it ends: one of them is
@@ -112,7 +125,7 @@ struct PartitionTests {
                 try await Task.sleep(for: .milliseconds(100))
             }
             #expect(readyzUnready.map { $0 < .milliseconds(1500) } ?? false, "/readyz 503 within a second of the cut (+ the poll): \(readyzUnready.map { "\($0)" } ?? "never")")
-            print("longCut: /readyz 503 after \(readyzUnready.map { "\($0)" } ?? "never")")
+            print("\(label): /readyz 503 after \(readyzUnready.map { "\($0)" } ?? "never")")
             #expect(await bob.sees("alice", .offline, within: .seconds(1)), "node a's users are offline once its lease ran out")
             partition.heal()
             var all: [(sent: Duration, took: Duration, code: Int?, status: String?)] = []
@@ -126,42 +139,88 @@ struct PartitionTests {
         // Alice is connected to a throughout: any answer but "online" is stale.
         let stale = reads.filter { $0.code == 200 && $0.status != "online" }.map { "sent \($0.sent) after the cut, answered \($0.status ?? "?") after \($0.took)" }
         let firstOnline = reads.first { $0.sent >= .seconds(8) && $0.status == "online" }.map { $0.sent + $0.took - .seconds(8) }
-        print("longCut: \(reads.count) reads of alice on a; during the cut \(codes), the slowest \(during.map(\.took).max() ?? .zero); online again \(firstOnline.map { "\($0)" } ?? "never") after the cut ended")
+        print("\(label): \(reads.count) reads of alice on a; during the cut \(codes), the slowest \(during.map(\.took).max() ?? .zero); online again \(firstOnline.map { "\($0)" } ?? "never") after the cut ended")
         #expect(slow.isEmpty, "REST on a answered late: \(slow)")
         #expect(codes[503, default: 0] > 0 && codes[0] == nil, "503s, and no read unanswered: \(codes)")
         #expect(stale.isEmpty, "a answered for alice, connected to it, from a stale state: \(stale)")
         #expect(firstOnline != nil, "alice is online in REST on a again")
         #expect(await bob.sees("alice", .online, within: .seconds(3)), "bob sees alice online again")
         #expect(await alice.client.connectionState == .connected, "alice's session stayed open")
-        _ = redis
     }
 }
 
-/// The iptables rules that drop every packet between `address` (a node's own loopback address
-/// for Redis) and Redis's port, both ways.
+/// The iptables rules that cut one node off from Redis: every packet between them dropped, both
+/// ways, as a partition does (no reset).
 struct Partition: Sendable {
-    let port: Int
-    var address = "127.0.0.2"
+    /// One rule: its table, and its chain with the match and the target.
+    struct Rule: Sendable {
+        var table = "filter"
+        let spec: [String]
+    }
+
+    /// Dropping while the cut lasts.
+    private let cutRules: [Rule]
+    /// In place from ``prepare()`` to ``remove()``: what the cut rules need to find the node's
+    /// connections.
+    private let standingRules: [Rule]
+    /// The node's own address for Redis, for a cut by address.
+    let address: String?
 
     /// Root, and an iptables that can read its INPUT chain (a kernel with netfilter).
     static let available: Bool = getuid() == 0 && (try? iptables(["-L", "INPUT", "-n"])) != nil
 
-    private var rules: [[String]] {
-        [
-            ["INPUT", "-p", "tcp", "-d", address, "--dport", "\(port)", "-j", "DROP"],
-            ["INPUT", "-p", "tcp", "-s", address, "--sport", "\(port)", "-j", "DROP"],
+    /// A node that reaches Redis (on `port`) at an address of its own: its packets are those to
+    /// or from that address.
+    init(port: Int, address: String = "127.0.0.2") {
+        cutRules = [
+            Rule(spec: ["INPUT", "-p", "tcp", "-d", address, "--dport", "\(port)", "-j", "DROP"]),
+            Rule(spec: ["INPUT", "-p", "tcp", "-s", address, "--sport", "\(port)", "-j", "DROP"]),
         ]
+        standingRules = []
+        self.address = address
+    }
+
+    /// A node that runs with group id `group` (``GatewayProcess``'s `group`) and reaches Redis
+    /// on `ports` (a cluster's nodes all announce 127.0.0.1, so addresses cannot tell the node
+    /// apart). Its connections to those ports are marked when they open (conntrack keeps the
+    /// mark); the cut drops what the node sends to them and whatever comes back on a marked
+    /// connection.
+    init(group: UInt32, ports: [Int]) {
+        let ports = ports.map(String.init).joined(separator: ",")
+        let mark = String(format: "0x%x", group)
+        let owned = ["OUTPUT", "-p", "tcp", "-m", "owner", "--gid-owner", "\(group)", "-m", "multiport", "--dports", ports]
+        standingRules = [Rule(table: "mangle", spec: owned + ["-j", "CONNMARK", "--set-mark", mark])]
+        address = nil
+        cutRules = [
+            Rule(spec: owned + ["-j", "DROP"]),
+            Rule(spec: ["INPUT", "-p", "tcp", "-m", "connmark", "--mark", mark, "-j", "DROP"]),
+        ]
+    }
+
+    /// Puts the standing rules in place; call before the node connects.
+    func prepare() throws {
+        for rule in standingRules { try Self.iptables(["-t", rule.table, "-A"] + rule.spec) }
     }
 
     /// Starts dropping the packets.
     func cut() throws {
-        for rule in rules { try Self.iptables(["-I"] + rule) }
+        for rule in cutRules { try Self.iptables(["-t", rule.table, "-I"] + rule.spec) }
     }
 
     /// Stops dropping them (each rule removed once; removing a missing rule does nothing).
     func heal() {
+        Self.delete(cutRules)
+    }
+
+    /// Heals, and takes the standing rules away.
+    func remove() {
+        heal()
+        Self.delete(standingRules)
+    }
+
+    private static func delete(_ rules: [Rule]) {
         for rule in rules {
-            while (try? Self.iptables(["-C"] + rule)) != nil { try? Self.iptables(["-D"] + rule) }
+            while (try? iptables(["-t", rule.table, "-C"] + rule.spec)) != nil { try? iptables(["-t", rule.table, "-D"] + rule.spec) }
         }
     }
 

@@ -207,6 +207,28 @@ struct HashSlotTests {
         }
         #expect(ContinuousClock.now - started < .seconds(2))
     }
+
+    @Test("a task's RedisCommandDeadline cuts a command's retries short; without one it waits the client's budget")
+    func taskDeadline() async throws {
+        let port = try RefusingPort()
+        var configuration = RedisConfiguration(commandTimeout: .milliseconds(500), waitForConnection: .milliseconds(1500))
+        configuration.connectTimeout = .milliseconds(200)
+        let router = try RedisClusterClient(seeds: [("127.0.0.1", port.port)], configuration: configuration, logger: TestRedis.logger())
+        try await withThrowingTaskGroup(of: Void.self) { group in
+            group.addTask { try await router.run() }
+            defer { router.shutdown() }
+            let bounded = ContinuousClock.now
+            await #expect(throws: RedisError.self) {
+                try await RedisCommandDeadline.$current.withValue(.now + .milliseconds(200)) { try await router.send("GET", "k") }
+            }
+            let boundedTook = ContinuousClock.now - bounded
+            #expect(boundedTook < .milliseconds(600), "failed within the task's deadline: \(boundedTook)")
+            let unbounded = ContinuousClock.now
+            await #expect(throws: RedisError.self) { try await router.send("GET", "k") }
+            let unboundedTook = ContinuousClock.now - unbounded
+            #expect(unboundedTook >= .seconds(1), "waited for a slot map the client's own time: \(unboundedTook)")
+        }
+    }
 }
 
 /// Against the live cluster of `scripts/with-redis-cluster`. One at a time and in this order:

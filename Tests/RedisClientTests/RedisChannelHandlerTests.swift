@@ -1,3 +1,4 @@
+import Foundation
 import NIOCore
 import NIOEmbedded
 import Testing
@@ -74,6 +75,41 @@ struct RedisChannelHandlerTests {
         #expect(received.all.map(\.channel) == ["a"])
         #expect(received.all.first?.payload == Array("hi".utf8))
         _ = try? channel.finish()
+    }
+
+    @Test("with a heartbeat, an idle connection sends PING; answered it stays, unanswered past the stall timeout it is dropped; a waiting command or no heartbeat sends none")
+    func heartbeat() throws {
+        let channel = EmbeddedChannel()
+        try channel.pipeline.syncOperations.addHandler(RedisChannelHandler(maxReplyBytes: 1 << 20, stallTimeout: .milliseconds(60), heartbeat: .milliseconds(10), onPush: nil))
+        try channel.connect(to: .init(ipAddress: "127.0.0.1", port: 6379)).wait()
+        var ping = ByteBuffer()
+        RESPEncoder.encode(["PING"], into: &ping)
+        // The handler's checks run every 100 ms of the loop's time and read the real clock.
+        func idle(_ milliseconds: UInt32) {
+            usleep(milliseconds * 1000)
+            (channel.eventLoop as! EmbeddedEventLoop).advanceTime(by: .milliseconds(100))
+        }
+        idle(20)
+        #expect(try channel.readOutbound(as: ByteBuffer.self) == ping, "idle for longer than the heartbeat: a PING")
+        try channel.writeInbound(ByteBuffer(string: "+PONG\r\n"))
+        #expect(channel.isActive)
+        // A command under way: no PING beside it.
+        let pending = try request(channel, ["GET", "a"])
+        idle(20)
+        #expect(try channel.readOutbound(as: ByteBuffer.self) == nil, "no PING while a command waits")
+        try channel.writeInbound(ByteBuffer(string: "$-1\r\n"))
+        #expect(try pending.outcome(on: channel) == .null)
+        idle(20)
+        #expect(try channel.readOutbound(as: ByteBuffer.self) == ping)
+        // No answer: the PING is timed like any command.
+        idle(80)
+        #expect(!channel.isActive, "a PING unanswered for the stall timeout drops the connection")
+
+        let quiet = try makeChannel()
+        idle(20)
+        (quiet.eventLoop as! EmbeddedEventLoop).advanceTime(by: .milliseconds(100))
+        #expect(try quiet.readOutbound(as: ByteBuffer.self) == nil, "no heartbeat configured: nothing sent")
+        _ = try? quiet.finish()
     }
 }
 

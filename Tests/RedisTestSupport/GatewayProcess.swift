@@ -19,14 +19,21 @@ public final class GatewayProcess: @unchecked Sendable {
 
     /// Starts a node with `environment` (`PRESENCE_*` values) over `port` (a free one when nil:
     /// pass a killed node's to restart it where its clients look) and the node id, and waits
-    /// until it answers `/healthz`. `binary` replaces ``binary`` (a release build, say).
-    public init(nodeID: String, environment: [String: String], port: Int? = nil, binary: URL? = nil) async throws {
+    /// until it answers `/healthz`. `binary` replaces ``binary`` (a release build, say). With
+    /// `group`, the node runs with that group id (through `setpriv`), so that iptables can tell
+    /// its packets from every other process's by their owner (`-m owner --gid-owner`).
+    public init(nodeID: String, environment: [String: String], port: Int? = nil, binary: URL? = nil, group: UInt32? = nil) async throws {
         self.port = try port ?? RedisServerProcess.freePort()
         self.nodeID = nodeID
         log = FileManager.default.temporaryDirectory.appendingPathComponent("gateway-\(nodeID)-\(UUID().uuidString).log")
         _ = FileManager.default.createFile(atPath: log.path, contents: nil)
         process = Process()
-        process.executableURL = binary ?? Self.binary
+        if let group {
+            process.executableURL = URL(fileURLWithPath: "/usr/bin/setpriv")
+            process.arguments = ["--regid", "\(group)", "--clear-groups", (binary ?? Self.binary).path]
+        } else {
+            process.executableURL = binary ?? Self.binary
+        }
         var variables = ProcessInfo.processInfo.environment.filter { !$0.key.hasPrefix("PRESENCE_") }
         variables.merge(environment) { _, new in new }
         if variables["PRESENCE_REDIS_PUBSUB"] == nil, let pubSub = TestRedis.pubSub { variables["PRESENCE_REDIS_PUBSUB"] = pubSub }

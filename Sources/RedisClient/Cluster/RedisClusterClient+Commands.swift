@@ -49,9 +49,11 @@ extension RedisClusterClient {
         return try HashSlot.slot(of: command)
     }
 
-    /// When a command sent now must have succeeded or failed.
+    /// When a command sent now must have succeeded or failed: the task's
+    /// ``RedisCommandDeadline/current`` when it comes sooner.
     func commandDeadline() -> ContinuousClock.Instant {
-        .now + configuration.waitForConnection + configuration.commandTimeout
+        let own = ContinuousClock.now + configuration.waitForConnection + configuration.commandTimeout
+        return RedisCommandDeadline.current.map { min($0, own) } ?? own
     }
 
     /// Sends one command to the primary of its keys' slot (any primary when it has none) and

@@ -260,7 +260,7 @@ public final class RedisClusterClient: Service, Sendable {
     private func keepConnection(to address: ClusterNodeAddress) async {
         let connection: RedisConnection
         do {
-            connection = try await RedisConnection.connect(configuration: nodeConfiguration(address), eventLoopGroup: eventLoopGroup, logger: logger)
+            connection = try await connect(to: address)
         } catch {
             let failure = RedisError(.unavailable, "cannot connect to Redis cluster node \(address)", underlying: error)
             let waiters = state.withLockedValue { state in
@@ -316,6 +316,20 @@ public final class RedisClusterClient: Service, Sendable {
         // A dead primary is about to be replaced by its replica: the map tells when.
         requestRefresh()
         requestConnection(to: address)
+    }
+
+    /// A new connection to `address`. With a hedge interval, attempts overlap (see
+    /// ``RedisConfiguration/connectHedgeInterval``) for at most ``RedisConfiguration/commandTimeout``:
+    /// a node whose network came back is reached within the interval, not at TCP's next resend.
+    func connect(to address: ClusterNodeAddress) async throws -> RedisConnection {
+        let configuration = nodeConfiguration(address)
+        let eventLoopGroup = self.eventLoopGroup
+        let logger = self.logger
+        let attempt: @Sendable () async throws -> RedisConnection = {
+            try await RedisConnection.connect(configuration: configuration, eventLoopGroup: eventLoopGroup, logger: logger)
+        }
+        guard let interval = configuration.connectHedgeInterval else { return try await attempt() }
+        return try await ConnectRace().run(interval: interval, limit: 10, until: .now + configuration.commandTimeout, attempt)
     }
 
     func nodeConfiguration(_ address: ClusterNodeAddress) -> RedisConfiguration {
