@@ -294,6 +294,23 @@ struct SessionChannelHandlerTests {
         #expect(harness.endings == [.init(clientCode: nil, serverCode: 1001)])
     }
 
+    @Test("a close while a ping is out ends the ping's wait: the close timeout alone bounds the handshake, and the client's answer completes it")
+    func closeWhilePingIsOut() throws {
+        let harness = try Harness()
+        harness.advance(.seconds(10))
+        #expect(try harness.written().map(\.opcode) == [.ping])
+        harness.advance(.seconds(3))
+        harness.handler.close(4001, reason: "the token has expired")
+        #expect(Self.closeCode(try harness.written().first) == 4001)
+        // The pong timeout (at 14 s) no longer applies: the close's own wait runs to 16 s.
+        harness.advance(.milliseconds(1500))
+        #expect(harness.channel.isActive, "still waiting for the client's close")
+        #expect(try harness.written().isEmpty, "no 1001 and no ping while closing")
+        try harness.receiveClose(4001)
+        #expect(!harness.channel.isActive)
+        #expect(harness.endings == [.init(clientCode: 4001, serverCode: 4001)])
+    }
+
     @Test("any frame from the client counts as alive: a client that keeps sending is pinged only after the interval of silence")
     func framesCountAsAlive() throws {
         let harness = try Harness()

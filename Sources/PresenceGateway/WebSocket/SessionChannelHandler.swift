@@ -58,19 +58,46 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
     /// frames brought it.
     private var fragments: (opcode: WebSocketOpcode, data: ByteBuffer, count: Int)?
     private var ending = Ending()
-    private var closeSent = false
-    private var awaitingPong = false
+    private var phase = Phase.open
     private var unwritableBytes = 0
     /// Written since the last flush.
     private var unflushed = false
     /// Pongs written during the read under way, flushed when it completes.
     private var pongsUnflushed = false
     private var pinger: Scheduled<Void>?
-    private var pongDeadline: Scheduled<Void>?
     /// When the client last sent a frame.
     private var lastHeard: NIODeadline?
     private var expiry: Scheduled<Void>?
-    private var watchdog: Scheduled<Void>?
+
+    /// Where the connection is. Each state that waits on the client holds the timer that ends
+    /// the wait, so no wait is without one, and leaving the state cancels it.
+    private enum Phase {
+        /// Open; a ping is sent once the client has been silent for the ping interval.
+        case open
+        /// A ping is out: any frame before the timer answers it; the timer closes with 1001
+        /// and drops the connection.
+        case awaitingPong(Scheduled<Void>)
+        /// A close frame was sent (the server's own, or its answer to the client's): only the
+        /// client's close, the frame written (for a failing code) or the timer (the close
+        /// timeout) ends it, by dropping the connection. Nil: dropped already.
+        case closing(Scheduled<Void>?)
+
+        var isClosing: Bool {
+            if case .closing = self { true } else { false }
+        }
+
+        /// The timer the state holds, if any.
+        var timer: Scheduled<Void>? {
+            switch self {
+            case .open: nil
+            case .awaitingPong(let timer): timer
+            case .closing(let timer): timer
+            }
+        }
+    }
+
+    /// Whether a close frame was sent: nothing else is written from then on.
+    private var closeSent: Bool { phase.isClosing }
 
     init(limits: Limits, events: Events) {
         self.limits = limits
@@ -112,13 +139,22 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
 
     private func cancelTimers() {
         pinger?.cancel()
-        pongDeadline?.cancel()
+        phase.timer?.cancel()
         expiry?.cancel()
-        watchdog?.cancel()
         pinger = nil
-        pongDeadline = nil
         expiry = nil
-        watchdog = nil
+        if closeSent { phase = .closing(nil) } else { phase = .open }
+    }
+
+    /// Enters `.closing`: the wait for a pong, if any, is over (a closing connection is not
+    /// pinged), and the close timeout starts unless `dropping` (the connection ends at once).
+    private func startClosing(_ context: ChannelHandlerContext, dropping: Bool = false) {
+        phase.timer?.cancel()
+        phase = .closing(nil)
+        guard !dropping else { return }
+        phase = .closing(context.eventLoop.assumeIsolated().scheduleTask(in: limits.closeTimeout) { [weak self] in
+            self?.context?.close(promise: nil)
+        })
     }
 
     // MARK: Inbound
@@ -199,21 +235,12 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
         // The client closes first: answer with its code (1000 when it gave none) and end, once
         // the answer is written or after the close timeout, whichever comes first: a client that
         // stopped reading never lets the answer be written.
-        closeSent = true
         fragments = nil
+        guard let context else { return }
+        startClosing(context)
         var answer = ByteBuffer()
         answer.writeInteger(code ?? CloseCode.normal.rawValue)
-        guard let context else { return }
         context.writeAndFlush(wrapOutboundOut(WebSocketFrame(fin: true, opcode: .connectionClose, data: answer))).assumeIsolated().whenComplete { [weak self] _ in
-            self?.context?.close(promise: nil)
-        }
-        scheduleWatchdog(context)
-    }
-
-    /// Drops the connection after the close timeout, unless it ended before.
-    private func scheduleWatchdog(_ context: ChannelHandlerContext) {
-        guard watchdog == nil else { return }
-        watchdog = context.eventLoop.assumeIsolated().scheduleTask(in: limits.closeTimeout) { [weak self] in
             self?.context?.close(promise: nil)
         }
     }
@@ -285,7 +312,10 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
     /// (at once when the client reads nothing and it cannot be).
     func close(_ code: UInt16, reason: String) {
         guard !closeSent, let context else { return }
-        closeSent = true
+        let failing = Self.failingCodes.contains(code)
+        // A failing code whose frame cannot be written (the client reads nothing) drops the
+        // connection at once; otherwise the close timeout bounds the wait.
+        startClosing(context, dropping: failing && !context.channel.isWritable)
         ending.serverCode = code
         fragments = nil
         var data = ByteBuffer()
@@ -295,15 +325,12 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
         while reason.utf8.count > 123 { reason = reason.dropLast() }
         data.writeString(String(reason))
         let written = context.writeAndFlush(wrapOutboundOut(WebSocketFrame(fin: true, opcode: .connectionClose, data: data)))
-        if Self.failingCodes.contains(code) {
-            if context.channel.isWritable {
-                written.assumeIsolated().whenComplete { [weak self] _ in self?.context?.close(promise: nil) }
-            } else {
-                context.close(promise: nil)
-                return
-            }
+        guard failing else { return }
+        guard case .closing(.some) = phase else {
+            context.close(promise: nil)
+            return
         }
-        scheduleWatchdog(context)
+        written.assumeIsolated().whenComplete { [weak self] _ in self?.context?.close(promise: nil) }
     }
 
     /// Closes the session with 4001 at `deadline` (when its token expires).
@@ -323,28 +350,26 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
     /// whole interval from now (a moment kept, not a timer moved: frames may come by the thousand).
     private func heard() {
         lastHeard = context?.eventLoop.now
-        if awaitingPong {
-            awaitingPong = false
-            pongDeadline?.cancel()
-            pongDeadline = nil
+        if case .awaitingPong(let timer) = phase {
+            timer.cancel()
+            phase = .open
         }
     }
 
     private func ping() {
-        guard !closeSent, !awaitingPong, let context else { return }
+        guard case .open = phase, let context else { return }
         // Heard from within the interval: no ping needed yet.
         if let lastHeard, context.eventLoop.now < lastHeard + limits.pingInterval {
             pinger = context.eventLoop.assumeIsolated().scheduleTask(deadline: lastHeard + limits.pingInterval) { [weak self] in self?.ping() }
             return
         }
-        awaitingPong = true
-        schedulePing()
-        write(WebSocketFrame(fin: true, opcode: .ping, data: ByteBuffer(string: "presence")))
-        pongDeadline = context.eventLoop.assumeIsolated().scheduleTask(in: limits.pongTimeout) { [weak self] in
-            guard let self, self.awaitingPong else { return }
+        phase = .awaitingPong(context.eventLoop.assumeIsolated().scheduleTask(in: limits.pongTimeout) { [weak self] in
+            guard let self, case .awaitingPong = self.phase else { return }
             self.close(CloseCode.goingAway.rawValue, reason: "Ping timeout")
             self.context?.close(promise: nil)
-        }
+        })
+        schedulePing()
+        write(WebSocketFrame(fin: true, opcode: .ping, data: ByteBuffer(string: "presence")))
     }
 }
 
