@@ -1,22 +1,6 @@
-// The smallest chat page on the browser client, for the end-to-end test (e2e.py). Its query
-// says who it is: `gateways` (comma-separated base URLs; the module comes from the first),
-// `token`, `me`, `peer`, `conversation`. Every event the client announces is kept in
-// `window.presenceLog`, so the test can check what the page saw, not only what it shows now.
-const query = new URLSearchParams(location.search);
-const gateways = query.get("gateways").split(",");
-const me = query.get("me");
-const peer = query.get("peer");
-const conversation = query.get("conversation");
-const { PresenceClient, PresenceText } = await import(`${gateways[0]}/client/presence.js`);
-
-/** @type {Array<{type: string, detail: any, at: number}>} */
-window.presenceLog = [];
-const client = new PresenceClient({ gatewayURLs: gateways, token: async () => query.get("token") });
-window.presenceClient = client;
-
-const text = (id, value) => { document.getElementById(id).textContent = value; };
-text("me", me);
-text("peer-name", peer);
+// The smallest chat page on the browser client, for the end-to-end test (e2e.py); its query and
+// client are page.js's.
+import { client, conversation, peer, PresenceText, text } from "./page.js";
 
 const showPeer = () => text("peer-status", PresenceText.status(client.presence(peer) ?? null, Date.now()));
 const showTyping = () => text("typing", PresenceText.typing(client.typingUsers(conversation)));

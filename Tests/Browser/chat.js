@@ -3,20 +3,7 @@
 // `conversation`. The conversation is on screen: while the page is visible what arrives is read.
 // The "offline" box is the SDK's offline switch. Each message is a list item whose data
 // attributes the test reads; every event is kept in `window.presenceLog`.
-const query = new URLSearchParams(location.search);
-const gateways = query.get("gateways").split(",");
-const me = query.get("me");
-const peer = query.get("peer");
-const conversation = query.get("conversation");
-const { PresenceClient, PresenceText } = await import(`${gateways[0]}/client/presence.js`);
-
-window.presenceLog = [];
-const client = new PresenceClient({ gatewayURLs: gateways, token: async () => query.get("token") });
-window.presenceClient = client;
-
-const text = (id, value) => { document.getElementById(id).textContent = value; };
-text("me", me);
-text("peer-name", peer);
+import { client, conversation, me, peer, PresenceText, text } from "./page.js";
 
 function showMessages() {
   const list = document.getElementById("messages");

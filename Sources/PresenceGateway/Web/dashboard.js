@@ -988,10 +988,55 @@ function startDashboard() {
     drawChart();
   };
 
-  // MARK: Lookup
+  /**
+   * One card's admin reads (the user lookup, the conversation card): a newer read supersedes the
+   * one under way, and every refusal is told in the card, in its own words.
+   * @param {(message: string) => void} say what the card shows instead of a result
+   * @param {string} missing the card's 404 (when admin routes are on)
+   * @param {string} failed how a failure starts
+   * @param {(body: Record<string, unknown>) => void} render shows a result
+   */
+  const adminCard = (say, missing, failed, render) => {
+    /** @type {AbortController | null} */
+    let current = null;
+    return {
+      abort() {
+        current?.abort();
+      },
+      /** @param {string} url @param {string} reading shown while the read is under way */
+      async read(url, reading) {
+        current?.abort();
+        const abort = new AbortController();
+        current = abort;
+        say(reading);
+        try {
+          const response = await fetch(url, {
+            headers: { ...authorization(), Accept: "application/json" },
+            cache: "no-store",
+            signal: abort.signal,
+          });
+          const body = record(await response.json().catch(() => null));
+          if (abort !== current) return;
+          if (response.status === 401) {
+            say(WRONG_TOKEN_TEXT);
+            onUnauthorized();
+          } else if (response.status === 404) {
+            // Both "admin routes off" and "no such …" are 404 not_found; the feed tells them apart.
+            say(adminOff || text(record(body.error).message) === "no such route" ? ADMIN_OFF_TEXT : missing);
+          } else if (!response.ok) {
+            const message = text(record(body.error).message);
+            say(`${failed}: HTTP ${response.status}${message ? `: ${message}` : ""}`);
+          } else {
+            render(body);
+          }
+        } catch (error) {
+          if (abort === current) say(`${failed}: ${errorText(error)}`);
+        }
+      },
+    };
+  };
 
-  /** @type {AbortController | null} */
-  let lookupAbort = null;
+  // MARK: Lookup
 
   /** @param {string} message */
   const lookupMessage = (message) => {
@@ -1088,41 +1133,12 @@ function startDashboard() {
     return scroll;
   };
 
+  const userCard = adminCard(lookupMessage, "no such user", "lookup failed", renderLookup);
+
   /** @param {string} user */
-  const lookUp = async (user) => {
-    lookupAbort?.abort();
-    const abort = new AbortController();
-    lookupAbort = abort;
-    lookupMessage(`looking up ${user} …`);
-    try {
-      const response = await fetch(USER_PATH + encodeURIComponent(user), {
-        headers: { ...authorization(), Accept: "application/json" },
-        cache: "no-store",
-        signal: abort.signal,
-      });
-      const body = record(await response.json().catch(() => null));
-      if (abort !== lookupAbort) return;
-      if (response.status === 401) {
-        lookupMessage(WRONG_TOKEN_TEXT);
-        onUnauthorized();
-      } else if (response.status === 404) {
-        // Both "admin routes off" and "no such user" are 404 not_found; the feed tells them apart.
-        lookupMessage(adminOff || text(record(body.error).message) === "no such route" ? ADMIN_OFF_TEXT : "no such user");
-      } else if (!response.ok) {
-        const message = text(record(body.error).message);
-        lookupMessage(`lookup failed: HTTP ${response.status}${message ? `: ${message}` : ""}`);
-      } else {
-        renderLookup(body);
-      }
-    } catch (error) {
-      if (abort === lookupAbort) lookupMessage(`lookup failed: ${errorText(error)}`);
-    }
-  };
+  const lookUp = (user) => userCard.read(USER_PATH + encodeURIComponent(user), `looking up ${user} …`);
 
   // MARK: Conversation
-
-  /** @type {AbortController | null} */
-  let conversationAbort = null;
 
   /** @param {string} message */
   const conversationMessage = (message) => {
@@ -1186,35 +1202,11 @@ function startDashboard() {
     ui.conversationResult.replaceChildren(summary, members.scroll, table.scroll);
   };
 
+  const conversationCard = adminCard(conversationMessage, "no such conversation", "reading the conversation failed", renderConversation);
+
   /** @param {string} conversation */
-  const showConversation = async (conversation) => {
-    conversationAbort?.abort();
-    const abort = new AbortController();
-    conversationAbort = abort;
-    conversationMessage(`reading ${conversation} …`);
-    try {
-      const response = await fetch(`${CONVERSATION_PATH}${encodeURIComponent(conversation)}?limit=50`, {
-        headers: { ...authorization(), Accept: "application/json" },
-        cache: "no-store",
-        signal: abort.signal,
-      });
-      const body = record(await response.json().catch(() => null));
-      if (abort !== conversationAbort) return;
-      if (response.status === 401) {
-        conversationMessage(WRONG_TOKEN_TEXT);
-        onUnauthorized();
-      } else if (response.status === 404) {
-        conversationMessage(adminOff || text(record(body.error).message) === "no such route" ? ADMIN_OFF_TEXT : "no such conversation");
-      } else if (!response.ok) {
-        const message = text(record(body.error).message);
-        conversationMessage(`reading the conversation failed: HTTP ${response.status}${message ? `: ${message}` : ""}`);
-      } else {
-        renderConversation(body);
-      }
-    } catch (error) {
-      if (abort === conversationAbort) conversationMessage(`reading the conversation failed: ${errorText(error)}`);
-    }
-  };
+  const showConversation = (conversation) =>
+    conversationCard.read(`${CONVERSATION_PATH}${encodeURIComponent(conversation)}?limit=50`, `reading ${conversation} …`);
 
   // MARK: Wiring
 
@@ -1231,8 +1223,8 @@ function startDashboard() {
 
   ui.forget.addEventListener("click", () => {
     stopFeed();
-    lookupAbort?.abort();
-    conversationAbort?.abort();
+    userCard.abort();
+    conversationCard.abort();
     storeToken(null);
     clearData();
     setFeedState("no token", "idle");
