@@ -165,8 +165,6 @@ struct Partition: Sendable {
     private let standingRules: [Rule]
     /// The node's own address for Redis, for a cut by address.
     let address: String?
-    /// The group id the node must run with, for a cut by owner.
-    let group: UInt32?
 
     /// Root, and an iptables that can read its INPUT chain (a kernel with netfilter).
     static let available: Bool = getuid() == 0 && (try? iptables(["-L", "INPUT", "-n"])) != nil
@@ -180,7 +178,6 @@ struct Partition: Sendable {
         ]
         standingRules = []
         self.address = address
-        group = nil
     }
 
     /// A node that runs with group id `group` (``GatewayProcess``'s `group`) and reaches Redis
@@ -194,7 +191,6 @@ struct Partition: Sendable {
         let owned = ["OUTPUT", "-p", "tcp", "-m", "owner", "--gid-owner", "\(group)", "-m", "multiport", "--dports", ports]
         standingRules = [Rule(table: "mangle", spec: owned + ["-j", "CONNMARK", "--set-mark", mark])]
         address = nil
-        self.group = group
         cutRules = [
             Rule(spec: owned + ["-j", "DROP"]),
             Rule(spec: ["INPUT", "-p", "tcp", "-m", "connmark", "--mark", mark, "-j", "DROP"]),
