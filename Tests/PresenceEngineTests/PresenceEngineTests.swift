@@ -596,6 +596,39 @@ struct PresenceEngineTests {
         }
     }
 
+    /// Fails before the change: a user whose devices hash Redis lost reads as offline (and
+    /// watchers reading her then are told so), while her state key still says away; the device
+    /// written again found the stored state unchanged and published nothing, so those watchers
+    /// kept "offline" for good. Found by cuts in the cluster chaos run.
+    @Test("a device written again after its devices hash was lost is published, whether its node's audit or a new session writes it")
+    func devicesLostThenWrittenAgain() async throws {
+        try await EngineCluster.with { cluster in
+            let node = cluster.engine(node: "n1")
+            let other = cluster.engine(node: "n2")
+            try await node.registerNode()
+            try await other.registerNode()
+            _ = try await node.connect(user: "u1", device: "phone", session: "s1", status: .away)
+            _ = try await other.connect(user: "u2", device: "phone", session: "s2", status: .away)
+            let keys = cluster.prefixKeys
+            try await withRecorder(node, users: ["u1", "u2"]) { recorder in
+                for user in ["u1", "u2"] {
+                    try await cluster.redis.send("DEL", RedisArgument(keys.devices(user)))
+                    #expect(try await node.views(of: user).real.status == .offline, "what a reader now sees of \(user)")
+                }
+                // u1: the node's audit writes the device again.
+                #expect(try await node.audit().restored == 1)
+                #expect(try await node.views(of: "u1").real.status == .away)
+                #expect(await eventually { recorder.events.contains { $0.views.real == Presence(userID: "u1", status: .away, lastSeen: $0.views.real.lastSeen) } },
+                        "watchers told offline by a read hear u1 away again: \(recorder.events)")
+                // u2: the device connects again through another node (its own node was killed).
+                _ = try await node.connect(user: "u2", device: "phone", session: "s3", status: .away)
+                #expect(try await node.views(of: "u2").real.status == .away)
+                #expect(await eventually { recorder.events.contains { $0.views.real.userID == "u2" && $0.views.real.status == .away } },
+                        "watchers told offline by a read hear u2 away again: \(recorder.events)")
+            }
+        }
+    }
+
     /// Fails before the change: a one-server Redis still loading its data (a restart with a big
     /// dataset) answered LOADING, taken for a failed command (`internal`), so the lease's
     /// recovery grace was not refreshed and nodes reaped each other meanwhile.

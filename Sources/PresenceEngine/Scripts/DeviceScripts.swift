@@ -67,6 +67,7 @@ struct UpsertDevice: ScriptCall {
     local deadline = 0
     if mode == 'rest' then deadline = now + heartbeat end
     local raw = redis.call('HGET', KEYS[1], device)
+    local devicesWereGone = not raw and redis.call('EXISTS', KEYS[1]) == 0
     local prevSession, prevNode = '', ''
     local since = now
     local wentOffline = 0
@@ -88,7 +89,7 @@ struct UpsertDevice: ScriptCall {
     end
     redis.call('HSET', KEYS[1], device, encode({status = status, node = node, session = session, since = since, deadline = deadline, alive = now}))
     -- A device that says offline was alive until now: that is the user's last_seen if it was the last.
-    local result = finish(KEYS[2], KEYS[1], channel, now, wentOffline, user, ttl)
+    local result = finish(KEYS[2], KEYS[1], channel, now, wentOffline, user, ttl, devicesWereGone)
     table.insert(result, prevSession)
     table.insert(result, prevNode)
     return result

@@ -155,9 +155,13 @@ enum ScriptLua {
     -- Stores the new aggregate, publishes if anything visible changed, keeps the devices hash
     -- for `ttl` ms more, and returns
     -- {changed, status, last_seen, public_changed, public_status, public_last_seen}.
-    local function finish(stateKey, devicesKey, channel, now, removedAlive, user, ttl)
+    -- `devicesWereGone`: the script found no devices hash (lost, or its TTL ran out). Readers saw
+    -- the user offline then, whatever the state key says, and so may watchers they told: the
+    -- aggregate counts as changed from offline.
+    local function finish(stateKey, devicesKey, channel, now, removedAlive, user, ttl, devicesWereGone)
       local old = redis.call('HMGET', stateKey, 'status', 'last_seen', 'hidden', 'hidden_last_seen')
       local oldStatus = old[1] or 'offline'
+      if devicesWereGone then oldStatus = 'offline' end
       local lastSeen = tonumber(old[2] or '0')
       local newStatus = aggregate(devicesKey)
       -- last_seen never moves backwards, even if Redis's clock does (a failover to a replica
