@@ -297,6 +297,11 @@ public final class PresenceEngine: Sendable {
 
     /// The presence of many users, read in one pipeline, in the order given.
     public func views(of users: [String]) async throws(PresenceError) -> [PresenceViews] {
+        try await reads(of: users).map(\.views)
+    }
+
+    /// The presence of many users and whether Redis holds any record of each, in one pipeline.
+    public func reads(of users: [String]) async throws(PresenceError) -> [UserRead] {
         try await evaluate(users.map { ReadUser(user: $0) }).map { (result) throws(PresenceError) in try result.get() }
     }
 

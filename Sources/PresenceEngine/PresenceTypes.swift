@@ -33,6 +33,17 @@ public struct PresenceViews: Sendable, Equatable {
     }
 }
 
+/// A user as read from Redis.
+public struct UserRead: Sendable, Equatable {
+    /// The real and shown presence.
+    public var views: PresenceViews
+    /// Whether Redis holds the user's state at all. A user whose devices ever connected keeps
+    /// it (offline, with `last_seen`), so none for such a user means Redis lost it (a FLUSHALL,
+    /// a failover to an empty replica) and the nodes holding their sessions have not yet
+    /// written them again.
+    public var recorded: Bool
+}
+
 /// The outcome of a change: whether the aggregate moved, and the views after it.
 public struct PresenceChange: Sendable, Equatable {
     /// The real aggregate changed (an event went to the user's own devices).

@@ -64,9 +64,10 @@ struct CatchUpTests {
     func requestsKeepComing() async throws {
         try await withGateway(configure: { $0.visibility = .open }) { port, gateway in
             let (bob, _) = try await Self.bobWatchingAlice(port, gateway)
-            // Redis loses alice (no event): only a catch-up can tell bob she is offline.
+            // Redis loses alice's devices (no event): only a catch-up can tell bob she is offline.
+            // (Her state stays: a user with no record at all gets a grace more, tested below.)
             let keys = gateway.engine.keys
-            _ = try await gateway.engine.redis.send("DEL", RedisArgument(keys.devices("alice")), RedisArgument(keys.state("alice")))
+            _ = try await gateway.engine.redis.send("DEL", RedisArgument(keys.devices("alice")))
             let started = ContinuousClock.now
             gateway.hub.startResync(grace: .seconds(1), scope: ResyncScope(users: ["alice"], conversations: []))
             // Then a request every 250 ms for 4 s about other users, as a long reshard makes.
@@ -83,6 +84,44 @@ struct CatchUpTests {
             #expect(update.userID == "alice" && update.status == "offline")
             #expect(after >= .milliseconds(900), "not before the grace is over")
             #expect(after < .milliseconds(2500), "at the end of its own grace, not after the last request's")
+        }
+    }
+
+    /// Fails before the change: the pass at the end of the hold-back told bob "offline" 0.5 s
+    /// in, although alice's node wrote her again a moment later. Found by the cluster chaos run
+    /// (a FLUSHALL 30 ms before the second pass of a resync: every node's watchers heard users
+    /// connected throughout go offline).
+    @Test("a user with no record at all when a hold-back ends (a loss nobody found yet) is held a data-loss grace more, then told offline if still gone")
+    func unrecordedAtTheEndOfAHold() async throws {
+        try await withGateway(configure: { $0.visibility = .open }) { port, gateway in
+            let (bob, _) = try await Self.bobWatchingAlice(port, gateway)
+            let keys = gateway.engine.keys
+            let alice = try await token("alice")
+            let grace = SessionHub.dataLossGrace(gateway.engine.configuration)
+            func lose() async throws {
+                _ = try await gateway.engine.redis.send("DEL", RedisArgument(keys.devices("alice")), RedisArgument(keys.state("alice")))
+            }
+            // The loss comes after the request, before its second pass (0.5 s on).
+            gateway.hub.startResync(grace: .milliseconds(500), scope: ResyncScope(users: ["alice"], conversations: []))
+            try await Task.sleep(for: .milliseconds(200))
+            try await lose()
+            try await Task.sleep(for: .milliseconds(800))
+            #expect(Self.lastTold(bob) == "online", "the pass after the hold-back found no record and held alice")
+            // Her device written again (here by REST; a node by its lease's loss), within the grace.
+            let posted = try await call(port, "POST", "/api/presence/status", token: alice, body: #"{"status":"online","device_id":"web"}"#)
+            #expect(posted.status == 200)
+            try await Task.sleep(for: grace)
+            #expect(!bob.frames.contains { $0.type == "presence_update" && $0.userID == "alice" && $0.status == "offline" }, "\(bob.frames.map(\.type))")
+
+            // Lost again, and nobody writes her back: offline once the extra grace is over.
+            let started = ContinuousClock.now
+            try await lose()
+            gateway.hub.startResync(grace: .milliseconds(500), scope: ResyncScope(users: ["alice"], conversations: []))
+            let update = try await bob.next("presence_update", timeout: grace + .seconds(5))
+            let after = ContinuousClock.now - started
+            print("unrecordedAtTheEndOfAHold: alice told \(update.status ?? "?") after \(after) (grace \(grace))")
+            #expect(update.userID == "alice" && update.status == "offline")
+            #expect(after >= grace + .milliseconds(400) && after < grace + .seconds(3), "\(after)")
         }
     }
 

@@ -412,7 +412,7 @@ struct ReadUser: ScriptCall {
 
     func arguments(_ context: ScriptContext) -> [RedisArgument] { [context.now] }
 
-    func decode(_ reply: RESPValue) throws(PresenceError) -> PresenceViews {
+    func decode(_ reply: RESPValue) throws(PresenceError) -> UserRead {
         let values = reply.array ?? []
         guard values.count == 6, let status = values[0].string.flatMap(PresenceStatus.init(rawValue:)) else {
             throw PresenceError(.internal, "unexpected reply from the read script")
@@ -421,7 +421,7 @@ struct ReadUser: ScriptCall {
         let hidden = values[2].string == "1"
         let real = Presence(userID: user, status: status, lastSeen: lastSeen)
         let shown = hidden ? Presence(userID: user, status: .offline, lastSeen: ScriptLua.timestamp(values[3])) : real
-        return PresenceViews(real: real, shown: shown, hidden: hidden)
+        return UserRead(views: PresenceViews(real: real, shown: shown, hidden: hidden), recorded: values[4].int == 1)
     }
 
     /// Returns {status, last_seen, hidden, hidden_last_seen, seen_ever, now}.

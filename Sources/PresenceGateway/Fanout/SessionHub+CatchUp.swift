@@ -22,6 +22,8 @@ extension SessionHub {
         var holdUsers: [String: ContinuousClock.Instant] = [:]
         /// The earliest moment a wake-up is already scheduled for.
         var wakeAt: ContinuousClock.Instant?
+        /// Users a pass read with no record at all after their hold-back was over, and when.
+        var unrecorded: [String: ContinuousClock.Instant] = [:]
 
         /// Whether a user read offline is still to be left as told.
         func holdsOffline(_ user: String, now: ContinuousClock.Instant) -> Bool {
@@ -60,7 +62,9 @@ extension SessionHub {
     /// the events held back during a crossed read are not told, and only a later read has them.
     /// Returns false when Redis could not be read. With `holdingBackOffline`, a user read as
     /// offline whom the session was told is online or away is left as told while a catch-up
-    /// holds that user back (see ``startResync(grace:scope:)``).
+    /// holds that user back (see ``startResync(grace:scope:)``), and, once that is over, while
+    /// Redis has no record of them at all for less than a data-loss grace (see
+    /// ``holdsUnrecorded(_:)``).
     @discardableResult
     func catchUp(
         _ session: Session, _ users: [String], holdingBackOffline: Bool = false, retryDelay: Duration = .milliseconds(20)
@@ -68,14 +72,20 @@ extension SessionHub {
         var pending = users
         for _ in 0..<4 where !pending.isEmpty {
             let mark = session.beginRead(pending)
-            guard let views = try? await engine.views(of: pending) else {
+            guard let reads = try? await engine.reads(of: pending) else {
                 _ = session.endRead(pending, mark, snapshot: [])
                 return false
             }
             if let probe = afterCatchUpRead.withLockedValue({ $0 }) { await probe(pending) }
-            var presences = views.map { $0.seen(by: session.userID) }
-            if holdingBackOffline {
-                presences.removeAll { $0.status == .offline && session.lastTold($0.userID) != .offline && holdsOffline($0.userID) }
+            var presences: [Presence] = []
+            for read in reads {
+                let presence = read.views.seen(by: session.userID)
+                if holdingBackOffline, presence.status == .offline, session.lastTold(presence.userID) != .offline,
+                   holdsOffline(presence.userID) || (!read.recorded && holdsUnrecorded(presence.userID)) {
+                    continue
+                }
+                if read.recorded { catchUps.withLockedValue { _ = $0.unrecorded.removeValue(forKey: presence.userID) } }
+                presences.append(presence)
             }
             var countsChanged: [String] = []
             let dirty = session.endRead(pending, mark, snapshot: presences) { remembered in
@@ -191,6 +201,28 @@ extension SessionHub {
     /// Whether a catch-up leaves `user`, read as offline, as the sessions were told.
     func holdsOffline(_ user: String) -> Bool {
         catchUps.withLockedValue { $0.holdsOffline(user, now: .now) }
+    }
+
+    /// Whether `user`, read with no record at all once their hold-back was over, is still left
+    /// as told. A loss that came just before that read (a FLUSHALL a moment before a pass is due)
+    /// has not been found by anyone yet: the user gets one data-loss grace more from the first
+    /// such read, with a catch-up at its end, for the node holding their session to write it
+    /// again. A user still without a record then is offline.
+    func holdsUnrecorded(_ user: String) -> Bool {
+        let grace = Self.dataLossGrace(engine.configuration)
+        let (held, first) = catchUps.withLockedValue { catchUps -> (Bool, Bool) in
+            let now = ContinuousClock.now
+            guard let since = catchUps.unrecorded[user] else {
+                catchUps.unrecorded = catchUps.unrecorded.filter { now - $0.value < grace * 4 }
+                catchUps.unrecorded[user] = now
+                return (true, true)
+            }
+            if now - since < grace { return (true, false) }
+            catchUps.unrecorded[user] = nil
+            return (false, false)
+        }
+        if first { startResync(grace: grace, scope: ResyncScope(users: [user], conversations: [])) }
+        return held
     }
 
     /// Membership events missed too: whom each session may see (its user's conversations, which
