@@ -133,7 +133,7 @@ let package = Package(
         .executableTarget(
             name: "presence-client",
             dependencies: [
-                "PresenceClient",
+                "CommandLineOutput", "PresenceClient",
                 .product(name: "ArgumentParser", package: "swift-argument-parser"),
                 .product(name: "Logging", package: "swift-log"),
             ],
@@ -147,10 +147,12 @@ let package = Package(
             ],
             swiftSettings: swiftSettings
         ),
+        // What both command-line tools print through: a closed pipe ends them quietly.
+        .target(name: "CommandLineOutput", swiftSettings: swiftSettings),
         .executableTarget(
             name: "presencectl",
             dependencies: [
-                "PresenceEngine", "PresenceProtocol", "RedisClient",
+                "CommandLineOutput", "PresenceEngine", "PresenceProtocol", "RedisClient",
                 .product(name: "ArgumentParser", package: "swift-argument-parser"),
                 .product(name: "Logging", package: "swift-log"),
             ],

@@ -1,4 +1,5 @@
 import ArgumentParser
+import CommandLineOutput
 import Foundation
 import Logging
 import PresenceClient
@@ -78,6 +79,7 @@ struct PresenceClientCommand: AsyncParsableCommand {
         }
         if let join { try await display.apply(client, "join \(join)") }
         let events = await client.events()
+        StandardOutput.exitWhenReaderCloses()
         say("connecting to \(urls.joined(separator: ", ")) as device \(device); type help for commands")
         await withTaskGroup(of: Void.self) { group in
             group.addTask { await client.run() }
@@ -108,7 +110,12 @@ struct PresenceClientCommand: AsyncParsableCommand {
             throw ValidationError("give --token-command (preferred), --token or PRESENCE_TOKEN")
         }
         return { refresh in
-            if refresh { say("! the token was refused or has expired; restart with a new one, or use --token-command") }
+            // A fixed token the gateway refused is refused again on every retry: stop, and say how
+            // to go on. EX_NOPERM (77): the credentials were not accepted.
+            if refresh {
+                FileHandle.standardError.write(Data("presence-client: the token was refused or has expired; start again with a new one, or use --token-command\n".utf8))
+                Foundation.exit(77)
+            }
             return fixed
         }
     }
@@ -166,7 +173,7 @@ actor Display {
         case .typing(let conversation, let user, let isTyping):
             say("\(stamp()) \(conversation): \(isTyping ? PresenceText.typing([user]) : "\(user) stopped typing")")
         case .group(let group):
-            say("\(stamp()) \(group.conversationID): \(PresenceText.group(group))")
+            say("\(stamp()) \(group.conversationID): \(Self.describe(group))")
         case .error(let code, let message):
             say("\(stamp()) ! \(code.rawValue): \(message)")
         case .message(let message):
@@ -185,6 +192,11 @@ actor Display {
     static func describe(_ message: ChatMessage) -> String {
         let seq = message.seq.map { "#\($0)" } ?? "-"
         return "\(message.conversationID) \(seq) \(message.senderID ?? "me"): \(message.text)  [\(message.status.rawValue)] (\(message.clientMessageID.prefix(8)))"
+    }
+
+    /// "3 of 5 online, 1 away": the SDK's text, and the members away beside it.
+    static func describe(_ group: GroupPresence) -> String {
+        PresenceText.group(group) + (group.away > 0 ? ", \(group.away) away" : "")
     }
 
     static func describe(_ state: ConnectionState) -> String {
@@ -226,6 +238,7 @@ actor Display {
             await client.retry(message.clientMessageID)
         case "online", "away", "offline":
             await client.setStatus(PresenceStatus(rawValue: command)!)
+            say("\(stamp()) you: \(command) on this device")
         case "watch": try await client.watch(arguments)
         case "unwatch": try await client.unwatch(arguments)
         case "join": try await client.join(conversation: try one())
@@ -254,13 +267,14 @@ actor Display {
         for conversation in await client.joinedConversations.sorted() {
             if let group = await client.group(conversation) {
                 let typing = PresenceText.typing(await client.typingUsers(in: conversation))
-                say("  #\(conversation): \(PresenceText.group(group))\(typing.isEmpty ? "" : "; " + typing)")
+                say("  #\(conversation): \(Self.describe(group))\(typing.isEmpty ? "" : "; " + typing)")
             }
         }
     }
 }
 
-/// Prints a line unbuffered, so that it shows at once also when the output is a file or a pipe.
+/// Prints a line unbuffered, so that it shows at once also when the output is a file or a pipe;
+/// a closed pipe ends the client quietly.
 func say(_ line: String) {
-    FileHandle.standardOutput.write(Data((line + "\n").utf8))
+    StandardOutput.say(line)
 }

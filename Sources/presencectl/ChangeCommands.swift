@@ -1,4 +1,5 @@
 import ArgumentParser
+import CommandLineOutput
 import Foundation
 import Logging
 import PresenceEngine
@@ -113,16 +114,22 @@ struct WatchCommand: AsyncParsableCommand {
     @Option(help: "Only this user's events (repeatable).") var user: [String] = []
     @Option(help: "Only the events of this conversation's members.") var conversation: String?
 
+    func validate() throws {
+        for id in user { _ = try validID(id, "user id") }
+        if let conversation { _ = try validID(conversation, "conversation id") }
+    }
+
     func run() async throws {
-        var users = try user.map { try validID($0, "user id") }
+        var users = user
         try await options.withEngine { engine in
             if let conversation {
-                guard let members = try await engine.members(of: try validID(conversation, "conversation id")) else {
+                guard let members = try await engine.members(of: conversation) else {
                     throw CLIError("no such conversation: \(conversation)")
                 }
                 users += members
             }
             let subscriber = try await options.subscriber(engine, clientName: "presencectl-watch", command: "watch", needsPattern: users.isEmpty)
+            StandardOutput.exitWhenReaderCloses()
             try await subscriber.whileRunning {
                 if users.isEmpty, let classic = subscriber as? RedisSubscriber {
                     try await classic.subscribe(pattern: engine.keys.allUserChannelsPattern)
@@ -132,6 +139,7 @@ struct WatchCommand: AsyncParsableCommand {
                 // Once subscribed, on standard error even with --json: a script knows from this
                 // line that no event from now on is missed.
                 FileHandle.standardError.write(Data("watching \(users.isEmpty ? "every user" : users.joined(separator: ", ")); Ctrl-C to stop\n".utf8))
+                var memberships = MembershipLines()
                 for await event in subscriber.events {
                     guard case .message(let channel, let payload) = event else {
                         if case .disconnected = event { FileHandle.standardError.write(Data("(lost Redis; reconnecting)\n".utf8)) }
@@ -142,18 +150,38 @@ struct WatchCommand: AsyncParsableCommand {
                         let real = presence.views.real
                         options.output(json: ["type": "presence", "user_id": subject, "status": real.status.rawValue,
                                               "last_seen": Format.jsonTimestamp(real.lastSeen), "shown_to_others": presence.views.shown.status.rawValue,
-                                              "at": Format.timestamp(presence.at)]) {
+                                              "at": Format.timestamp(presence.at)], line: true) {
                             "\(Format.timestamp(presence.at))  \(subject)  \(real.status.rawValue)" + (presence.views.hidden ? " (hidden: others see \(presence.views.shown.status.rawValue))" : "")
                         }
-                    } else if let membership = engine.decodeMembership(payload) {
-                        options.output(json: ["type": "membership", "user_id": subject, "conversation_id": membership.conversationID,
-                                              "added": membership.added, "removed": membership.removed]) {
-                            "\(Format.timestamp(SystemPresenceClock().nowMilliseconds()))  \(subject)  conversation \(membership.conversationID): +\(membership.added.count) -\(membership.removed.count)"
+                    } else if let membership = engine.decodeMembership(payload), memberships.isNew(membership) {
+                        options.output(json: ["type": "membership", "conversation_id": membership.conversationID,
+                                              "added": membership.added, "removed": membership.removed], line: true) {
+                            "\(Format.timestamp(SystemPresenceClock().nowMilliseconds()))  conversation \(membership.conversationID)  \(MembershipLines.describe(membership))"
                         }
                     }
-                    fflush(nil)
                 }
             }
         }
+    }
+}
+
+/// A membership change is published on the channel of every member it concerns, one copy each,
+/// one after another: a watch of several of them prints it once.
+struct MembershipLines {
+    private var last: (event: MembershipEvent, at: ContinuousClock.Instant)?
+
+    /// Whether `event` is not a copy of the one just printed (the copies come within moments).
+    mutating func isNew(_ event: MembershipEvent, now: ContinuousClock.Instant = .now) -> Bool {
+        defer { last = (event, now) }
+        guard let last else { return true }
+        return last.event != event || now - last.at > .seconds(1)
+    }
+
+    /// "added dave; removed erin".
+    static func describe(_ event: MembershipEvent) -> String {
+        var parts: [String] = []
+        if !event.added.isEmpty { parts.append("added " + event.added.joined(separator: ", ")) }
+        if !event.removed.isEmpty { parts.append("removed " + event.removed.joined(separator: ", ")) }
+        return parts.isEmpty ? "members unchanged" : parts.joined(separator: "; ")
     }
 }

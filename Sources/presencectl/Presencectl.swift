@@ -1,4 +1,5 @@
 import ArgumentParser
+import CommandLineOutput
 import Foundation
 import Logging
 import PresenceEngine
@@ -40,8 +41,26 @@ struct GlobalOptions: ParsableArguments {
     @Option(help: "Prefix of every key and channel [PRESENCE_KEY_PREFIX].")
     var keyPrefix = ProcessInfo.processInfo.environment["PRESENCE_KEY_PREFIX"] ?? "presence"
 
-    @Flag(help: "Print JSON instead of a table.")
+    @Flag(help: "Print JSON instead of a table (a live tail: one object per line).")
     var json = false
+
+    /// Bad settings are bad arguments (exit status 64), found before any connection is tried.
+    func validate() throws {
+        let configuration: RedisConfiguration
+        do {
+            configuration = try RedisConfiguration(url: redisURL)
+        } catch {
+            throw ValidationError("--redis-url (PRESENCE_REDIS_URL): \(error.message)")
+        }
+        if let redisPubSub {
+            do {
+                _ = try RedisPubSub(setting: redisPubSub, topology: configuration.topology)
+            } catch {
+                throw ValidationError("--redis-pubsub (PRESENCE_REDIS_PUBSUB): \(error.message)")
+            }
+        }
+        guard !keyPrefix.isEmpty else { throw ValidationError("--key-prefix (PRESENCE_KEY_PREFIX) must not be empty") }
+    }
 
     /// Runs `body` with an engine connected to Redis; any failure becomes one line on stderr and
     /// exit status 1.
@@ -76,13 +95,15 @@ struct GlobalOptions: ParsableArguments {
         Foundation.exit(1)
     }
 
-    /// Prints `value` as JSON, or `table` for people.
-    func output(json value: Any, table: () -> String) {
+    /// Prints `value` as JSON, or `table` for people. A `line` of a live tail is one JSON
+    /// object per line (what `jq` and scripts read), an answer is indented.
+    func output(json value: Any, line: Bool = false, table: () -> String) {
         if json {
-            let data = (try? JSONSerialization.data(withJSONObject: value, options: [.prettyPrinted, .sortedKeys, .withoutEscapingSlashes])) ?? Data()
-            print(String(decoding: data, as: UTF8.self))
+            let options: JSONSerialization.WritingOptions = line ? [.sortedKeys, .withoutEscapingSlashes] : [.prettyPrinted, .sortedKeys, .withoutEscapingSlashes]
+            let data = (try? JSONSerialization.data(withJSONObject: value, options: options)) ?? Data()
+            StandardOutput.say(String(decoding: data, as: UTF8.self))
         } else {
-            print(table())
+            StandardOutput.say(table())
         }
     }
 }

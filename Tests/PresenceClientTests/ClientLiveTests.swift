@@ -311,6 +311,14 @@ struct ClientLiveTests {
         #expect(await terminal.printed("[connected]"))
         let alice = try await LiveClient("alice", device: "phone", nodes: [node])
         #expect(await alice.connected())
+        #expect(await terminal.printed("room: 2 of 2 online"))
+        // Members away are counted beside the SDK's "2 of 2 online" (they were not printed).
+        await alice.client.setStatus(.away)
+        #expect(await terminal.printed("room: 1 of 2 online, 1 away"))
+        await alice.client.setStatus(.online)
+        // One's own status is echoed (nothing was printed for it).
+        terminal.type("/away")
+        #expect(await terminal.printed("you: away on this device"))
         terminal.type("/offline")
         #expect(await terminal.printed("[idle]"))
         terminal.type("written offline")
@@ -327,6 +335,61 @@ struct ClientLiveTests {
         terminal.type("/quit")
         #expect(await eventually(timeout: .seconds(5)) { !terminal.process.isRunning }, "quit ends the client")
         #expect(terminal.process.terminationStatus == 0)
+    }
+}
+
+extension ClientLiveTests {
+    /// Fails before the change: in a pipe whose reader had gone the client ran on (and trapped
+    /// with SIGILL on its next line), and a refused fixed token was retried for ever.
+    @Test("presence-client ends quietly (status 0) when the reader of its pipe goes away, and stops with 77 on a refused token")
+    func terminalClientEdges() async throws {
+        let prefix = TestRedis.uniquePrefix("sdk-cli-edges")
+        let node = try await GatewayProcess(nodeID: "node", environment: nodeEnvironment(prefix: prefix))
+        let binary = GatewayProcess.binary.deletingLastPathComponent().appendingPathComponent("presence-client")
+        let outbox = FileManager.default.temporaryDirectory.appendingPathComponent("presence-client-\(UUID().uuidString).json")
+        defer { try? FileManager.default.removeItem(at: outbox) }
+        func client(token: String) -> Process {
+            let process = Process()
+            process.executableURL = binary
+            process.arguments = ["--url", "ws://127.0.0.1:\(node.port)", "--token", token, "--device", "terminal", "--outbox", outbox.path]
+            process.standardInput = Pipe()
+            return process
+        }
+
+        // `presence-client | head -1`: both ends close-on-exec (see PresencectlTests.watchInAPipe).
+        var ends: [Int32] = [0, 0]
+        #expect(pipe(&ends) == 0)
+        for end in ends { _ = fcntl(end, F_SETFD, FD_CLOEXEC) }
+        let piped = client(token: try await mint("bob"))
+        piped.standardOutput = FileHandle(fileDescriptor: ends[1], closeOnDealloc: false)
+        try piped.run()
+        close(ends[1])
+        defer { if piped.isRunning { kill(piped.processIdentifier, SIGKILL) } }
+        let readEnd = ends[0]
+        let first = try await offThePool { () -> String in
+            var pending = pollfd(fd: readEnd, events: Int16(POLLIN), revents: 0)
+            guard poll(&pending, 1, 10_000) > 0 else { return "" }
+            var bytes = [UInt8](repeating: 0, count: 256)
+            let count = read(readEnd, &bytes, bytes.count)
+            return String(decoding: bytes.prefix(max(0, count)), as: UTF8.self)
+        }
+        #expect(first.hasPrefix("connecting to "), "\(first)")
+        close(readEnd)
+        #expect(await eventually(timeout: .seconds(5)) { !piped.isRunning }, "the reader gone, the client ends")
+        #expect(!piped.isRunning && piped.terminationReason == .exit && piped.terminationStatus == 0)
+
+        // A token signed with another secret: refused at once, and no use trying it again.
+        let errors = FileManager.default.temporaryDirectory.appendingPathComponent("presence-client-\(UUID().uuidString).err")
+        _ = FileManager.default.createFile(atPath: errors.path, contents: nil)
+        defer { try? FileManager.default.removeItem(at: errors) }
+        let refused = client(token: "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJib2IifQ.c2lnbmVkIHdpdGggYW5vdGhlciBzZWNyZXQ")
+        refused.standardOutput = FileHandle.nullDevice
+        refused.standardError = try FileHandle(forWritingTo: errors)
+        try refused.run()
+        defer { if refused.isRunning { kill(refused.processIdentifier, SIGKILL) } }
+        #expect(await eventually(timeout: .seconds(10)) { !refused.isRunning }, "a refused token ends the client")
+        #expect(!refused.isRunning && refused.terminationStatus == 77)
+        #expect(((try? String(contentsOf: errors, encoding: .utf8)) ?? "").contains("the token was refused"))
     }
 }
 

@@ -218,6 +218,82 @@ struct PresencectlTests {
         }
     }
 
+    /// Fails before the change: the membership change printed once per member's channel (three
+    /// lines for a three-member conversation, none naming dave), pretty JSON over several lines,
+    /// and a watch whose reader had gone ran on until killed.
+    @Test("watch --json in a pipe: one object per line, a membership change once with who joined, and the end of its reader ends it")
+    func watchInAPipe() async throws {
+        let prefix = TestRedis.uniquePrefix("ctl-pipe")
+        let common = ["--redis-url", TestRedis.url, "--key-prefix", prefix]
+        #expect(try await CTL.run(["set-members", "team", "alice", "bob", "carol"] + common).status == 0)
+        // Both ends close-on-exec at once (the child gets the write end as its standard output
+        // all the same): no other test's child keeps the read end, so closing it here is the
+        // reader going away.
+        var ends: [Int32] = [0, 0]
+        #expect(pipe(&ends) == 0)
+        for end in ends { _ = fcntl(end, F_SETFD, FD_CLOEXEC) }
+        let readEnd = ends[0]
+        let reader = FileHandle(fileDescriptor: readEnd, closeOnDealloc: true)
+        let errors = FileManager.default.temporaryDirectory.appendingPathComponent("presencectl-\(UUID().uuidString).err")
+        _ = FileManager.default.createFile(atPath: errors.path, contents: nil)
+        defer { try? FileManager.default.removeItem(at: errors) }
+        let process = Process()
+        process.executableURL = CTL.binary
+        process.arguments = ["watch", "--conversation", "team", "--json"] + common
+        var environment = ProcessInfo.processInfo.environment
+        environment["PRESENCE_REDIS_PUBSUB"] = TestRedis.pubSub
+        process.environment = environment
+        process.standardOutput = FileHandle(fileDescriptor: ends[1], closeOnDealloc: false)
+        process.standardError = try FileHandle(forWritingTo: errors)
+        try process.run()
+        close(ends[1])
+        defer { if process.isRunning { kill(process.processIdentifier, SIGKILL) } }
+        // Subscribed once it says so.
+        #expect(await eventually(timeout: .seconds(10)) { ((try? String(contentsOf: errors, encoding: .utf8)) ?? "").contains("watching") })
+        #expect(try await CTL.run(["add-members", "team", "dave"] + common).status == 0)
+        #expect(try await CTL.run(["remove-member", "team", "carol"] + common).status == 0)
+        // What comes within 3 s after the second change: both changes, each once, each on a line
+        // of its own.
+        let text = try await offThePool { () -> String in
+            var text = ""
+            let end = ContinuousClock.now + .seconds(3)
+            while ContinuousClock.now < end {
+                var pending = pollfd(fd: readEnd, events: Int16(POLLIN), revents: 0)
+                guard poll(&pending, 1, 100) > 0 else { continue }
+                // One read(2): FileHandle's reads wait for the whole count or the end.
+                var chunk = [UInt8](repeating: 0, count: 4096)
+                let count = read(readEnd, &chunk, chunk.count)
+                guard count > 0 else { break }
+                text += String(decoding: chunk.prefix(count), as: UTF8.self)
+            }
+            return text
+        }
+        let lines = text.split(separator: "\n").map(String.init)
+        let objects = lines.map { (try? JSONSerialization.jsonObject(with: Data($0.utf8))) as? [String: Any] }
+        #expect(objects.count == 2 && objects.allSatisfy { $0?["type"] as? String == "membership" }, "\(lines)")
+        #expect(objects.first??["added"] as? [String] == ["dave"] && objects.last??["removed"] as? [String] == ["carol"], "\(lines)")
+        try reader.close()
+        #expect(await eventually(timeout: .seconds(3)) { !process.isRunning }, "its reader gone, a quiet watch ends")
+        #expect(!process.isRunning && process.terminationReason == .exit && process.terminationStatus == 0)
+    }
+
+    /// Fails before the change: each exited 1 after trying Redis ("cannot reach Redis"), or
+    /// with the setting's error as if Redis had answered it.
+    @Test("a bad --redis-url, --redis-pubsub, --key-prefix or id is a usage error (64) found before connecting")
+    func badSettings() async throws {
+        for arguments in [
+            ["user", "alice", "--redis-url", "http://127.0.0.1:6379"],
+            ["user", "alice", "--redis-pubsub", "bogus"],
+            ["stats", "--key-prefix", ""],
+            ["watch", "--conversation", "a b", "--redis-url", "redis://127.0.0.1:1/0"],
+            ["watch", "--user", "a b", "--redis-url", "redis://127.0.0.1:1/0"],
+        ] {
+            let result = try await CTL.run(arguments, inheritPubSub: false)
+            #expect(result.status == 64, "\(arguments): \(result.err)")
+            #expect(!result.err.contains("cannot reach Redis") && result.err.contains("Usage:"), "\(arguments): \(result.err)")
+        }
+    }
+
     @Test("errors are one line on stderr and a non-zero exit")
     func errors() async throws {
         let prefix = TestRedis.uniquePrefix("ctl")
