@@ -1,5 +1,8 @@
 import ArgumentParser
 import Foundation
+#if canImport(Glibc)
+import Glibc
+#endif
 import Logging
 import PresenceGateway
 
@@ -51,10 +54,39 @@ struct PresenceGatewayCommand: AsyncParsableCommand {
             FileHandle.standardError.write(Data("presence-gateway: \(error)\n".utf8))
             throw ExitCode(2)
         }
+        if let reason = Self.listenerInTheWay(host: configuration.host, port: configuration.port) {
+            FileHandle.standardError.write(Data("presence-gateway: cannot listen on \(configuration.host):\(configuration.port): \(reason); stop what uses it, or choose another port with PRESENCE_PORT (--port)\n".utf8))
+            throw ExitCode(2)
+        }
         var logger = Logger(label: "presence-gateway")
         logger.logLevel = configuration.logLevel
         logger[metadataKey: "presence.node_id"] = "\(configuration.nodeID)"
         logger.info("starting", metadata: ["presence.max_sessions": "\(configuration.maxSessions)", "presence.open_file_limit": "\(openFiles.map(String.init) ?? "unknown")"])
         try await buildGateway(configuration: configuration, logger: logger).run()
+    }
+
+    /// Why the listening address cannot be bound, found before anything starts (a second node
+    /// on a taken port printed a misleading Redis error, then errno 98 without the port); nil
+    /// when it can, or when the check cannot tell (the server's own bind then reports).
+    static func listenerInTheWay(host: String, port: Int) -> String? {
+        var hints = addrinfo()
+        hints.ai_socktype = Int32(SOCK_STREAM.rawValue)
+        hints.ai_flags = AI_PASSIVE
+        var found: UnsafeMutablePointer<addrinfo>?
+        guard getaddrinfo(host, String(port), &hints, &found) == 0, let address = found else { return nil }
+        defer { freeaddrinfo(found) }
+        let descriptor = socket(address.pointee.ai_family, Int32(SOCK_STREAM.rawValue), 0)
+        guard descriptor >= 0 else { return nil }
+        defer { close(descriptor) }
+        // As the server binds: with SO_REUSEADDR, so only a live listener is in the way.
+        var on: Int32 = 1
+        setsockopt(descriptor, SOL_SOCKET, SO_REUSEADDR, &on, socklen_t(MemoryLayout<Int32>.size))
+        guard bind(descriptor, address.pointee.ai_addr, address.pointee.ai_addrlen) != 0 else { return nil }
+        switch errno {
+        case EADDRINUSE: return "the port is in use by another process"
+        case EADDRNOTAVAIL: return "no interface of this machine has that address"
+        case EACCES: return "ports below 1024 need privileges"
+        default: return String(cString: strerror(errno))
+        }
     }
 }
