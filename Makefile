@@ -2,7 +2,7 @@
 SWIFT ?= swift
 BUILD_FLAGS ?=
 
-.PHONY: deps test-deps build build-tests test check-deploy api-fuzz fuzz-build fuzz soak mutants run cluster cluster-stop bench bench-redis clean
+.PHONY: deps test-deps build build-tests test unit check-deploy api-fuzz fuzz-build fuzz soak mutants run cluster cluster-stop bench bench-redis clean
 
 # What building and running need (make run, make build); test-deps adds what the tests need, and
 # the deploy linters from PyPI in .tools/venv (never the system's Python: Debian's is externally
@@ -63,6 +63,15 @@ test: build-tests check-deploy fuzz-build
 	scripts/with-redis-cluster scripts/test-run cluster-faults timeout --kill-after=10 400 $(SWIFT) test --skip-build --no-parallel $(BUILD_FLAGS) --filter "ClusterGatewayTests|ClusterPartitionTests"
 	scripts/with-redis-cluster scripts/test-run cluster-chaos timeout --kill-after=10 600 $(SWIFT) test --skip-build --no-parallel $(BUILD_FLAGS) --filter "ChaosTests/chaosOnCluster"
 	PRESENCE_TEST_CLUSTER_CLOCK_OFFSET_MS=5000 scripts/with-redis-cluster scripts/test-run cluster-clocks timeout --kill-after=10 120 $(SWIFT) test --skip-build $(BUILD_FLAGS) --filter ClusterClockTests
+
+# The tests that need no Redis, no node and no network: parsers, codecs, configuration, the
+# connection handler and mailbox on embedded channels, the clients' logic on a test clock, the
+# fuzzers' regression inputs; then the browser client's logic under Node. Seconds after a build
+# (no fuzzer build): the loop to run while changing code. `make test` runs them too, with the rest.
+UNIT_TESTS = \.(BackoffTests|ClientLifecycleTests|ClientLoopTests|ConfigurationTests|FrameTests|FuzzRegressionTests|HashSlotTests|LoopMailboxTests|OutboxTests|ParityTests|PresenceCacheTests|PresenceTextTests|RESPParserTests|RedisChannelHandlerTests|RedisConfigurationTests|SessionChannelHandlerTests|SessionTests|ShardUnsubscribeHandlerTests|TimestampTests|TypingDebouncerTests|WorkGateTests)(/|$$)
+unit: build-tests
+	env -u PRESENCE_TEST_REDIS_URL -u PRESENCE_TEST_REDIS_CLUSTER_URL timeout --kill-after=10 120 $(SWIFT) test --skip-build $(BUILD_FLAGS) --filter '$(UNIT_TESTS)'
+	timeout --kill-after=10 120 node --test Tests/Web/
 
 # schemathesis against openapi.yaml on a live node: no 5xx, every answer as documented. A short
 # run with a random (printed) seed; API_FUZZ_EXAMPLES=500 for a long one, API_FUZZ_SEED to replay.
