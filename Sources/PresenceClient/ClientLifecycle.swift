@@ -60,6 +60,8 @@ public struct ClientLifecycle: Sendable {
     /// Not before this moment may a refused status change be sent again.
     public private(set) var statusRetryAt: Date?
     private var quickRetryUsed = false
+    /// Nodes tried in a row, each closing with 1011 or 1013.
+    private var nodesThatCouldNotServe = 0
 
     /// A client in the foreground, online, with a network.
     public init(backgroundPolicy: BackgroundPolicy = .away) {
@@ -131,7 +133,10 @@ public struct ClientLifecycle: Sendable {
     /// The network path went away or came back.
     public mutating func networkChanged(available: Bool) {
         networkAvailable = available
-        if available { quickRetryUsed = false }
+        if available {
+            quickRetryUsed = false
+            nodesThatCouldNotServe = 0
+        }
     }
 
     /// The app's offline switch was turned on or off.
@@ -157,6 +162,7 @@ public struct ClientLifecycle: Sendable {
         sessionStatus = status
         statusRetryAt = nil
         quickRetryUsed = false
+        nodesThatCouldNotServe = 0
     }
 
     /// The status frame owed to the gateway at `now`, if any; it counts as sent.
@@ -175,13 +181,15 @@ public struct ClientLifecycle: Sendable {
     }
 
     /// The session ended with the server's close `code` (`nil`: no close frame, the connection
-    /// dropped), or the upgrade was refused. Says what to do next.
-    public mutating func closed(code: UInt16?, upgradeRefused: Bool = false) -> AfterClose {
+    /// dropped), or the upgrade was refused; the client knows `gateways` URLs. Says what to do
+    /// next.
+    public mutating func closed(code: UInt16?, upgradeRefused: Bool = false, gateways: Int = 1) -> AfterClose {
         inSession = false
         sessionStatus = nil
         statusRetryAt = nil
         if let stopReason { return .stop(stopReason) }
         let known = code.flatMap(CloseCode.init(rawValue:))
+        if known != .internalError && known != .tryAgainLater { nodesThatCouldNotServe = 0 }
         switch known {
         case .disconnectedByAdmin:
             stopReason = .disconnectedByAdmin
@@ -196,6 +204,14 @@ public struct ClientLifecycle: Sendable {
             if quickRetryUsed { return .reconnectAfterBackoff(newToken: newToken) }
             quickRetryUsed = true
             return .reconnectNow(newToken: newToken)
+        case .internalError, .tryAgainLater:
+            // This node cannot serve now (it cannot reach Redis, it is full or starting); another
+            // may. Each other URL is tried at once, so that a device handed off to such a node is
+            // back, elsewhere, within its linger; once every URL has said so, back off.
+            nodesThatCouldNotServe += 1
+            if nodesThatCouldNotServe < gateways { return .reconnectNow(newToken: false) }
+            nodesThatCouldNotServe = 0
+            return .reconnectAfterBackoff(newToken: false)
         default:
             // A refused upgrade is most often a token the gateway no longer accepts.
             return .reconnectAfterBackoff(newToken: upgradeRefused)

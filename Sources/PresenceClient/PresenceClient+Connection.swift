@@ -108,7 +108,7 @@ extension PresenceClient {
             _ = lifecycle.closed(code: code, upgradeRefused: refused)
             return
         }
-        switch lifecycle.closed(code: code, upgradeRefused: refused) {
+        switch lifecycle.closed(code: code, upgradeRefused: refused, gateways: configuration.gatewayURLs.count) {
         case .stop(let reason):
             setState(.stopped(reason))
         case .reconnectNow(let newToken):

@@ -52,6 +52,37 @@ struct PartitionTests {
         _ = redis
     }
 
+    @Test("a handoff to a node cut off from Redis: the client goes on to the next URL at once, and nobody hears the device offline")
+    func handoffToCutNode() async throws {
+        let (redis, a, b, partition, _) = try await Self.start()
+        defer { partition.heal() }
+        let before = try await LiveClient("alice", device: "phone", nodes: [b])
+        let bob = try await LiveClient("bob", device: "laptop", nodes: [b])
+        for client in [before, bob] { #expect(await client.connected(), "\(client.user) is connected") }
+        try await bob.client.watch(["alice"])
+        try #require(await bob.sees("alice", .online), "bob sees alice online")
+        // The network changes: the connection drops without a close (the device lingers 2 s),
+        // and the device comes back through node a, which has just lost Redis. A backoff longer
+        // than the linger: a client that waited on a's refusal would be seen offline.
+        let dropped = ContinuousClock.now
+        await before.client.networkChanged(available: false)
+        try partition.cut()
+        let after = try await LiveClient("alice", device: "phone", nodes: [a, b]) {
+            $0.backoff = ReconnectBackoff(initial: 3, maximum: 3, jitter: 0)
+        }
+        let connected = await after.connected(.seconds(8))
+        let took = after.connectedAt.first.map { $0 - dropped }
+        try await Task.sleep(for: .seconds(1))
+        partition.heal()
+        let refusal = await after.client.lastCloseCode
+        print("handoffToCutNode: connected again \(took.map { "\($0)" } ?? "never") after the drop, node a closed with \(refusal.map(String.init) ?? "nothing"); bob's timeline of alice: \(bob.timeline(since: dropped, peer: "alice"))")
+        #expect(connected, "alice's device is back")
+        #expect(refusal == 1011, "node a could not register the session")
+        #expect(took.map { $0 < .seconds(2) } ?? false, "back within the linger")
+        #expect(!bob.statuses(of: "alice").contains(.offline), "bob never heard alice offline: \(bob.timeline(since: dropped, peer: "alice"))")
+        _ = redis
+    }
+
     @Test("a cut of 8 s: REST on the node answers 503 within a second, /readyz follows within a second, and after it never says offline for a user connected there")
     func longCut() async throws {
         let (redis, a, b, partition, _) = try await Self.start()

@@ -187,6 +187,23 @@ struct ClientLifecycleTests {
         #expect(signedOut.closed(code: 1000) == .stop(.signedOut))
     }
 
+    @Test("a node that cannot serve (1011, 1013): each other URL at once, then the backoff; any other close starts the count again")
+    func nodesThatCannotServe() {
+        var lifecycle = ClientLifecycle()
+        #expect(lifecycle.closed(code: 1011, gateways: 1) == .reconnectAfterBackoff(newToken: false), "one URL: nowhere else to go")
+        #expect(lifecycle.closed(code: 1011, gateways: 3) == .reconnectNow(newToken: false))
+        #expect(lifecycle.closed(code: 1013, gateways: 3) == .reconnectNow(newToken: false))
+        #expect(lifecycle.closed(code: 1011, gateways: 3) == .reconnectAfterBackoff(newToken: false), "all three said so")
+        #expect(lifecycle.closed(code: 1011, gateways: 3) == .reconnectNow(newToken: false), "after the backoff, a new round")
+        #expect(lifecycle.closed(code: nil, gateways: 3) == .reconnectAfterBackoff(newToken: false))
+        #expect(lifecycle.closed(code: 1011, gateways: 3) == .reconnectNow(newToken: false), "a dropped connection between restarts the count")
+        #expect(lifecycle.closed(code: 1011, gateways: 3) == .reconnectNow(newToken: false))
+        lifecycle.opened(with: .online)
+        #expect(lifecycle.closed(code: 1011, gateways: 3) == .reconnectNow(newToken: false), "a session that opened restarts the count")
+        #expect(lifecycle.closed(code: 1011, gateways: 3) == .reconnectNow(newToken: false))
+        #expect(lifecycle.closed(code: 1013, gateways: 3) == .reconnectAfterBackoff(newToken: false))
+    }
+
     @Test("changes made while disconnected: the latest wins, carried by the next session, never sent twice")
     func offlineQueue() {
         var lifecycle = ClientLifecycle()

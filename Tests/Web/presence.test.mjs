@@ -238,6 +238,32 @@ describe("reconnecting", () => {
     assert.equal(h.client.lastCloseCode, 1001);
   });
 
+  test("1011 and 1013 try each other URL at once, then back off; a session that opens starts the count again", async () => {
+    const h = setup({ gatewayURLs: ["wss://a.test", "wss://b.test", "wss://c.test"] });
+    await h.connect();
+    h.last().serverClose(1011);
+    await settle();
+    assert.equal(h.sockets.length, 2, "without the clock moving");
+    assert.equal(new URL(h.last().url).host, "b.test");
+    h.last().accept();
+    h.last().serverClose(1013);
+    await settle();
+    assert.equal(h.sockets.length, 3);
+    assert.equal(new URL(h.last().url).host, "c.test");
+    h.last().accept();
+    h.last().serverClose(1011);
+    await settle();
+    assert.equal(h.sockets.length, 3, "every URL said it cannot serve: back off");
+    assert.equal(h.waitingDelay(), 1);
+    await h.clock.advance(h.waitingDelay());
+    assert.equal(h.sockets.length, 4);
+    h.last().open();
+    await settle();
+    h.last().serverClose(1011);
+    await settle();
+    assert.equal(h.sockets.length, 5, "after a session, the next URL at once again");
+  });
+
   test("the token provider is asked for a fresh token after 4001, and the reconnect is immediate", async () => {
     const h = setup();
     await h.connect();

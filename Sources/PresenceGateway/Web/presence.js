@@ -694,6 +694,8 @@ class ClientLifecycle {
    */
   statusRetryAt = null;
   #quickRetryUsed = false;
+  /** Nodes tried in a row, each closing with 1011 or 1013. */
+  #nodesThatCouldNotServe = 0;
 
   /** @returns {PresenceStatus} */
   get desiredStatus() {
@@ -743,7 +745,10 @@ class ClientLifecycle {
   /** @param {boolean} available */
   networkChanged(available) {
     this.networkAvailable = available;
-    if (available) this.#quickRetryUsed = false;
+    if (available) {
+      this.#quickRetryUsed = false;
+      this.#nodesThatCouldNotServe = 0;
+    }
   }
 
   /** @param {PresenceStatus} status */
@@ -764,6 +769,7 @@ class ClientLifecycle {
     this.sessionStatus = status;
     this.statusRetryAt = null;
     this.#quickRetryUsed = false;
+    this.#nodesThatCouldNotServe = 0;
   }
 
   /**
@@ -787,16 +793,18 @@ class ClientLifecycle {
 
   /**
    * The session ended with the server's close `code` (`null`: none, the connection dropped),
-   * or never opened (`upgradeRefused`). Says what to do next.
+   * or never opened (`upgradeRefused`); the client knows `gateways` URLs. Says what to do next.
    * @param {number | null} code
    * @param {boolean} upgradeRefused
+   * @param {number} [gateways]
    * @returns {AfterClose}
    */
-  closed(code, upgradeRefused) {
+  closed(code, upgradeRefused, gateways = 1) {
     this.inSession = false;
     this.sessionStatus = null;
     this.statusRetryAt = null;
     if (this.stopReason) return { kind: "stop", reason: this.stopReason };
+    if (code !== CloseCode.internalError && code !== CloseCode.tryAgainLater) this.#nodesThatCouldNotServe = 0;
     switch (code) {
       case CloseCode.disconnectedByAdmin:
         this.stopReason = "disconnectedByAdmin";
@@ -813,6 +821,15 @@ class ClientLifecycle {
         this.#quickRetryUsed = true;
         return { kind: "reconnectNow", newToken };
       }
+      case CloseCode.internalError:
+      case CloseCode.tryAgainLater:
+        // This node cannot serve now (it cannot reach Redis, it is full or starting); another
+        // may. Each other URL is tried at once, so that a device handed off to such a node is
+        // back, elsewhere, within its linger; once every URL has said so, back off.
+        this.#nodesThatCouldNotServe += 1;
+        if (this.#nodesThatCouldNotServe < gateways) return { kind: "reconnectNow", newToken: false };
+        this.#nodesThatCouldNotServe = 0;
+        return { kind: "reconnectAfterBackoff", newToken: false };
       default:
         // A refused upgrade is most often a token the gateway no longer accepts.
         return { kind: "reconnectAfterBackoff", newToken: upgradeRefused };
@@ -2144,7 +2161,7 @@ export class PresenceClient extends EventTarget {
     for (const resolve of session.endWaiters) resolve();
     this.#log("info", "session ended", { code, refused });
     const wanted = this.#started && this.#lifecycle.shouldConnect;
-    const after = this.#lifecycle.closed(code, refused);
+    const after = this.#lifecycle.closed(code, refused, this.#urls.length);
     if (!wanted) {
       this.#advance();
       return;
