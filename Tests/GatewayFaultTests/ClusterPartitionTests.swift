@@ -41,4 +41,13 @@ struct ClusterPartitionTests {
         let (a, b) = try await Self.start(partition)
         try await PartitionTests.longCut(a, b, partition, label: "clusterLongCut")
     }
+
+    /// The same on a cluster (see ``PartitionTests/dropDuringCut()``).
+    @Test("a connection that drops during a long cut from the cluster is let go of: when the node reaches the cluster again, the user does not come back online")
+    func dropDuringCut() async throws {
+        let partition = Partition(group: Self.group, ports: TestRedisCluster.ports)
+        defer { partition.remove() }
+        let (a, b) = try await Self.start(partition)
+        try await PartitionTests.dropDuringCut(a, b, partition, label: "clusterDropDuringCut")
+    }
 }
