@@ -86,12 +86,13 @@ fuzz-build: test-deps
 	$(SWIFT) build --product presence-fuzz -Xswiftc -sanitize=fuzzer,address -Xswiftc -DFUZZING -Xswiftc -use-ld=lld --scratch-path .build-fuzz
 
 # Each fuzz target for FUZZ_SECONDS (default 600) from a random seed (printed; FUZZ_SEED to
-# replay); see README, "Fuzzing and soak".
+# replay); see docs/testing.md, "Fuzzing and soak".
 FUZZ_SECONDS ?= 600
 fuzz: fuzz-build
 	scripts/fuzz --seconds $(FUZZ_SECONDS) $(if $(FUZZ_SEED),--seed $(FUZZ_SEED))
 
-# SOAK_SECONDS (default 600) of random churn over 2 nodes, then the leak checks (README, "Soak").
+# SOAK_SECONDS (default 600) of random churn over 2 nodes, then the leak checks
+# (docs/testing.md, "Fuzzing and soak").
 SOAK_SECONDS ?= 600
 soak: test-deps
 	$(SWIFT) build --product presence-gateway $(BUILD_FLAGS)
@@ -118,7 +119,7 @@ bench-redis: deps
 	$(SWIFT) build -c release --product redis-client-bench
 	scripts/with-redis .build/release/redis-client-bench
 
-# Three nodes behind HAProxy on loopback (see README, "Deploying"); `make cluster-stop` ends it.
+# Three nodes behind HAProxy on loopback (see docs/deploying.md); `make cluster-stop` ends it.
 cluster: test-deps
 	$(SWIFT) build --product presence-gateway
 	$(SWIFT) build --product presencectl

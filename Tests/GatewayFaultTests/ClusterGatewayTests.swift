@@ -78,8 +78,8 @@ struct ClusterGatewayTests {
     @Test("120 users on three nodes, 40 of them changing status throughout, through CLUSTER FAILOVER and a kill -9 of the registry's primary: nobody is shown offline, changes flow again after each, none is lost, no node is reaped or leaves the balancer")
     func failovers() async throws {
         let prefix = TestRedis.uniquePrefix("cluster-gw")
-        // A lease longer than a promotion (about 4 s with cluster-node-timeout 2000), as README
-        // asks of an operator.
+        // A lease longer than a promotion (about 4 s with cluster-node-timeout 2000), as
+        // docs/configuration.md asks of an operator.
         let lease = 8
         let users = (0..<120).map { "user\($0)" }
         let (nodes, clients, watcher) = try await Self.start(prefix: prefix, users: users, lease: lease)

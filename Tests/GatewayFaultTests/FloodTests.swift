@@ -5,8 +5,8 @@ import PresenceClient
 import RedisTestSupport
 import Testing
 
-/// Floods of connections and frames meet the README's limits, and the node keeps serving
-/// everyone else. Heavy (`make test` runs it alone).
+/// Floods of connections and frames meet the limits of docs/configuration.md, and the node
+/// keeps serving everyone else. Heavy (`make test` runs it alone).
 @Suite("Connection and frame floods", .serialized)
 struct FloodTests {
     /// A node, and bob on it watching alice: the sessions a flood must not disturb.
