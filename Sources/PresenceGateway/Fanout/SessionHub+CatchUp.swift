@@ -22,8 +22,9 @@ extension SessionHub {
         var holdUsers: [String: ContinuousClock.Instant] = [:]
         /// The earliest moment a wake-up is already scheduled for.
         var wakeAt: ContinuousClock.Instant?
-        /// Users a pass read with no record at all after their hold-back was over, and when.
-        var unrecorded: [String: ContinuousClock.Instant] = [:]
+        /// Users a pass read offline with no record at all, whom a session was told are
+        /// online or away: since when, and whether a pass is due once a grace has gone by.
+        var unrecorded: [String: (since: ContinuousClock.Instant, scheduled: Bool)] = [:]
 
         /// Whether a user read offline is still to be left as told.
         func holdsOffline(_ user: String, now: ContinuousClock.Instant) -> Bool {
@@ -80,9 +81,12 @@ extension SessionHub {
             var presences: [Presence] = []
             for read in reads {
                 let presence = read.views.seen(by: session.userID)
-                if holdingBackOffline, presence.status == .offline, session.lastTold(presence.userID) != .offline,
-                   holdsOffline(presence.userID) || (!read.recorded && holdsUnrecorded(presence.userID)) {
-                    continue
+                if holdingBackOffline, presence.status == .offline, session.lastTold(presence.userID) != .offline {
+                    if holdsOffline(presence.userID) {
+                        if !read.recorded { noteUnrecorded(presence.userID) }
+                        continue
+                    }
+                    if !read.recorded, holdsUnrecorded(presence.userID) { continue }
                 }
                 if read.recorded { catchUps.withLockedValue { _ = $0.unrecorded.removeValue(forKey: presence.userID) } }
                 presences.append(presence)
@@ -203,26 +207,38 @@ extension SessionHub {
         catchUps.withLockedValue { $0.holdsOffline(user, now: .now) }
     }
 
+    /// Notes that a read found `user` with no record at all, from now unless noted before.
+    private func noteUnrecorded(_ user: String) {
+        let grace = Self.dataLossGrace(engine.configuration)
+        catchUps.withLockedValue { catchUps in
+            let now = ContinuousClock.now
+            if let noted = catchUps.unrecorded[user], now - noted.since < grace * 4 { return }
+            catchUps.unrecorded = catchUps.unrecorded.filter { now - $0.value.since < grace * 4 }
+            catchUps.unrecorded[user] = (now, false)
+        }
+    }
+
     /// Whether `user`, read with no record at all once their hold-back was over, is still left
     /// as told. A loss that came just before that read (a FLUSHALL a moment before a pass is due)
-    /// has not been found by anyone yet: the user gets one data-loss grace more from the first
-    /// such read, with a catch-up at its end, for the node holding their session to write it
-    /// again. A user still without a record then is offline.
+    /// has not been found by anyone yet: until one data-loss grace has gone by since a read
+    /// first found no record, the user is left as told, with a catch-up due at its end, for the
+    /// node holding their session to write it again. A user still without a record then is
+    /// offline; one found without a record long enough before (by reads the hold-back covered)
+    /// is told at once.
     func holdsUnrecorded(_ user: String) -> Bool {
+        noteUnrecorded(user)
         let grace = Self.dataLossGrace(engine.configuration)
-        let (held, first) = catchUps.withLockedValue { catchUps -> (Bool, Bool) in
-            let now = ContinuousClock.now
-            guard let since = catchUps.unrecorded[user] else {
-                catchUps.unrecorded = catchUps.unrecorded.filter { now - $0.value < grace * 4 }
-                catchUps.unrecorded[user] = now
-                return (true, true)
-            }
-            if now - since < grace { return (true, false) }
-            catchUps.unrecorded[user] = nil
-            return (false, false)
+        let due = catchUps.withLockedValue { catchUps -> Duration? in
+            guard let noted = catchUps.unrecorded[user] else { return nil }
+            let left = grace - (ContinuousClock.now - noted.since)
+            guard left > .zero else { return nil }
+            if noted.scheduled { return .zero }
+            catchUps.unrecorded[user]?.scheduled = true
+            return left
         }
-        if first { startResync(grace: grace, scope: ResyncScope(users: [user], conversations: [])) }
-        return held
+        guard let due else { return false }
+        if due > .zero { startResync(grace: due, scope: ResyncScope(users: [user], conversations: [])) }
+        return true
     }
 
     /// Membership events missed too: whom each session may see (its user's conversations, which
