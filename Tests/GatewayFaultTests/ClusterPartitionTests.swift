@@ -16,6 +16,15 @@ struct ClusterPartitionTests {
     /// Node a's group id: one no other process of the machine runs with.
     static let group: UInt32 = 47_123
 
+    /// Runs `body` with nodes a and b on the cluster and the partition between a and the
+    /// cluster, whose rules are removed afterwards.
+    static func withCut(_ body: (GatewayProcess, GatewayProcess, Partition) async throws -> Void) async throws {
+        let partition = Partition(group: group, ports: TestRedisCluster.ports)
+        defer { partition.remove() }
+        let (a, b) = try await start(partition)
+        try await body(a, b, partition)
+    }
+
     /// Node a, cut off by `partition` when asked, and node b, both on the cluster.
     static func start(_ partition: Partition) async throws -> (a: GatewayProcess, b: GatewayProcess) {
         let url = try #require(TestRedisCluster.url)
@@ -28,26 +37,17 @@ struct ClusterPartitionTests {
 
     @Test("cuts of 1.7 s between a node and every primary and replica (a 3 s lease, renewed every second): nobody is shown offline, on either node")
     func shortCuts() async throws {
-        let partition = Partition(group: Self.group, ports: TestRedisCluster.ports)
-        defer { partition.remove() }
-        let (a, b) = try await Self.start(partition)
-        try await PartitionTests.shortCuts(a, b, partition, label: "clusterShortCuts")
+        try await Self.withCut { a, b, partition in try await PartitionTests.shortCuts(a, b, partition, label: "clusterShortCuts") }
     }
 
     @Test("a cut of 8 s between a node and the cluster: REST on the node answers 503 within a second, /readyz follows within a second, and after it never says offline for a user connected there")
     func longCut() async throws {
-        let partition = Partition(group: Self.group, ports: TestRedisCluster.ports)
-        defer { partition.remove() }
-        let (a, b) = try await Self.start(partition)
-        try await PartitionTests.longCut(a, b, partition, label: "clusterLongCut")
+        try await Self.withCut { a, b, partition in try await PartitionTests.longCut(a, b, partition, label: "clusterLongCut") }
     }
 
     /// The same on a cluster (see ``PartitionTests/dropDuringCut()``).
     @Test("a connection that drops during a long cut from the cluster is let go of: when the node reaches the cluster again, the user does not come back online")
     func dropDuringCut() async throws {
-        let partition = Partition(group: Self.group, ports: TestRedisCluster.ports)
-        defer { partition.remove() }
-        let (a, b) = try await Self.start(partition)
-        try await PartitionTests.dropDuringCut(a, b, partition, label: "clusterDropDuringCut")
+        try await Self.withCut { a, b, partition in try await PartitionTests.dropDuringCut(a, b, partition, label: "clusterDropDuringCut") }
     }
 }

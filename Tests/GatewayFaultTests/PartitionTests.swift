@@ -20,6 +20,15 @@ struct PartitionTests {
         return (redis, a, b, Partition(port: redis.port), prefix)
     }
 
+    /// Runs `body` with a Redis of its own, nodes a and b, and the partition between a and
+    /// Redis, healed afterwards.
+    static func withCut(_ body: (GatewayProcess, GatewayProcess, Partition) async throws -> Void) async throws {
+        let (redis, a, b, partition, _) = try await start()
+        defer { partition.heal() }
+        try await body(a, b, partition)
+        _ = redis
+    }
+
     /// Alice on node a, watched by bob on node b.
     static func aliceAndBob(_ a: GatewayProcess, _ b: GatewayProcess) async throws -> (alice: LiveClient, bob: LiveClient) {
         let alice = try await LiveClient("alice", device: "phone", nodes: [a])
@@ -46,10 +55,7 @@ struct PartitionTests {
     /// showed alice offline in 2 of 5 cuts (two seeds), and at 1.9 s in 8 of 10.
     @Test("cuts of 1.7 s (a 3 s lease, renewed every second): nobody is shown offline, on either node")
     func shortCuts() async throws {
-        let (redis, a, b, partition, _) = try await Self.start()
-        defer { partition.heal() }
-        try await Self.shortCuts(a, b, partition, label: "shortCuts")
-        _ = redis
+        try await Self.withCut { a, b, partition in try await Self.shortCuts(a, b, partition, label: "shortCuts") }
     }
 
     @Test("a handoff to a node cut off from Redis: the client goes on to the next URL at once, and nobody hears the device offline")
@@ -90,10 +96,7 @@ struct PartitionTests {
     /// reproduced by this test, which passes on the code it was written against).
     @Test("a connection that drops during a long cut is let go of: when the node reaches Redis again, the user does not come back online")
     func dropDuringCut() async throws {
-        let (redis, a, b, partition, _) = try await Self.start()
-        defer { partition.heal() }
-        try await Self.dropDuringCut(a, b, partition, label: "dropDuringCut")
-        _ = redis
+        try await Self.withCut { a, b, partition in try await Self.dropDuringCut(a, b, partition, label: "dropDuringCut") }
     }
 
     /// Alice's connection to `a` drops 0.3 s into a 5 s cut between `a` and Redis, and never
@@ -118,10 +121,7 @@ struct PartitionTests {
 
     @Test("a cut of 8 s: REST on the node answers 503 within a second, /readyz follows within a second, and after it never says offline for a user connected there")
     func longCut() async throws {
-        let (redis, a, b, partition, _) = try await Self.start()
-        defer { partition.heal() }
-        try await Self.longCut(a, b, partition, label: "longCut")
-        _ = redis
+        try await Self.withCut { a, b, partition in try await Self.longCut(a, b, partition, label: "longCut") }
     }
 
     /// Five cuts of 1.7 s between `a` and Redis while bob, on `b`, watches alice, on `a`, and
