@@ -2,7 +2,7 @@
 SWIFT ?= swift
 BUILD_FLAGS ?=
 
-.PHONY: deps test-deps build build-tests test unit check-links check-deploy api-fuzz fuzz-build fuzz soak mutants run cluster cluster-stop bench bench-redis clean
+.PHONY: deps test-deps build build-tests test unit check-links check-contract check-deploy api-fuzz fuzz-build fuzz soak mutants run cluster cluster-stop bench bench-redis clean
 
 # What building and running need (make run, make build); test-deps adds what the tests need, and
 # the deploy linters from PyPI in .tools/venv (never the system's Python: Debian's is externally
@@ -45,7 +45,7 @@ TEST_SEED = 20261124
 # start some 30 nodes and processes together on 2 cores, where a 3 s lease renewed late lapses
 # and a reaper pass runs seconds behind. The run takes no longer (the model test is the longest).
 LIGHT_WIDTH = SWT_EXPERIMENTAL_MAXIMUM_PARALLELIZATION_WIDTH=4
-test: check-links build-tests check-deploy fuzz-build
+test: check-links check-contract build-tests check-deploy fuzz-build
 	scripts/with-redis sh -c '$(LIGHT_WIDTH) scripts/test-run light timeout --kill-after=10 900 $(SWIFT) test --skip-build $(BUILD_FLAGS) --skip "$(HEAVY_TESTS)" \
 	  && $(LIGHT_WIDTH) PRESENCE_TEST_REDIS_PUBSUB=sharded scripts/test-run light-sharded timeout --kill-after=10 900 $(SWIFT) test --skip-build $(BUILD_FLAGS) --skip "$(HEAVY_TESTS)" \
 	  && scripts/test-run heavy timeout --kill-after=10 900 $(SWIFT) test --skip-build --no-parallel $(BUILD_FLAGS) --filter "$(HEAVY_TESTS)" \
@@ -102,6 +102,11 @@ soak: test-deps
 # Every relative link and #anchor in the tracked Markdown files must resolve (scripts/check-links).
 check-links:
 	scripts/check-links
+
+# docs/API.md names every route of openapi.yaml, every frame type and close code of the protocol,
+# and no other (scripts/check-contract).
+check-contract:
+	scripts/check-contract
 
 # docker-compose.yml and deploy/: yamllint, hadolint, haproxy -c, promtool, kubernetes-validate and
 # check-jsonschema (Compose schema), then what the files must agree on with each other and with
