@@ -79,6 +79,9 @@ extension PresenceEngine {
             case .success(.heldByAnother):
                 await takenOver(entry.member, session: entry.device.session)
                 continue
+            case .success(.unheld):
+                // The answer of a status write only; a restore writes whatever it finds.
+                continue
             case .success(.written(let change, _)):
                 written += 1
                 await settle(change)

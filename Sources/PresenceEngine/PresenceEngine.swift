@@ -155,17 +155,32 @@ public final class PresenceEngine: Sendable {
         let change = try await writeStatus(user: user, device: device, session: session, status: status)
         written(member, session: session, status: status)
         if let change { return change }
-        // Another session took the device over; this one is about to be closed.
+        // Another session took the device over (this one is about to be closed), or the device was
+        // written again whole.
         return PresenceChange(changed: false, shownChanged: false, views: try await views(of: user))
     }
 
     /// Writes the status of a device held by `session` of this node and settles the change;
-    /// `nil` when another session has taken the device over.
+    /// `nil` when another session has taken the device over, or when Redis no longer has the
+    /// session holding it: then, if the session is still live here, the device is written again
+    /// whole (as after a loss), with the status it has by now.
     func writeStatus(user: String, device: String, session: String, status: PresenceStatus) async throws(PresenceError) -> PresenceChange? {
         let outcome = try await evaluate(UpsertDevice(user: user, device: device, status: status, node: configuration.nodeID, session: session, mode: .status))
-        guard case .written(let change, _) = outcome else { return nil }
-        await settle(change)
-        return change
+        switch outcome {
+        case .written(let change, _):
+            await settle(change)
+            return change
+        case .heldByAnother:
+            return nil
+        case .unheld:
+            let member = keys.deviceMember(user: user, device: device)
+            guard local.withLockedValue({ $0[member]?.session == session }) else { return nil }
+            logger.warning("Redis had lost a device a session here holds; writing it again", metadata: ["presence.user_id": "\(user)", "presence.device_id": "\(device)"])
+            unrestored.withLockedValue { _ = $0.insert(member) }
+            upkeep.yield(.dataLost)
+            try await restorePending()
+            return nil
+        }
     }
 
     /// Ends a session: `clean` (close code 1000, or an explicit sign-out) takes the device offline

@@ -735,6 +735,50 @@ struct PresenceEngineTests {
         }
     }
 
+    /// Fails before the change: the late write took the lingering phone back for session s1 with
+    /// no deadline, so that it stayed online for good (held by a session this node no longer has,
+    /// out of the reaper's sight); and a status change for a device Redis had lost wrote it back
+    /// without indexing it.
+    @Test("a status write that reaches Redis after its session let the device go changes nothing; one for a device Redis lost writes it again whole")
+    func lateStatusAfterRelease() async throws {
+        try await EngineCluster.with { cluster in
+            let node = cluster.engine(node: "n1")
+            try await node.registerNode()
+            let keys = cluster.prefixKeys
+            _ = try await node.connect(user: "u1", device: "phone", session: "s1")
+            // The status frame's write was in flight when the session dropped and let the phone
+            // linger; it reaches Redis after that release.
+            try await node.disconnect(user: "u1", device: "phone", session: "s1", clean: false)
+            let lingering = try #require(try await node.devices(of: "u1").first)
+            #expect(lingering.node == "" && lingering.deadline != nil)
+            #expect(try await node.writeStatus(user: "u1", device: "phone", session: "s1", status: .away) == nil)
+            let after = try #require(try await node.devices(of: "u1").first)
+            #expect(after.node == "" && after.deadline == lingering.deadline && after.status == .online, "the linger runs on untouched")
+
+            // Redis lost the phone of a session that is still live here (u2), or has it held by no
+            // session (u3): the status change writes it again, indexed, with the new status.
+            _ = try await node.connect(user: "u2", device: "phone", session: "s2")
+            _ = try await node.connect(user: "u3", device: "phone", session: "s3")
+            try await cluster.redis.send("DEL", RedisArgument(keys.devices("u2")))
+            try await cluster.redis.send("SREM", RedisArgument(keys.nodeDevices("n1")), "u2|phone")
+            // (A release written, then its session found live again: only a loss does that.)
+            try await node.disconnect(user: "u3", device: "phone", session: "s3", clean: false)
+            node.local.withLockedValue { $0["u3|phone"] = PresenceEngine.LocalDevice(user: "u3", device: "phone", session: "s3", status: .online) }
+            let events = NIOLockedValueBox<[UpkeepEvent]>([])
+            let listening = Task { for await event in node.upkeepEvents { events.withLockedValue { $0.append(event) } } }
+            defer { listening.cancel() }
+            for (number, (user, session)) in [("u2", "s2"), ("u3", "s3")].enumerated() {
+                _ = try await node.setStatus(user: user, device: "phone", session: session, status: .away)
+                #expect(await eventually { events.withLockedValue { $0 } == Array(repeating: .dataLost, count: number + 1) }, "watchers are told to read again")
+                let record = try #require(try await node.devices(of: user).first)
+                #expect(record.node == "n1" && record.deadline == nil && record.status == .away, "\(user): \(record)")
+                #expect(try await node.views(of: user).real.status == .away)
+            }
+            let indexed = try await cluster.redis.send("SMEMBERS", RedisArgument(keys.nodeDevices("n1"))).strings.sorted()
+            #expect(indexed.contains("u2|phone") && indexed.contains("u3|phone"))
+        }
+    }
+
     @Test("a newer session takes a device over; closing the older one changes nothing")
     func takeover() async throws {
         try await EngineCluster.with { cluster in

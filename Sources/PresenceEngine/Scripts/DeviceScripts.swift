@@ -29,6 +29,9 @@ struct UpsertDevice: ScriptCall {
         case written(PresenceChange, previous: (node: String, session: String)?)
         /// A `status` or `restore` from a session that lost the device to another: nothing changed.
         case heldByAnother
+        /// A `status` from a session that Redis no longer has holding the device (gone, or held by
+        /// no session): nothing changed. A live session's device must be written again whole.
+        case unheld
     }
 
     var user: String
@@ -53,6 +56,7 @@ struct UpsertDevice: ScriptCall {
     func decode(_ reply: RESPValue) throws(PresenceError) -> Outcome {
         let values = reply.array ?? []
         if values.first?.int == -3 { return .heldByAnother }
+        if values.first?.int == -4 { return .unheld }
         let change = try ScriptLua.change(values, user: user)
         let previousSession = values.count > 7 ? values[6].string ?? "" : ""
         let previousNode = values.count > 7 ? values[7].string ?? "" : ""
@@ -67,6 +71,9 @@ struct UpsertDevice: ScriptCall {
     local deadline = 0
     if mode == 'rest' then deadline = now + heartbeat end
     local raw = redis.call('HGET', KEYS[1], device)
+    -- A status change only ever changes a device its session holds: written for a device that is
+    -- gone or was let go (a late write, behind its session's close), it would hold it for good.
+    if mode == 'status' and not raw then return {-4} end
     local devicesWereGone = not raw and redis.call('EXISTS', KEYS[1]) == 0
     local prevSession, prevNode = '', ''
     local since = now
@@ -74,7 +81,8 @@ struct UpsertDevice: ScriptCall {
     if raw then
       local d = parse(raw)
       -- A status change from a session that no longer holds the device changes nothing.
-      if mode == 'status' and d.session ~= '' and d.session ~= session then return {-3} end
+      if mode == 'status' and d.session == '' then return {-4} end
+      if mode == 'status' and d.session ~= session then return {-3} end
       -- Written again after a loss, a device that another session took meanwhile stays its.
       if mode == 'restore' and d.session ~= '' and d.session ~= session then return {-3} end
       prevSession, prevNode = d.session, d.node
