@@ -1,4 +1,9 @@
 import NIOCore
+#if canImport(Glibc)
+import Glibc
+#elseif canImport(Darwin)
+import Darwin
+#endif
 
 /// A command on its way to Redis: its encoded bytes, how many replies it produces and who waits.
 package struct RedisRequest: Sendable {
@@ -209,12 +214,20 @@ final class RedisChannelHandler: ChannelDuplexHandler {
             return
         }
         guard let front = pending.first, front.deadline < now else { return }
-        fail(context: context, RedisError(.timeout, "Redis did not answer within \(stallTimeout.nanoseconds / 1_000_000) ms"))
+        fail(context: context, RedisError(.timeout, "Redis did not answer within \(stallTimeout.nanoseconds / 1_000_000) ms"), abort: true)
     }
 
-    private func fail(context: ChannelHandlerContext, _ error: RedisError) {
+    /// Fails every command waiting and closes. `abort` (a connection given up on as stalled) closes
+    /// with a reset: the kernel would otherwise go on resending what it had not delivered yet, and
+    /// a command its caller was told had failed could run once the network came back (a status
+    /// written after its session's close, say), so nothing unsent may outlive the connection.
+    private func fail(context: ChannelHandlerContext, _ error: RedisError, abort: Bool = false) {
         closed = true
         failAll(error)
+        if abort, let socket = context.channel as? any SocketOptionProvider {
+            // On the event loop, the option is set at once, before the close below.
+            _ = socket.setSoLinger(linger(l_onoff: 1, l_linger: 0))
+        }
         context.close(promise: nil)
     }
 

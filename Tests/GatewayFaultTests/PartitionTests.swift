@@ -1,6 +1,7 @@
 import ClientTestSupport
 import Foundation
 import PresenceClient
+import RedisClient
 import RedisTestSupport
 import Testing
 
@@ -48,6 +49,32 @@ struct PartitionTests {
         }
         let body = read.flatMap { try? JSONSerialization.jsonObject(with: Data($0.body.utf8)) as? [String: Any] }
         return (read?.status, body?["status"] as? String, ContinuousClock.now - started)
+    }
+
+    /// Fails before the change (a plain close): the kernel resent the SET once the network was
+    /// back, and Redis ran it after its caller had been told it failed.
+    @Test("a command whose connection was given up on during a cut never runs once the network is back")
+    func abandonedCommandStaysUnsent() async throws {
+        let redis = try RedisServerProcess(arguments: ["--bind", "127.0.0.1", "127.0.0.2"])
+        let partition = Partition(port: redis.port)
+        defer { partition.heal() }
+        var configuration = try RedisConfiguration(url: "redis://127.0.0.2:\(redis.port)/0")
+        configuration.stallTimeout = .milliseconds(750)
+        configuration.maximumBackoff = .seconds(1)
+        let key = "abandoned:\(UUID().uuidString)"
+        try await RedisClient.withClient(configuration: configuration, logger: TestRedis.logger()) { client in
+            _ = try await client.send("PING")
+            try partition.cut()
+            let sent = ContinuousClock.now
+            await #expect(throws: RedisError.self) { try await client.send("SET", RedisArgument(key), "late") }
+            let failedAfter = ContinuousClock.now - sent
+            #expect(failedAfter < .seconds(2), "the stall rule gave up on it (\(failedAfter))")
+            partition.heal()
+            // TCP resends an unacknowledged segment within about 1.6 s on loopback (RTO from 200 ms,
+            // doubling); 4 s leave room for it.
+            try await Task.sleep(for: .seconds(4))
+        }
+        #expect(try redis.cli("EXISTS", key).trimmingCharacters(in: .whitespacesAndNewlines) == "0", "the SET never ran")
     }
 
     /// 1.7 s: within the lease less one renewal period (2 s), with room for the reconnect. At
@@ -229,6 +256,8 @@ struct Partition: Sendable {
     private let standingRules: [Rule]
     /// The node's own address for Redis, for a cut by address.
     let address: String?
+    /// The group id the node must run with, for a cut by owner.
+    let group: UInt32?
 
     /// Root, and an iptables that can read its INPUT chain (a kernel with netfilter).
     static let available: Bool = getuid() == 0 && (try? iptables(["-L", "INPUT", "-n"])) != nil
@@ -242,6 +271,7 @@ struct Partition: Sendable {
         ]
         standingRules = []
         self.address = address
+        group = nil
     }
 
     /// A node that runs with group id `group` (``GatewayProcess``'s `group`) and reaches Redis
@@ -255,6 +285,7 @@ struct Partition: Sendable {
         let owned = ["OUTPUT", "-p", "tcp", "-m", "owner", "--gid-owner", "\(group)", "-m", "multiport", "--dports", ports]
         standingRules = [Rule(table: "mangle", spec: owned + ["-j", "CONNMARK", "--set-mark", mark])]
         address = nil
+        self.group = group
         cutRules = [
             Rule(spec: owned + ["-j", "DROP"]),
             Rule(spec: ["INPUT", "-p", "tcp", "-m", "connmark", "--mark", mark, "-j", "DROP"]),
