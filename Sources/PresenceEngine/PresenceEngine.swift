@@ -60,12 +60,14 @@ public final class PresenceEngine: Sendable {
     public let upkeepEvents: AsyncStream<UpkeepEvent>
     let upkeep: AsyncStream<UpkeepEvent>.Continuation
 
-    /// A disconnect Redis could not take yet.
+    /// A disconnect Redis could not take yet; one per session, by ``key``.
     struct PendingRelease: Sendable {
         var user: String
         var device: String
         var session: String
         var clean: Bool
+
+        var key: String { "\(user)|\(device)|\(session)" }
     }
 
     /// A device held by one of this node's sessions.
@@ -128,6 +130,14 @@ public final class PresenceEngine: Sendable {
         } catch {
             local.withLockedValue { devices in
                 if devices[member]?.session == session { devices[member] = nil }
+            }
+            // Unreachable in time, Redis may still have run the write (its reply lost in a cut):
+            // then the device would be held for good by a session that never opened. It is let go
+            // as after a drop, on the lease tick until Redis takes it; a no-op if the write never
+            // ran or another session holds the device by then.
+            if error.code == .unavailable {
+                let release = PendingRelease(user: user, device: device, session: session, clean: false)
+                pendingReleases.withLockedValue { $0[release.key] = release }
             }
             throw error
         }
@@ -194,12 +204,12 @@ public final class PresenceEngine: Sendable {
         }
         do {
             let change = try await release(user: user, device: device, session: session, clean: clean)
-            pendingReleases.withLockedValue { $0[member] = nil }
             return change
         } catch {
             // Redis did not take it: retried on every lease tick, or the device would stay held
             // by this live node for good.
-            pendingReleases.withLockedValue { $0[member] = PendingRelease(user: user, device: device, session: session, clean: clean) }
+            let release = PendingRelease(user: user, device: device, session: session, clean: clean)
+            pendingReleases.withLockedValue { $0[release.key] = release }
             throw error
         }
     }
@@ -248,10 +258,9 @@ public final class PresenceEngine: Sendable {
     public func retryPendingReleases() async {
         let pending = pendingReleases.withLockedValue { Array($0.values) }
         for release in pending {
-            let member = keys.deviceMember(user: release.user, device: release.device)
             do {
                 _ = try await self.release(user: release.user, device: release.device, session: release.session, clean: release.clean)
-                pendingReleases.withLockedValue { $0[member] = nil }
+                pendingReleases.withLockedValue { $0[release.key] = nil }
             } catch {
                 return
             }

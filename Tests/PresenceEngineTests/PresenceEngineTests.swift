@@ -779,6 +779,36 @@ struct PresenceEngineTests {
         }
     }
 
+    /// Fails before the change: nothing let the phone go, held for good by a session that never
+    /// opened (the node's index has it, and its lease is live, so no reaper looks at it).
+    @Test("an opening Redis did not answer in time is let go once Redis answers: had its write run with the reply lost, the device would be held for good")
+    func openingWithLostReply() async throws {
+        try await EngineCluster.withRestartableRedis { cluster, server in
+            let node = cluster.engine(node: "n1")
+            try await node.registerNode()
+            // What Redis holds when the opening's write ran and only its reply was lost: the device
+            // held by the session (written here by a twin of the node, which the node never hears of).
+            let twin = cluster.engine(node: "n1")
+            _ = try await twin.connect(user: "rita", device: "phone", session: "s1")
+            server.stop()
+            await #expect(throws: PresenceError.self) { try await node.connect(user: "rita", device: "phone", session: "s1") }
+            try server.start()
+            #expect(await eventually(timeout: .seconds(5)) { (try? await cluster.redis.send("PING")) != nil })
+            let held = try #require(try await node.devices(of: "rita").first)
+            #expect(held.node == "n1" && held.deadline == nil, "held by s1, which never opened")
+            await node.retryPendingReleases()
+            let record = try #require(try await node.devices(of: "rita").first)
+            #expect(record.node == "" && record.deadline != nil, "let go as after a drop: \(record)")
+            #expect(node.localDeviceCount == 0)
+            // Another session that holds the device by then keeps it.
+            _ = try await node.connect(user: "rita", device: "phone", session: "s2")
+            let later = PresenceEngine.PendingRelease(user: "rita", device: "phone", session: "s1", clean: false)
+            node.pendingReleases.withLockedValue { $0[later.key] = later }
+            await node.retryPendingReleases()
+            #expect(try await node.devices(of: "rita").first?.deadline == nil, "s2 holds it still")
+        }
+    }
+
     @Test("a newer session takes a device over; closing the older one changes nothing")
     func takeover() async throws {
         try await EngineCluster.with { cluster in
