@@ -130,7 +130,7 @@ struct SendMessage: ScriptCall {
     redis.call('HSET', KEYS[4], unpack(record))
     redis.call('PEXPIRE', KEYS[4], dedupTTL)
     if publish == '1' then
-      redis.call('PUBLISH', channel, cjson.encode({type = 'message', conversation_id = conversation, epoch = epoch,
+      redis.call(publishCommand, channel, cjson.encode({type = 'message', conversation_id = conversation, epoch = epoch,
         seq = seq, id = id, sender_id = sender, client_message_id = clientID, message_type = kind, text = text,
         image_url = image, created_at = now, client_created_at = clientAt}))
     end
@@ -255,7 +255,7 @@ struct MoveCursor: ScriptCall {
     if newDelivered ~= delivered or newRead ~= read then
       redis.call('HSET', KEYS[3], user, epoch .. '|' .. newDelivered .. '|' .. newRead)
       redis.call('PEXPIRE', KEYS[3], ttl)
-      redis.call('PUBLISH', channel, cjson.encode({type = 'receipt', conversation_id = conversation, epoch = epoch,
+      redis.call(publishCommand, channel, cjson.encode({type = 'receipt', conversation_id = conversation, epoch = epoch,
         user_id = user, delivered_seq = newDelivered, read_seq = newRead}))
     end
     return {'cursors', newDelivered, newRead}

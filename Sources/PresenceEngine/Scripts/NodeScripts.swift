@@ -186,7 +186,7 @@ struct ResolveClaim: ScriptCall {
     func arguments(_ context: ScriptContext) -> [RedisArgument] { [context.now, RedisArgument(member), score, RedisArgument(Int(next ?? 0))] }
     func decode(_ reply: RESPValue) throws(PresenceError) -> Bool { reply.int == 1 }
 
-    static let script = RedisScript("""
+    static let script = RedisScript(ScriptLua.header + """
     local score = redis.call('ZSCORE', KEYS[1], ARGV[2])
     if not score or tonumber(score) ~= tonumber(ARGV[3]) then return 0 end
     if tonumber(ARGV[4]) > 0 then
@@ -212,7 +212,7 @@ struct Unclaim: ScriptCall {
 
     func decode(_ reply: RESPValue) throws(PresenceError) -> Int { reply.int ?? 0 }
 
-    static let script = RedisScript("""
+    static let script = RedisScript(ScriptLua.header + """
     local retry, given = tonumber(ARGV[2]), 0
     for i = 3, #ARGV - 1, 2 do
       local score = redis.call('ZSCORE', KEYS[1], ARGV[i])

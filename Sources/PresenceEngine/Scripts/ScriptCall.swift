@@ -1,5 +1,4 @@
 import Foundation
-import NIOConcurrencyHelpers
 import PresenceProtocol
 import RedisClient
 
@@ -7,8 +6,11 @@ import RedisClient
 /// place, and its reply read into an outcome, so that no caller counts positions or compares
 /// sentinels. Each conforming type keeps its script's source beside it.
 ///
-/// The scripts share two conventions: `ARGV[1]` is now (see ``ScriptContext/now``), and the
-/// device scripts name their safety TTL and pass it on to `finish()` themselves.
+/// The scripts share three conventions: `ARGV[1]` is now (see ``ScriptContext/now``); the last
+/// `ARGV`, which ``PresenceEngine/evaluate(_:on:)`` appends to every call, is the command that
+/// publishes (`PUBLISH`, or `SPUBLISH` where pub/sub is sharded), and ``ScriptLua/header`` takes
+/// it off before the script reads its own; and the device scripts name their safety TTL and pass
+/// it on to `finish()` themselves.
 protocol ScriptCall {
     associatedtype Outcome
     /// The script this calls.
@@ -34,6 +36,9 @@ struct ScriptContext: Sendable {
     var deviceTTL: RedisArgument { Self.milliseconds(configuration.deviceKeyTTL) }
 
     static func milliseconds(_ duration: Duration) -> RedisArgument { RedisArgument(Int(duration.milliseconds)) }
+
+    /// `call`'s `ARGV`, and the publish command after them.
+    func arguments<Call: ScriptCall>(of call: Call) -> [RedisArgument] { call.arguments(self) + [pubSub.publishCommand] }
 }
 
 extension PresenceEngine {
@@ -42,9 +47,8 @@ extension PresenceEngine {
     /// Runs one script call, on `client` when given (else the engine's).
     func evaluate<Call: ScriptCall>(_ call: Call, on client: (any RedisCommands)? = nil) async throws(PresenceError) -> Call.Outcome {
         let context = scriptContext
-        let script = runnable(Call.script)
         let redis = client ?? self.redis
-        let reply = try await run { try await redis.evaluate(script, keys: call.keys(context), arguments: call.arguments(context)) }
+        let reply = try await run { try await redis.evaluate(Call.script, keys: call.keys(context), arguments: context.arguments(of: call)) }
         return try call.decode(reply)
     }
 
@@ -53,9 +57,8 @@ extension PresenceEngine {
     func evaluate<Call: ScriptCall>(_ calls: [Call]) async throws(PresenceError) -> [Result<Call.Outcome, PresenceError>] {
         guard !calls.isEmpty else { return [] }
         let context = scriptContext
-        let script = runnable(Call.script)
         let results = try await run {
-            try await self.redis.evaluate(script, calls: calls.map { (keys: $0.keys(context), arguments: $0.arguments(context)) })
+            try await self.redis.evaluate(Call.script, calls: calls.map { (keys: $0.keys(context), arguments: context.arguments(of: $0)) })
         }
         return zip(calls, results).map { call, result in
             switch result {
@@ -68,35 +71,20 @@ extension PresenceEngine {
     }
 }
 
-extension PresenceEngine {
-    /// `script` as this engine's Redis runs it: on a cluster (sharded pub/sub) its events go out
-    /// with `SPUBLISH`, which keeps each message on the shard of the script's own slot.
-    func runnable(_ script: RedisScript) -> RedisScript {
-        guard redis.pubSub == .sharded else { return script }
-        return shardedScripts.withLockedValue { variants in
-            if let variant = variants[script.sha1] { return variant }
-            let variant = RedisScript(ScriptLua.sharded(script.source))
-            variants[script.sha1] = variant
-            return variant
-        }
-    }
-}
-
-/// Each script's sharded variant, by the classic one's SHA1: made once per process.
-private let shardedScripts = NIOLockedValueBox<[String: RedisScript]>([:])
-
 /// Lua shared by the scripts, and how their common replies read.
 enum ScriptLua {
-    /// `source` publishing with `SPUBLISH`: the scripts publish in ``clock``'s two functions alone.
-    static func sharded(_ source: String) -> String {
-        source.replacingOccurrences(of: "redis.call('PUBLISH',", with: "redis.call('SPUBLISH',")
-    }
+    /// Begins every script: takes the publish command off the end of `ARGV` (see ``ScriptCall``),
+    /// so that `#ARGV` counts the script's own arguments.
+    static let header = """
+    local publishCommand = table.remove(ARGV)
+
+    """
 
     /// Now in ms: ARGV[1] when a test drives the time, else Redis's clock. Whether a node's
     /// lease is held: its key exists. Under a test's clock, whose time Redis's key expiry does
     /// not follow, a lease whose end (its value) that clock has passed counts as expired too.
     /// And the two events the scripts publish, each written in one place.
-    static let clock = """
+    static let clock = header + """
     local function clock(given)
       if given ~= '' then return tonumber(given) end
       local t = redis.call('TIME')
@@ -112,12 +100,12 @@ enum ScriptLua {
       return left
     end
     local function publishPresence(channel, user, status, lastSeen, publicStatus, publicSeen, changed, publicChanged, now)
-      redis.call('PUBLISH', channel, cjson.encode({type = 'presence', user_id = user, status = status,
+      redis.call(publishCommand, channel, cjson.encode({type = 'presence', user_id = user, status = status,
         last_seen = lastSeen, public_status = publicStatus, public_last_seen = publicSeen,
         changed = changed, public_changed = publicChanged, at = now}))
     end
     local function publishTyping(channel, conversation, user, isTyping, now)
-      redis.call('PUBLISH', channel, cjson.encode({type = 'typing', conversation_id = conversation, user_id = user,
+      redis.call(publishCommand, channel, cjson.encode({type = 'typing', conversation_id = conversation, user_id = user,
         is_typing = isTyping, at = now}))
     end
 
