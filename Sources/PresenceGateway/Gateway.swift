@@ -89,19 +89,11 @@ public final class Gateway: Sendable {
         GatewayMetrics.bootstrap()
     }
 
-    /// The user a request's bearer token (header, or `?token=` where allowed) stands for.
-    func authenticate(_ request: Request, allowQuery: Bool = false) async throws(APIError) -> AuthenticatedUser {
-        var token = Authenticator.bearer(request.headers[.authorization])
-        if token == nil, allowQuery { token = request.uri.queryParameters.get("token") }
+    /// The user a WebSocket upgrade's bearer token (header, or `?token=`) stands for. (REST
+    /// routes get theirs from ``UserAuthenticationMiddleware``.)
+    func authenticateUpgrade(_ request: Request) async throws(APIError) -> AuthenticatedUser {
+        let token = Authenticator.bearer(request.headers[.authorization]) ?? request.uri.queryParameters.get("token").map { String($0) }
         return try await authenticator.authenticate(token: token)
-    }
-
-    /// Checks the admin token: 404 when admin routes are off, 401 for a wrong token.
-    func requireAdmin(_ request: Request) throws(APIError) {
-        guard authenticator.adminEnabled else { throw .notFound("no such route") }
-        guard authenticator.isAdmin(token: Authenticator.bearer(request.headers[.authorization])) else {
-            throw .unauthorized("the admin token is missing or wrong")
-        }
     }
 }
 
@@ -144,13 +136,18 @@ public func buildGateway(
     router.add(middleware: RESTCodingMiddleware(coder: gateway.bodies, maxBody: configuration.maxBodySize))
     router.add(middleware: CurrentStateMiddleware(engine: gateway.engine))
     router.add(middleware: StoreDeadlineMiddleware())
-    gateway.addRESTRoutes(to: router)
-    gateway.addMessageRoutes(to: router)
-    gateway.addAdminRoutes(to: router)
+    let users = router.group().add(middleware: UserAuthenticationMiddleware(authenticator: gateway.authenticator))
+    gateway.addRESTRoutes(to: router, users: users)
+    gateway.addMessageRoutes(to: users)
     gateway.addDashboardRoutes(to: router)
+    // Without an admin token the admin routes are not there at all: 404 under any method.
+    if gateway.authenticator.adminEnabled {
+        let admin = router.group().add(middleware: AdminAuthenticationMiddleware(authenticator: gateway.authenticator))
+        gateway.addAdminRoutes(to: admin)
+        gateway.addAdminReadRoutes(to: admin)
+    }
     gateway.addWebSocketRoute(to: router)
-    // Admin paths stay 404 under any method while the admin routes are off (docs/API.md).
-    router.add(middleware: MethodNotAllowedMiddleware(routes: router.routes, hiding: gateway.authenticator.adminEnabled ? [] : ["/api/admin"]))
+    router.add(middleware: MethodNotAllowedMiddleware(routes: router.routes))
     var app = Application(
         router: router,
         server: HTTPServerBuilder { responder in

@@ -184,6 +184,51 @@ struct RESTTests {
         }
     }
 
+    /// Every route openapi.yaml lists, with its method: `/api/admin/...` ones take the admin
+    /// token, other `/api/...` ones a client token, the rest none.
+    static func documentedRoutes(filePath: String = #filePath) throws -> [(method: String, path: String)] {
+        let root = URL(fileURLWithPath: filePath).deletingLastPathComponent().deletingLastPathComponent().deletingLastPathComponent()
+        let lines = try String(contentsOf: root.appendingPathComponent("openapi.yaml"), encoding: .utf8).split(separator: "\n")
+        var routes: [(method: String, path: String)] = []
+        var path: String?
+        for line in lines {
+            if line.hasPrefix("  /"), line.hasSuffix(":") { path = String(line.dropFirst(2).dropLast()) }
+            else if !line.hasPrefix(" ") { path = nil }
+            else if let path, let method = ["get", "post", "put", "delete", "patch"].first(where: { line == "    \($0):" }) {
+                routes.append((method.uppercased(), path))
+            }
+        }
+        return routes
+    }
+
+    @Test("every route asks for its token before anything else: a client's on /api, the admin's on /api/admin (401 without it, 401 with the other kind), none elsewhere")
+    func everyRouteAsksForItsToken() async throws {
+        let routes = try Self.documentedRoutes()
+        #expect(routes.count > 25, "openapi.yaml read: \(routes.count) routes")
+        try await withNodes(1) { ports in
+            let port = ports[0]
+            let alice = try await token("alice")
+            for (method, template) in routes {
+                let path = template.replacingOccurrences(of: "{conversation_id}", with: "room").replacingOccurrences(of: "{user_id}", with: "bob")
+                // A body that is no body: a route that read it before the token would answer 400 or 422.
+                let body = method == "GET" || method == "DELETE" ? nil : "not json"
+                if path.hasPrefix("/api/admin/") {
+                    for (label, candidate) in [("none", nil), ("a client's", alice)] as [(String, String?)] {
+                        let answer = try await call(port, method, path, token: candidate, body: body)
+                        #expect(answer.status == 401 && Self.errorCode(answer.json) == "unauthorized", "\(method) \(path) with \(label): \(answer.status)")
+                    }
+                } else if path.hasPrefix("/api/") {
+                    for (label, candidate) in [("none", nil), ("the admin's", adminToken)] as [(String, String?)] {
+                        let answer = try await call(port, method, path, token: candidate, body: body)
+                        #expect(answer.status == 401 && Self.errorCode(answer.json) == "unauthorized", "\(method) \(path) with \(label): \(answer.status)")
+                    }
+                } else if path != "/readyz" {
+                    #expect(try await call(port, method, path).status == 200, "\(method) \(path) needs no token")
+                }
+            }
+        }
+    }
+
     @Test("admin routes: 401 with a wrong token, 404 when turned off; nodes are listed")
     func admin() async throws {
         try await withNodes(1) { ports in

@@ -115,10 +115,10 @@ struct MethodNotAllowedMiddleware<Context: RequestContext>: RouterMiddleware {
     /// The path of each route, and the methods it is served under.
     let routes: [(path: RouterPath, methods: [String])]
 
-    /// From the router's routes, leaving out those whose path starts with one of `hidden`.
-    init(routes: [Router<Context>.RouteDescription], hiding hidden: [String]) {
+    /// From the router's routes.
+    init(routes: [Router<Context>.RouteDescription]) {
         var methods: [String: (path: RouterPath, methods: [String])] = [:]
-        for route in routes where !hidden.contains(where: { route.path.description.hasPrefix($0) }) {
+        for route in routes {
             methods[route.path.description, default: (route.path, [])].methods.append(route.method.rawValue)
         }
         self.routes = methods.values.map { ($0.path, $0.methods.sorted()) }

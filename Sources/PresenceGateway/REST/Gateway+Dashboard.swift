@@ -39,9 +39,11 @@ extension Gateway {
         router.get("/dashboard/dashboard.css") { _, _ in
             Self.asset(PackageResources.dashboard_css, type: "text/css; charset=utf-8", extra: page)
         }
+    }
 
-        router.get("/api/admin/users/{user_id}") { request, context in
-            try self.requireAdmin(request)
+    /// The admin reads behind the dashboard, behind `admin` (the admin token).
+    func addAdminReadRoutes(to admin: RouterGroup<GatewayRequestContext>) {
+        admin.get("/api/admin/users/{user_id}") { _, context in
             let user = try self.pathID(context, "user_id", "user id")
             guard try await self.engine.userExists(user) else { throw APIError.notFound("no such user") }
             let views = try await self.engine.views(of: user)
@@ -49,8 +51,7 @@ extension Gateway {
             let conversations = try await self.engine.conversationSummaries(of: user)
             return RESTBody.UserDetail(views: views, devices: devices, conversations: conversations)
         }
-        router.get("/api/admin/conversations/{conversation_id}") { request, context in
-            try self.requireAdmin(request)
+        admin.get("/api/admin/conversations/{conversation_id}") { request, context in
             let conversation = try self.pathID(context, "conversation_id", "conversation id")
             let limit = try Self.limitParameter(request.uri.queryParameters.get("limit"), default: 50)
             guard let detail = try await self.engine.conversationDetail(conversation, limit: limit) else {
@@ -58,12 +59,10 @@ extension Gateway {
             }
             return RESTBody.ConversationDetail(conversation: conversation, detail: detail)
         }
-        router.get("/api/admin/overview") { request, _ in
-            try self.requireAdmin(request)
+        admin.get("/api/admin/overview") { _, _ in
             return RESTBody.Overview(try await self.overviews.current(engine: self.engine))
         }
-        router.get("/api/admin/events") { request, _ -> Response in
-            try self.requireAdmin(request)
+        admin.get("/api/admin/events") { _, _ -> Response in
             var headers: HTTPFields = [.contentType: "text/event-stream; charset=utf-8", .cacheControl: "no-store"]
             // Proxies that buffer responses (nginx) would hold the events back.
             headers[HTTPField.Name("X-Accel-Buffering")!] = "no"

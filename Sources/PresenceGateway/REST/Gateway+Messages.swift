@@ -6,9 +6,9 @@ import PresenceProtocol
 /// The message routes of docs/API.md, "Messages": send, history, read cursor, receipts, and the
 /// caller's conversations.
 extension Gateway {
-    func addMessageRoutes(to router: Router<GatewayRequestContext>) {
-        router.post("/api/conversations/{conversation_id}/messages") { request, context in
-            let user = try await self.authenticate(request)
+    func addMessageRoutes(to users: RouterGroup<GatewayRequestContext>) {
+        users.post("/api/conversations/{conversation_id}/messages") { request, context in
+            let user = try context.user
             let conversation = try self.pathID(context, "conversation_id", "conversation id")
             let body = try await request.decode(as: SendBody.self, context: context)
             let message = try body.message()
@@ -19,8 +19,8 @@ extension Gateway {
             payload.duplicate = sent.duplicate
             return EditedResponse(status: sent.duplicate ? .ok : .created, response: payload)
         }
-        router.get("/api/conversations/{conversation_id}/messages") { request, context in
-            let user = try await self.authenticate(request)
+        users.get("/api/conversations/{conversation_id}/messages") { request, context in
+            let user = try context.user
             let conversation = try self.pathID(context, "conversation_id", "conversation id")
             let query = request.uri.queryParameters
             let after = try Self.seqParameter(query.get("after_seq"), "after_seq")
@@ -37,23 +37,23 @@ extension Gateway {
             return HistoryPayload(conversationID: conversation, epoch: page.epoch, firstSeq: page.firstSeq, lastSeq: page.lastSeq,
                                   messages: page.messages.map(MessagePayload.init))
         }
-        router.post("/api/conversations/{conversation_id}/read") { request, context in
-            let user = try await self.authenticate(request)
+        users.post("/api/conversations/{conversation_id}/read") { request, context in
+            let user = try context.user
             let conversation = try self.pathID(context, "conversation_id", "conversation id")
             let body = try await request.decode(as: CursorBody.self, context: context)
             guard body.seq >= 0 else { throw APIError.invalid("seq must not be negative") }
             let cursors = try await self.engine.moveCursor(.read, of: user.userID, in: conversation, to: body.seq)
             return ReceiptPayload(deliveredSeq: cursors.deliveredSeq, readSeq: cursors.readSeq)
         }
-        router.get("/api/conversations/{conversation_id}/receipts") { request, context in
-            let user = try await self.authenticate(request)
+        users.get("/api/conversations/{conversation_id}/receipts") { _, context in
+            let user = try context.user
             let conversation = try self.pathID(context, "conversation_id", "conversation id")
             return try await self.engine.receipts(of: conversation, for: user.userID).map {
                 ReceiptPayload(userID: $0.user, deliveredSeq: $0.cursors.deliveredSeq, readSeq: $0.cursors.readSeq)
             }
         }
-        router.get("/api/conversations") { request, _ in
-            let user = try await self.authenticate(request)
+        users.get("/api/conversations") { _, context in
+            let user = try context.user
             return try await self.engine.conversationSummaries(of: user.userID).map { summary in
                 ConversationEntryPayload(
                     conversationID: summary.conversationID, epoch: summary.epoch.isEmpty ? nil : summary.epoch, lastSeq: summary.lastSeq,

@@ -7,7 +7,8 @@ import PresenceEngine
 import PresenceProtocol
 
 extension Gateway {
-    func addRESTRoutes(to router: Router<GatewayRequestContext>) {
+    /// The probes, open to anyone, and the presence routes, behind `users` (a client token).
+    func addRESTRoutes(to router: Router<GatewayRequestContext>, users: RouterGroup<GatewayRequestContext>) {
         router.get("/healthz") { _, _ in RESTBody.Status(status: "ok") }
         router.get("/readyz") { _, _ in
             guard !self.hub.isDraining else { throw APIError.unavailable("this node is shutting down") }
@@ -23,8 +24,8 @@ extension Gateway {
             GatewayMetrics.sample(channels: self.hub.subscriber.channels.count, work: work)
             return Response(status: .ok, headers: [.contentType: "text/plain; version=0.0.4"], body: .init(byteBuffer: ByteBuffer(string: GatewayMetrics.render())))
         }
-        router.post("/api/presence/status") { request, context in
-            let user = try await self.authenticate(request)
+        users.post("/api/presence/status") { request, context in
+            let user = try context.user
             let body = try await request.decode(as: StatusBody.self, context: context)
             guard let status = PresenceStatus(rawValue: body.status) else { throw APIError.invalid("status must be \(PresenceStatus.rule)") }
             let device = body.deviceId ?? "rest"
@@ -34,8 +35,8 @@ extension Gateway {
             if change.changed { GatewayMetrics.transition() }
             return PresencePayload(change.views.real)
         }
-        router.get("/api/presence/users") { request, _ in
-            let user = try await self.authenticate(request)
+        users.get("/api/presence/users") { request, context in
+            let user = try context.user
             var targets: [String]
             if let list = request.uri.queryParameters.get("user_ids") {
                 let listed = list.split(separator: ",", omittingEmptySubsequences: false)
@@ -61,22 +62,22 @@ extension Gateway {
             }
             return presences
         }
-        router.get("/api/presence/users/{user_id}") { request, context in
-            let user = try await self.authenticate(request)
+        users.get("/api/presence/users/{user_id}") { _, context in
+            let user = try context.user
             let target = try self.pathID(context, "user_id", "user id")
             guard try await self.engine.canSee(viewer: user.userID, target: target) else { throw APIError.notFound("no such user") }
             let view = try await self.engine.views(of: target)
             let typing = try await self.engine.isTyping(target, sharedWith: user.userID)
             return PresencePayload(view.seen(by: user.userID), isTyping: typing)
         }
-        router.put("/api/presence/privacy") { request, context in
-            let user = try await self.authenticate(request)
+        users.put("/api/presence/privacy") { request, context in
+            let user = try context.user
             let body = try await request.decode(as: RESTBody.Privacy.self, context: context)
             _ = try await self.engine.setPrivacy(user: user.userID, showOnlineStatus: body.showOnlineStatus)
             return RESTBody.Privacy(showOnlineStatus: body.showOnlineStatus)
         }
-        router.get("/api/conversations/{conversation_id}/presence") { request, context in
-            let user = try await self.authenticate(request)
+        users.get("/api/conversations/{conversation_id}/presence") { _, context in
+            let user = try context.user
             let conversation = try self.pathID(context, "conversation_id", "conversation id")
             guard let members = try await self.engine.members(of: conversation) else { throw APIError.notFound("no such conversation") }
             guard members.contains(user.userID) else { throw APIError.forbidden("you are not a member of this conversation") }
@@ -88,8 +89,8 @@ extension Gateway {
                 members: presences.map { PresencePayload($0, isTyping: typing.contains($0.userID)) }
             )
         }
-        router.post("/api/conversations/{conversation_id}/typing") { request, context in
-            let user = try await self.authenticate(request)
+        users.post("/api/conversations/{conversation_id}/typing") { request, context in
+            let user = try context.user
             let conversation = try self.pathID(context, "conversation_id", "conversation id")
             let body = try await request.decode(as: TypingBody.self, context: context)
             if let wait = self.typingLimiter.take(user.userID) { throw APIError.rateLimited("too many typing posts", retryAfter: wait) }

@@ -1,7 +1,8 @@
 import Hummingbird
 import PresenceProtocol
 
-/// The request context of every route: Hummingbird's, plus the node's REST body coder.
+/// The request context of every route: Hummingbird's, plus the node's REST body coder and, behind
+/// the authentication middleware, the user.
 public struct GatewayRequestContext: RequestContext {
     public var coreContext: CoreRequestContextStorage
     /// How bodies are read and written: set for every request by ``RESTCodingMiddleware``.
@@ -13,6 +14,10 @@ public struct GatewayRequestContext: RequestContext {
     public var maxUploadSize: Int { maxBody }
     public var requestDecoder: RESTRequestDecoder { RESTRequestDecoder(coder: bodies) }
     public var responseEncoder: RESTResponseEncoder { RESTResponseEncoder(coder: bodies) }
+
+    /// The user the bearer token stands for: set by ``UserAuthenticationMiddleware`` for the
+    /// routes behind it, read through ``user``.
+    var identity: AuthenticatedUser?
 
     public init(source: ApplicationRequestContextSource) {
         self.coreContext = .init(source: source)

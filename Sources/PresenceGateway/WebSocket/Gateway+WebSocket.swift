@@ -182,7 +182,7 @@ final class SessionRun: Sendable {
 
     private func opening(_ connection: SessionConnection) async {
         let frames = gateway.frames
-        guard let user = try? await gateway.authenticate(request, allowQuery: true) else {
+        guard let user = try? await gateway.authenticateUpgrade(request) else {
             refuse(connection, .unauthorized, reason: "unauthorized")
             return openingEnded()
         }
