@@ -63,8 +63,13 @@ struct MessagesCommand: AsyncParsableCommand {
                 try await subscriber.subscribe([engine.keys.messageChannel(conversation)])
                 var tail = Tail(engine: engine, conversation: conversation, json: options.json)
                 let page = try await engine.deliveryPage(of: conversation, after.map(HistoryRange.after) ?? .latest, limit: limit)
+                if options.json {
+                    // One object per line from the first: the page's messages, then each new one.
+                    for message in page.messages { tail.emit(message) }
+                } else {
+                    printPage(page, conversation)
+                }
                 tail.position = (page.epoch, page.messages.last?.seq ?? page.lastSeq)
-                printPage(page, conversation)
                 FileHandle.standardError.write(Data("following \(conversation); Ctrl-C to stop\n".utf8))
                 for await event in subscriber.events {
                     switch event {
@@ -143,7 +148,7 @@ struct MessagesCommand: AsyncParsableCommand {
             }
         }
 
-        private mutating func emit(_ message: StoredMessage) {
+        mutating func emit(_ message: StoredMessage) {
             position = (message.epoch, message.seq)
             if json {
                 if let data = try? JSONSerialization.data(withJSONObject: MessagesCommand.json(message), options: [.sortedKeys]) {

@@ -152,16 +152,18 @@ struct PresencectlTests {
             let stats = try await CTL.json(["stats"] + common)
             #expect(stats["messages_kept"] as? Int == 5 && stats["conversations_with_history"] as? Int == 1 && stats["message_retry_records"] as? Int == 5)
 
-            let (follower, out, err) = try CTL.start(["messages", "room", "--follow", "--json", "--after", "5"] + common)
+            let (follower, out, err) = try CTL.start(["messages", "room", "--follow", "--json", "--after", "3"] + common)
             _ = await eventually(timeout: .seconds(5)) { (try? String(contentsOf: err, encoding: .utf8))?.contains("following room") == true }
             for number in 6...8 { try await send(number) }
             _ = await eventually(timeout: .seconds(5)) { (try? String(contentsOf: out, encoding: .utf8))?.contains("message 8") == true }
             kill(follower.processIdentifier, SIGKILL)
             follower.waitUntilExit()
-            let lines = CTL.read(out).split(separator: "\n").dropFirst()
+            let lines = CTL.read(out).split(separator: "\n")
             _ = CTL.read(err)
-            let seqs = lines.compactMap { (try? JSONSerialization.jsonObject(with: Data($0.utf8)) as? [String: Any])?["seq"] as? Int }
-            #expect(seqs == [6, 7, 8], "\(lines)")
+            // JSON Lines from the first line: the kept page's messages, then the new ones.
+            let objects = lines.compactMap { try? JSONSerialization.jsonObject(with: Data($0.utf8)) as? [String: Any] }
+            #expect(objects.count == lines.count, "every line is one object: \(lines)")
+            #expect(objects.compactMap { $0["seq"] as? Int } == [4, 5, 6, 7, 8], "\(lines)")
         }
     }
 
