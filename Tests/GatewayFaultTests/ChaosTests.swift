@@ -129,6 +129,18 @@ struct ChaosTests {
             for primary in try primaries() { try TestRedisCluster.cli(port: primary.port, "FLUSHALL") }
         }
 
+        /// What Redis holds for `user` (devices and state), for a failure's message.
+        func stored(_ user: String) -> String {
+            let read = { (command: String, key: String) -> String in
+                if let redis = self.redis { return (try? redis.cli(command, key)) ?? "?" }
+                guard let owner = try? TestRedisCluster.owner(of: HashSlot(of: key).value, askingPort: TestRedisCluster.seeds[0].port) else { return "?" }
+                return (try? TestRedisCluster.cli(port: owner.port, command, key)) ?? "?"
+            }
+            let devices = read("HGETALL", "\(prefix):{u:\(user)}:devices").split(separator: "\n").joined(separator: " ")
+            let state = read("HGETALL", "\(prefix):{u:\(user)}:state").split(separator: "\n").joined(separator: " ")
+            return "\(user) in Redis: devices [\(devices)], state [\(state)]"
+        }
+
         /// One key gone.
         func delete(_ key: String) throws {
             if let redis { _ = try redis.cli("DEL", key); return }
@@ -259,7 +271,7 @@ struct ChaosTests {
             convergence.append(ContinuousClock.now - start)
             checkpoints += 1
             let wrongUsers = Set(last.compactMap { line in world.users.first { line.contains(" \($0) ") } })
-            #expect(agreed, "checkpoint \(checkpoints): \(last.prefix(12)); \(wrongUsers.map { "\($0): \(world.history(of: $0, until: .now))" })")
+            #expect(agreed, "checkpoint \(checkpoints): \(last.prefix(12)); \(wrongUsers.map { "\($0): \(world.history(of: $0, until: .now))" }); \(wrongUsers.map(world.stored))")
             for client in world.clients.values { world.scan(client) }
             world.mayGoOffline = Set(world.users.filter { world.truth[$0] == .gone })
             world.recordLost = []
