@@ -141,6 +141,19 @@ struct ChaosTests {
             return "\(user) in Redis: devices [\(devices)], state [\(state)]"
         }
 
+        /// The live nodes' log lines that name one of `users` or tell of the node's own upkeep (its
+        /// lease, its sessions written again), the last 30 of each, for a failure's message.
+        func nodeLogs(mentioning users: Set<String>) -> String {
+            let upkeep = ["lease", "again", "catch", "resync", "lost"]
+            return nodes.enumerated().compactMap { index, node -> String? in
+                guard let node else { return nil }
+                let lines = node.output.split(separator: "\n").filter { line in
+                    users.contains { line.contains("\"\($0)\"") || line.contains("=\($0) ") || line.hasSuffix("=\($0)") } || upkeep.contains { line.contains($0) }
+                }
+                return "node\(index):\n" + lines.suffix(30).joined(separator: "\n")
+            }.joined(separator: "\n")
+        }
+
         /// One key gone.
         func delete(_ key: String) throws {
             if let redis { _ = try redis.cli("DEL", key); return }
@@ -272,6 +285,7 @@ struct ChaosTests {
             checkpoints += 1
             let wrongUsers = Set(last.compactMap { line in world.users.first { line.contains(" \($0) ") } })
             #expect(agreed, "checkpoint \(checkpoints): \(last.prefix(12)); \(wrongUsers.map { "\($0): \(world.history(of: $0, until: .now))" }); \(wrongUsers.map(world.stored))")
+            if !agreed { print(world.nodeLogs(mentioning: Set(wrongUsers))) }
             for client in world.clients.values { world.scan(client) }
             world.mayGoOffline = Set(world.users.filter { world.truth[$0] == .gone })
             world.recordLost = []
@@ -399,6 +413,9 @@ struct ChaosTests {
         print("chaos: \(counts.sorted { $0.key < $1.key }.map { "\($0.key) \($0.value)" }.joined(separator: ", "))")
         print("chaos: \(checkpoints) checkpoints, slowest convergence \(slowest), flickers \(world.flickers.count), offline heard while a user's record was lost \(world.lossOffline.count)")
         #expect(world.flickers.isEmpty, "flickers:\n\(world.flickers.prefix(20).joined(separator: "\n"))")
+        if !world.flickers.isEmpty {
+            print(world.nodeLogs(mentioning: Set(world.users.filter { user in world.flickers.contains { $0.contains(" heard \(user) offline") } })))
+        }
         var kinds = ["kill -9", "FLUSHALL", "partial loss", "handoff"]
         if !world.partitions.isEmpty { kinds += ["short cut", "long cut"] }
         if world.backend == .cluster { kinds.append("slot migration") }
