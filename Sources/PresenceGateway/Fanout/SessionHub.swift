@@ -307,6 +307,9 @@ final class SessionHub: Service, Sendable {
             case .dataLost:
                 messages.readAgain()
                 startResync(grace: Self.dataLossGrace(engine.configuration))
+                // A loss on a cluster reaches its shards one by one: one that lands after this
+                // node wrote its sessions again is found by the audit this asks for.
+                engine.requestAudit()
                 _ = try? await engine.tell(.resync(node: engine.configuration.nodeID))
             case .deviceTakenOver(let id):
                 state.withLockedValue { $0.sessions[id] }?.close(.replaced, reason: "this device connected again in another session")
@@ -384,6 +387,10 @@ final class SessionHub: Service, Sendable {
                 logger.info("another node found Redis had lost data; re-reading the presence every session watches")
                 messages.readAgain()
                 startResync(grace: Self.dataLossGrace(engine.configuration))
+                // The loss may have taken this node's devices too, where its lease still stands
+                // (another shard): checked on the next lease tick, within the grace, rather than
+                // at the scheduled audit.
+                engine.requestAudit()
             }
         case .closeSession(let id):
             state.withLockedValue { $0.sessions[id] }?.close(.replaced, reason: "this device connected again in another session")
