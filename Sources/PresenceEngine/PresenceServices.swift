@@ -5,8 +5,9 @@ import ServiceLifecycle
 /// Keeps this node's lease: before taking it, refuses to run beside live nodes of another
 /// pub/sub (``PubSubMismatch``); renews it every third of the lease TTL, registers every session
 /// again when it finds the lease gone (resuming on the next tick if that was cut short), audits
-/// the devices its sessions hold every ``PresenceConfiguration/auditInterval`` and after every
-/// reconnect of either Redis connection, and gives the lease up on graceful shutdown.
+/// the devices its sessions hold every ``PresenceConfiguration/auditInterval``, after every
+/// reconnect of either Redis connection and on the tick after a loss was found, and gives the
+/// lease up on graceful shutdown.
 public struct PresenceLeaseService: Service {
     let engine: PresenceEngine
 
@@ -30,6 +31,7 @@ public struct PresenceLeaseService: Service {
         defer { engine.redis.removeConnectionObserver(observer) }
         while !Task.isShuttingDownGracefully, !Task.isCancelled {
             var renewed = false
+            var foundLoss = false
             do {
                 if !registered {
                     try await engine.checkPubSubAgreement()
@@ -39,6 +41,7 @@ public struct PresenceLeaseService: Service {
                 } else if try await !engine.renewLease() {
                     engine.logger.warning("this node's lease was gone; registering its sessions again", metadata: ["presence.node_id": "\(engine.configuration.nodeID)"])
                     try await engine.reregister()
+                    foundLoss = true
                 } else if engine.restoreOwed {
                     try await engine.restorePending()
                 }
@@ -48,7 +51,13 @@ public struct PresenceLeaseService: Service {
                 await engine.retryOwedStatuses()
                 tick += 1
                 if tick % refreshEvery == 0 { try await engine.refreshDeviceKeys() }
-                if engine.takeAuditRequest() {
+                if foundLoss {
+                    // On a cluster a loss reaches the shards one by one: one that lands just
+                    // after the sessions were written again is found on the next tick, within
+                    // the grace other nodes give before they re-read (an audit now finds
+                    // nothing: everything was just written).
+                    engine.requestAudit()
+                } else if engine.takeAuditRequest() {
                     try await engine.audit()
                 } else if tick % auditEvery == 0 {
                     try await engine.audit(all: false)

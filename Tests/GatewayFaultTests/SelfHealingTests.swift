@@ -1,6 +1,7 @@
 import ClientTestSupport
 import Foundation
 import PresenceClient
+import PresenceEngine
 import RedisTestSupport
 import Testing
 
@@ -111,6 +112,51 @@ struct SelfHealingTests {
         #expect(restOnline, "a wrote alice again once it ran")
         // Past the recovery grace, when a catch-up could tell bob offline at the latest.
         try await Task.sleep(for: .seconds(Self.lease + 5) - (ContinuousClock.now - started) + .seconds(1))
+        #expect(!bob.statuses(of: "alice").contains(.offline), "bob never heard alice go offline: \(bob.timeline(since: started, peer: "alice"))")
+        #expect(await bob.sees("alice", .online), "bob sees alice online")
+        #expect(await alice.client.connectionState == .connected, "alice's session was never closed")
+    }
+
+    /// A loss that reaches a cluster's shards one by one: the shard of node a's lease first (a
+    /// finds its lease gone, writes its sessions again and tells b, whose watchers re-read at the
+    /// end of the data-loss grace), then, once a has written alice again, the shard of alice's
+    /// devices. a's lease stands after that second loss, so only an audit finds it; one on a's
+    /// schedule (every three leases) comes after b's re-read has told bob "offline". One
+    /// Redis stands in for the shards: each loss is a `DEL` of what that shard held.
+    @Test("a node's lease lost, then, after it wrote its sessions again, a user's devices: the node audits within the data-loss grace and no watcher on another node hears that user go offline")
+    func lossReachingShardsOneByOne() async throws {
+        let redis = try RedisServerProcess()
+        let prefix = TestRedis.uniquePrefix("shards")
+        let keys = PresenceKeys(prefix: prefix)
+        let (a, b) = try await Self.twoNodes(redis, prefix: prefix)
+        let alice = try await LiveClient("alice", device: "phone", nodes: [a])
+        let bob = try await LiveClient("bob", device: "laptop", nodes: [b])
+        for client in [alice, bob] { #expect(await client.connected(), "\(client.user) is connected") }
+        try await bob.client.watch(["alice"])
+        try #require(await bob.sees("alice", .online), "bob sees alice online")
+        let reader = try await mint("reader")
+        func restOnline() -> Bool {
+            GatewayProcess.httpGet(port: b.port, path: "/api/presence/users/alice", headers: ["Authorization": "Bearer \(reader)"])?.body.contains(#""status":"online""#) == true
+        }
+
+        let started = ContinuousClock.now
+        #expect(try redis.cli("DEL", keys.lease("a")).contains("1"), "a's lease is lost")
+        let registered = await eventually(timeout: .seconds(Self.lease + 2), poll: .milliseconds(20)) {
+            (try? redis.cli("EXISTS", keys.lease("a")))?.contains("1") == true
+        }
+        try #require(registered, "a finds its lease gone within a third of a lease and takes it again")
+        // a writes its sessions again right after its lease: the second loss comes after that,
+        // and before a's next lease tick (a third of a lease on).
+        try await Task.sleep(for: .milliseconds(300))
+        #expect(try redis.cli("DEL", keys.devices("alice")).contains("1"), "alice's devices are lost after a wrote them again")
+        let lost = ContinuousClock.now
+        #expect(!restOnline(), "the second loss is real")
+        #expect(await eventually(timeout: .seconds(Self.lease + 1), poll: .milliseconds(100)) { restOnline() },
+                "a writes alice again within a lease: \(ContinuousClock.now - lost) after the second loss")
+        print("shard by shard: alice online again in REST \(ContinuousClock.now - lost) after the second loss")
+        // Past a's scheduled audit, by which time the old behaviour had told bob "offline" at the
+        // end of b's data-loss grace, then "online" again.
+        try await Task.sleep(until: started + .seconds(3 * Self.lease + 2))
         #expect(!bob.statuses(of: "alice").contains(.offline), "bob never heard alice go offline: \(bob.timeline(since: started, peer: "alice"))")
         #expect(await bob.sees("alice", .online), "bob sees alice online")
         #expect(await alice.client.connectionState == .connected, "alice's session was never closed")
