@@ -9,8 +9,9 @@ import Testing
 /// Redis of their own, with SDK clients that all watch each other: status changes, handoffs,
 /// drops, reconnects, sign-outs, kill -9 of a node and its restart under the same id, FLUSHALL,
 /// the loss of single keys, and cuts between one node and Redis (packets dropped, no reset:
-/// short ones within the lease, long ones past it). On a Redis Cluster the cuts give way to slot
-/// migrations: a user's or a node's slot moved with its keys to another primary. At quiet
+/// short ones within the lease, long ones past it). On a Redis Cluster, slot migrations too: a
+/// user's or a node's slot moved with its keys to another primary; there a cut drops every packet
+/// between the node and any cluster node (the node runs under a group id of its own). At quiet
 /// checkpoints REST on every node and every connected watcher must agree with the truth (no
 /// ghost, nobody lost), and no watcher may ever hear a user go offline whom nothing took offline
 /// (no flicker).
@@ -40,7 +41,8 @@ struct ChaosTests {
         /// A redis-server of the run's own; each node reaches it on an address of its own
         /// (127.0.0.2-4), so that iptables can cut one node off.
         case single
-        /// The Redis Cluster of `scripts/with-redis-cluster`, whole to this run.
+        /// The Redis Cluster of `scripts/with-redis-cluster`, whole to this run; each node runs
+        /// under a group id of its own, so that iptables can cut it off by owner.
         case cluster
     }
 
@@ -48,7 +50,7 @@ struct ChaosTests {
         // Safe: touched only by the test's own task, one step at a time.
         let backend: Backend
         let redis: RedisServerProcess?
-        /// Per node, the rules that cut it off from Redis (none on a cluster, or without root).
+        /// Per node, the rules that cut it off from Redis (none without root).
         let partitions: [Partition]
         let environment: [String: String]
         let skews = [-2, 0, 2]
@@ -107,14 +109,15 @@ struct ChaosTests {
             case .cluster:
                 redis = nil
                 url = try TestRedisCluster.url ?? { throw GatewayProcessError("no cluster") }()
-                partitions = []
+                partitions = Partition.available ? (0..<3).map { Partition(group: 47_200 + UInt32($0), ports: TestRedisCluster.ports) } : []
+                for partition in partitions { try partition.prepare() }
             }
             environment = nodeEnvironment(prefix: TestRedis.uniquePrefix("chaos"), redisURL: url, extra: [
                 "PRESENCE_VISIBILITY": "open", "PRESENCE_LEASE_TTL": "\(ChaosTests.lease)", "PRESENCE_LINGER": "\(ChaosTests.linger)",
             ])
         }
 
-        deinit { for partition in partitions { partition.heal() } }
+        deinit { for partition in partitions { partition.remove() } }
 
         var prefix: String { environment["PRESENCE_KEY_PREFIX"]! }
 
@@ -177,7 +180,8 @@ struct ChaosTests {
             let skew = skews[index]
             var variables = skew == 0 ? environment : environment.merging(try SkewedClock.environment(offset: skew)) { _, new in new }
             if let redis, !partitions.isEmpty, let address = partitions[index].address { variables["PRESENCE_REDIS_URL"] = "redis://\(address):\(redis.port)/0" }
-            let node = try await GatewayProcess(nodeID: "node\(index)", environment: variables, port: index < ports.count ? ports[index] : nil)
+            let node = try await GatewayProcess(nodeID: "node\(index)", environment: variables, port: index < ports.count ? ports[index] : nil,
+                                                group: partitions.isEmpty ? nil : partitions[index].group)
             if nodes.count <= index {
                 nodes.append(node)
                 ports.append(node.port)
@@ -265,7 +269,7 @@ struct ChaosTests {
     }
 
     func run(_ world: World) async throws {
-        print("chaos (\(world.backend)): seed \(Self.seed), \(Self.operations) operations (PRESENCE_CHAOS_SEED, PRESENCE_CHAOS_OPS)\(world.backend == .single && world.partitions.isEmpty ? "; no cuts: they need root and iptables" : "")")
+        print("chaos (\(world.backend)): seed \(Self.seed), \(Self.operations) operations (PRESENCE_CHAOS_SEED, PRESENCE_CHAOS_OPS)\(world.partitions.isEmpty ? "; no cuts: they need root and iptables" : "")")
         var random = SeededRandom(seed: Self.seed)
         for index in 0..<3 { try await world.startNode(index) }
         for (index, user) in world.users.enumerated() { try await world.connect(user, on: world.live[index % 3]) }
@@ -293,7 +297,8 @@ struct ChaosTests {
 
         var lastCheckpoint = 0
         for step in 1...Self.operations {
-            let roll = random.below(106)
+            // On a cluster, six more for slot migrations (the single server's rolls stay as they were).
+            let roll = random.below(world.backend == .cluster ? 112 : 106)
             let user = random.pick(world.users)
             let state = world.truth[user] ?? .gone
             switch roll {
@@ -383,7 +388,7 @@ struct ChaosTests {
                 world.mayGoOffline.formUnion(world.users)
                 _ = try await world.cut(index, for: .seconds(5))
                 counts["long cut", default: 0] += 1
-            case 100..<106 where world.backend == .cluster:
+            case 100..<112 where world.backend == .cluster:
                 // A user's slot (their devices and state) or a node's (its lease and index),
                 // moved with its keys to another primary while everything runs.
                 let tag = random.below(3) == 0 ? "{n:\(random.pick(world.live).nodeID)}" : "{u:\(user)}"
