@@ -1,0 +1,171 @@
+import Foundation
+import Logging
+import NIOConcurrencyHelpers
+import PresenceProtocol
+import RedisClient
+
+/// A live session's device: opening, status changes, closing, and what is owed to Redis when a
+/// write could not be made (statuses to write again, devices to let go).
+extension PresenceEngine {
+    /// Registers a live session's device; the device is live once this returns.
+    public func connect(user: String, device: String, session: String, status: PresenceStatus = .online) async throws(PresenceError) -> SessionOpened {
+        let member = keys.deviceMember(user: user, device: device)
+        local.withLockedValue { $0[member] = LocalDevice(user: user, device: device, session: session, status: status) }
+        do {
+            return try await register(user: user, device: device, session: session, status: status)
+        } catch {
+            local.withLockedValue { devices in
+                if devices[member]?.session == session { devices[member] = nil }
+            }
+            // Unreachable in time, Redis may still have run the write (its reply lost in a cut):
+            // then the device would be held for good by a session that never opened. It is let go
+            // as after a drop, on the lease tick until Redis takes it; a no-op if the write never
+            // ran or another session holds the device by then.
+            if error.code == .unavailable {
+                let release = PendingRelease(user: user, device: device, session: session, clean: false)
+                pendingReleases.withLockedValue { $0[release.key] = release }
+            }
+            throw error
+        }
+    }
+
+    /// Writes a device held by a session of this node: the node's index, then the device.
+    func register(user: String, device: String, session: String, status: PresenceStatus) async throws(PresenceError) -> SessionOpened {
+        let member = keys.deviceMember(user: user, device: device)
+        // The node's device index is written first: if the script then fails, a stale entry
+        // costs the reaper one no-op; the other order could leave a device nobody reaps.
+        try await run { try await self.redis.send("SADD", RedisArgument(self.keys.nodeDevices(self.configuration.nodeID)), RedisArgument(member)) }
+        let outcome = try await evaluate(UpsertDevice(user: user, device: device, status: status, node: configuration.nodeID, session: session, mode: .session))
+        guard case .written(let change, let previous) = outcome else { throw PresenceError(.internal, "unexpected reply from the device script") }
+        return SessionOpened(change: change, replaced: previous)
+    }
+
+    /// Changes the status of a device held by a live session of this node.
+    public func setStatus(user: String, device: String, session: String, status: PresenceStatus) async throws(PresenceError) -> PresenceChange {
+        let member = keys.deviceMember(user: user, device: device)
+        local.withLockedValue { devices in
+            guard devices[member]?.session == session else { return }
+            devices[member]?.status = status
+            devices[member]?.statusOwed = true
+        }
+        let change = try await writeStatus(user: user, device: device, session: session, status: status)
+        written(member, session: session, status: status)
+        if let change { return change }
+        // Another session took the device over (this one is about to be closed), or the device was
+        // written again whole.
+        return PresenceChange(changed: false, shownChanged: false, views: try await views(of: user))
+    }
+
+    /// Writes the status of a device held by `session` of this node and settles the change;
+    /// `nil` when another session has taken the device over, or when Redis no longer has the
+    /// session holding it: then, if the session is still live here, the device is written again
+    /// whole (as after a loss), with the status it has by now.
+    func writeStatus(user: String, device: String, session: String, status: PresenceStatus) async throws(PresenceError) -> PresenceChange? {
+        let outcome = try await evaluate(UpsertDevice(user: user, device: device, status: status, node: configuration.nodeID, session: session, mode: .status))
+        switch outcome {
+        case .written(let change, _):
+            await settle(change)
+            return change
+        case .heldByAnother:
+            return nil
+        case .unheld:
+            let member = keys.deviceMember(user: user, device: device)
+            guard local.withLockedValue({ $0[member]?.session == session }) else { return nil }
+            logger.warning("Redis had lost a device a session here holds; writing it again", metadata: ["presence.user_id": "\(user)", "presence.device_id": "\(device)"])
+            unrestored.withLockedValue { _ = $0.insert(member) }
+            upkeep.yield(.dataLost)
+            try await restorePending()
+            return nil
+        }
+    }
+
+    /// Ends a session: `clean` (close code 1000, or an explicit sign-out) takes the device offline
+    /// at once; otherwise it stays live for the linger window. Returns `nil` when another session
+    /// has taken the device over meanwhile, which this changes nothing for.
+    @discardableResult
+    public func disconnect(user: String, device: String, session: String, clean: Bool) async throws(PresenceError) -> PresenceChange? {
+        let member = keys.deviceMember(user: user, device: device)
+        local.withLockedValue { devices in
+            if devices[member]?.session == session { devices[member] = nil }
+        }
+        do {
+            let change = try await release(user: user, device: device, session: session, clean: clean)
+            return change
+        } catch {
+            // Redis did not take it: retried on every lease tick, or the device would stay held
+            // by this live node for good.
+            let release = PendingRelease(user: user, device: device, session: session, clean: clean)
+            pendingReleases.withLockedValue { $0[release.key] = release }
+            throw error
+        }
+    }
+
+    /// Redis holds `status` for the device as `session` has it: nothing is owed, unless the
+    /// session changed it again meanwhile.
+    func written(_ member: String, session: String, status: PresenceStatus) {
+        local.withLockedValue { devices in
+            if devices[member]?.session == session, devices[member]?.status == status { devices[member]?.statusOwed = false }
+        }
+    }
+
+    /// Writes the status Redis has not taken for each device of this node (a change made while
+    /// Redis was unreachable); called on every lease tick.
+    public func retryOwedStatuses() async {
+        let owed = local.withLockedValue { $0.filter(\.value.statusOwed) }
+        for (member, device) in owed {
+            do {
+                try await writeCurrentStatus(member, session: device.session) { user, device, session, status throws(PresenceError) in
+                    _ = try await self.writeStatus(user: user, device: device, session: session, status: status)
+                }
+            } catch {
+                return
+            }
+        }
+    }
+
+    /// Writes the device's status as this node holds it, again until it no longer changes
+    /// meanwhile: a status read here and then overtaken by a newer one (a `status` frame whose
+    /// write reached Redis first) must not be the last word. Stops when `session` no longer
+    /// holds the device.
+    func writeCurrentStatus(
+        _ member: String,
+        session: String,
+        write: (_ user: String, _ device: String, _ session: String, _ status: PresenceStatus) async throws(PresenceError) -> Void
+    ) async throws(PresenceError) {
+        var last: PresenceStatus?
+        while let current = local.withLockedValue({ $0[member] }), current.session == session, current.status != last || current.statusOwed {
+            try await write(current.user, current.device, session, current.status)
+            written(member, session: session, status: current.status)
+            last = current.status
+        }
+    }
+
+    /// Retries the disconnects Redis could not take; called on every lease tick.
+    public func retryPendingReleases() async {
+        let pending = pendingReleases.withLockedValue { Array($0.values) }
+        for release in pending {
+            do {
+                _ = try await self.release(user: release.user, device: release.device, session: release.session, clean: release.clean)
+                pendingReleases.withLockedValue { $0[release.key] = nil }
+            } catch {
+                return
+            }
+        }
+    }
+
+    private func release(user: String, device: String, session: String, clean: Bool) async throws(PresenceError) -> PresenceChange? {
+        let member = keys.deviceMember(user: user, device: device)
+        if !clean { try await indexDeadline(of: user, devices: [device], after: configuration.linger) }
+        let outcome = try await evaluate(RemoveDevice(user: user, device: device, session: session, mode: clean ? .clean : .linger))
+        // This session no longer holds the device: out of the node's index, unless a session of
+        // this node holds it again (a new one, or the one that took it over). A device taken
+        // over by another node's session is indexed there; left here, it would stay for good.
+        _ = try? await redis.send("SREM", RedisArgument(keys.nodeDevices(configuration.nodeID)), RedisArgument(member))
+        if local.withLockedValue({ $0[member] != nil }) {
+            _ = try? await redis.send("SADD", RedisArgument(keys.nodeDevices(configuration.nodeID)), RedisArgument(member))
+        }
+        guard case .removed(let change) = outcome else { return nil }
+        await settle(change)
+        return change
+    }
+}
