@@ -110,9 +110,11 @@ check-contract:
 
 # docker-compose.yml and deploy/: yamllint, hadolint, haproxy -c, promtool, kubernetes-validate and
 # check-jsonschema (Compose schema), then what the files must agree on with each other and with
-# the gateway's Swift sources (its PRESENCE_* variables and metric names).
+# the gateway (its settings, as `presence-gateway --print-config-schema` prints them, and the
+# metric names in its sources).
 check-deploy: test-deps
-	PATH="$(CURDIR)/.tools/venv/bin:$$PATH" scripts/check-deploy
+	$(SWIFT) build --product presence-gateway $(BUILD_FLAGS)
+	PATH="$(CURDIR)/.tools/venv/bin:$$PATH" scripts/check-deploy --gateway "$$($(SWIFT) build --show-bin-path $(BUILD_FLAGS))/presence-gateway"
 
 # Each hand mutant of scripts/mutants (a guard taken away) against the tests that must catch it;
 # prints the survivors and fails if there are any. Some 10 minutes: an incremental build a mutant.

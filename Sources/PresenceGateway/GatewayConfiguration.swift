@@ -107,52 +107,11 @@ public struct GatewayConfiguration: Sendable {
         try apply(environment)
     }
 
-    /// Applies `PRESENCE_*` values (environment variables, or flags turned into them).
+    /// Applies `PRESENCE_*` values (environment variables, or flags turned into them), each as
+    /// its ``GatewaySetting`` allows. Other names are left alone: the environment holds more.
     public mutating func apply(_ values: [String: String]) throws(GatewayConfigurationError) {
-        func integer(_ name: String, _ range: ClosedRange<Int>) throws(GatewayConfigurationError) -> Int? {
-            guard let text = values[name] else { return nil }
-            guard let value = Int(text), range.contains(value) else {
-                throw GatewayConfigurationError("\(name)=\(text) must be a whole number between \(range.lowerBound) and \(range.upperBound)")
-            }
-            return value
-        }
-        if let value = values["PRESENCE_HOST"] { host = value }
-        if let value = try integer("PRESENCE_PORT", 0...65535) { port = value }
-        if let value = values["PRESENCE_REDIS_URL"] { redisURL = value }
-        if let value = values["PRESENCE_REDIS_PUBSUB"] { redisPubSub = value }
-        if let value = values["PRESENCE_KEY_PREFIX"] { keyPrefix = value }
-        if let value = values["PRESENCE_NODE_ID"] { nodeID = value }
-        if let value = values["PRESENCE_JWT_SECRET"], !value.isEmpty { jwtSecret = value }
-        if let value = values["PRESENCE_JWT_PUBLIC_KEY"], !value.isEmpty { jwtPublicKey = value }
-        if let value = values["PRESENCE_ADMIN_TOKEN"], !value.isEmpty { adminToken = value }
-        if let value = values["PRESENCE_VISIBILITY"] {
-            guard let parsed = Visibility(rawValue: value) else {
-                throw GatewayConfigurationError("PRESENCE_VISIBILITY=\(value) must be 'conversations' or 'open'")
-            }
-            visibility = parsed
-        }
-        if let value = values["PRESENCE_ID_FORMAT"] {
-            guard let parsed = PresenceIDFormat(rawValue: value) else {
-                throw GatewayConfigurationError("PRESENCE_ID_FORMAT=\(value) must be 'string' or 'numeric'")
-            }
-            idFormat = parsed
-        }
-        if let value = try integer("PRESENCE_LEASE_TTL", 1...3600) { leaseTTL = value }
-        if let value = try integer("PRESENCE_LINGER", 0...3600) { linger = value }
-        if let value = try integer("PRESENCE_HEARTBEAT_TTL", 1...86400) { heartbeatTTL = value }
-        if let value = try integer("PRESENCE_TYPING_TTL", 1...3600) { typingTTL = value }
-        if let value = try integer("PRESENCE_LARGE_GROUP", 2...100_000) { largeGroup = value }
-        if let value = try integer("PRESENCE_MAX_SESSIONS", 1...10_000_000) { maxSessions = value }
-        if let value = try integer("PRESENCE_MESSAGE_HISTORY", 1...1_000_000) { messageHistory = value }
-        if let value = try integer("PRESENCE_MESSAGE_TTL", 1...(10 * 366 * 86_400)) { messageTTL = value }
-        if let value = try integer("PRESENCE_MESSAGE_DEDUP_TTL", 1...(10 * 366 * 86_400)) { messageDedupTTL = value }
-        if let value = try integer("PRESENCE_MESSAGE_MAX_BYTES", 1...1_048_576) { messageMaxBytes = value }
-        if let value = try integer("PRESENCE_MESSAGE_REPLICAS", 0...16) { messageReplicas = value }
-        if let value = values["PRESENCE_LOG_LEVEL"] {
-            guard let level = Logger.Level(rawValue: value.lowercased()) else {
-                throw GatewayConfigurationError("PRESENCE_LOG_LEVEL=\(value) must be one of trace, debug, info, notice, warning, error, critical")
-            }
-            logLevel = level
+        for setting in GatewaySetting.all {
+            if let text = values[setting.name] { try setting.apply(text, to: &self) }
         }
     }
 

@@ -6,46 +6,82 @@ import Glibc
 import Logging
 import PresenceGateway
 
-/// `presence-gateway`: one gateway node. Every flag is also a `PRESENCE_*` environment variable.
+/// `presence-gateway`: one gateway node. Its flags are the settings of
+/// ``GatewaySetting/all``, each also a `PRESENCE_*` environment variable.
 @main
 struct PresenceGatewayCommand: AsyncParsableCommand {
     static let configuration = CommandConfiguration(
         commandName: "presence-gateway",
         abstract: "A presence gateway node: WebSocket and REST presence over Redis.",
-        discussion: "Each option can also be set by the environment variable in brackets; flags win."
+        usage: "presence-gateway [--<setting> <value> ...] [--print-config-schema]",
+        discussion: settingsHelp
     )
 
-    @Option(help: "Listen host [PRESENCE_HOST].") var host: String?
-    @Option(help: "Listen port [PRESENCE_PORT].") var port: String?
-    @Option(help: "redis://[user:password@]host:port/db [PRESENCE_REDIS_URL].") var redisURL: String?
-    @Option(help: "classic or sharded pub/sub on one server or through Sentinel; a cluster: sharded only [PRESENCE_REDIS_PUBSUB].") var redisPubsub: String?
-    @Option(help: "Prefix of every Redis key and channel [PRESENCE_KEY_PREFIX].") var keyPrefix: String?
-    @Option(help: "This node's id [PRESENCE_NODE_ID].") var nodeID: String?
-    @Option(help: "HS256 secret, at least 32 bytes [PRESENCE_JWT_SECRET].") var jwtSecret: String?
-    @Option(help: "RS256/ES256 public key, PEM text [PRESENCE_JWT_PUBLIC_KEY].") var jwtPublicKey: String?
-    @Option(help: "Admin bearer token; admin routes are off without it [PRESENCE_ADMIN_TOKEN].") var adminToken: String?
-    @Option(help: "conversations or open [PRESENCE_VISIBILITY].") var visibility: String?
-    @Option(help: "string or numeric: user and conversation ids as JSON strings or numbers [PRESENCE_ID_FORMAT].") var idFormat: String?
-    @Option(help: "Seconds a node lease lives [PRESENCE_LEASE_TTL].") var leaseTTL: String?
-    @Option(help: "Seconds an abruptly disconnected device stays live [PRESENCE_LINGER].") var linger: String?
-    @Option(help: "Seconds a REST device stays live after a post [PRESENCE_HEARTBEAT_TTL].") var heartbeatTTL: String?
-    @Option(help: "Seconds a typing state lives [PRESENCE_TYPING_TTL].") var typingTTL: String?
-    @Option(help: "Above this many members a conversation gives counts, not member lists or automatic contacts [PRESENCE_LARGE_GROUP].") var largeGroup: String?
-    @Option(help: "Most WebSocket sessions this node holds; default: the open-file limit less 256 [PRESENCE_MAX_SESSIONS].") var maxSessions: String?
-    @Option(help: "trace, debug, info, notice, warning, error, critical [PRESENCE_LOG_LEVEL].") var logLevel: String?
+    @Flag(help: "Print every setting (variable, flag, type, range, default) as JSON, and exit.") var printConfigSchema = false
+    @Argument(parsing: .allUnrecognized, help: .hidden) var settings: [String] = []
+
+    /// The settings, one per line: flag, variable, default and what it does.
+    static var settingsHelp: String {
+        var lines = ["Each setting is a flag or the environment variable in brackets; flags win.", "", "SETTINGS:"]
+        for setting in GatewaySetting.all {
+            let value: String
+            switch setting.kind {
+            case .text, .secret: value = "<text>"
+            case .integer(let range): value = "<\(range.lowerBound)-\(range.upperBound)>"
+            case .choice(let names): value = "<\(names.joined(separator: "|"))>"
+            }
+            let fallback = setting.defaultText ?? setting.defaultValue
+            lines.append("  \(setting.flag) \(value)")
+            lines += wrapped("\(setting.help) [\(setting.name)]\(fallback.map { " (default: \($0))" } ?? "")", indent: 8)
+        }
+        return lines.joined(separator: "\n")
+    }
+
+    /// `text` in lines of at most 79 characters, each indented by `indent` spaces (the help
+    /// would otherwise be wrapped at the terminal's width with no indent).
+    static func wrapped(_ text: String, indent: Int) -> [String] {
+        let margin = String(repeating: " ", count: indent)
+        var lines: [String] = []
+        var line = ""
+        for word in text.split(separator: " ") {
+            if !line.isEmpty, indent + line.count + 1 + word.count > 79 {
+                lines.append(margin + line)
+                line = ""
+            }
+            line += line.isEmpty ? word : " " + word
+        }
+        if !line.isEmpty { lines.append(margin + line) }
+        return lines
+    }
+
+    /// The values of the settings given as flags, `--name value` or `--name=value`, by variable.
+    func flagValues() throws(ValidationError) -> [String: String] {
+        var values: [String: String] = [:]
+        var rest = settings[...]
+        while let word = rest.popFirst() {
+            let (flag, inline) = word.firstIndex(of: "=").map { (String(word[..<$0]), String(word[word.index(after: $0)...])) } ?? (word, nil)
+            guard flag.hasPrefix("--"), let setting = GatewaySetting.named(flag) else {
+                throw ValidationError("unknown option '\(word)'; presence-gateway --help lists the settings")
+            }
+            guard let value = inline ?? rest.popFirst() else { throw ValidationError("\(flag) needs a value") }
+            values[setting.name] = value
+        }
+        return values
+    }
+
+    func validate() throws {
+        _ = try flagValues()
+    }
 
     func run() async throws {
+        if printConfigSchema {
+            print(GatewaySetting.schema)
+            return
+        }
         var values = ProcessInfo.processInfo.environment.filter { $0.key.hasPrefix("PRESENCE_") }
-        let flags: [(String, String?)] = [
-            ("PRESENCE_HOST", host), ("PRESENCE_PORT", port), ("PRESENCE_REDIS_URL", redisURL), ("PRESENCE_REDIS_PUBSUB", redisPubsub), ("PRESENCE_KEY_PREFIX", keyPrefix),
-            ("PRESENCE_NODE_ID", nodeID), ("PRESENCE_JWT_SECRET", jwtSecret), ("PRESENCE_JWT_PUBLIC_KEY", jwtPublicKey),
-            ("PRESENCE_ADMIN_TOKEN", adminToken), ("PRESENCE_VISIBILITY", visibility), ("PRESENCE_ID_FORMAT", idFormat), ("PRESENCE_LEASE_TTL", leaseTTL),
-            ("PRESENCE_LINGER", linger), ("PRESENCE_HEARTBEAT_TTL", heartbeatTTL), ("PRESENCE_TYPING_TTL", typingTTL),
-            ("PRESENCE_LARGE_GROUP", largeGroup), ("PRESENCE_MAX_SESSIONS", maxSessions), ("PRESENCE_LOG_LEVEL", logLevel),
-        ]
+        values.merge(try flagValues()) { _, flag in flag }
         // Before the configuration reads it: its default session limit follows the open-file limit.
         let openFiles = GatewayConfiguration.raiseOpenFileLimit()
-        for case let (name, value?) in flags { values[name] = value }
         let configuration: GatewayConfiguration
         do {
             configuration = try GatewayConfiguration(environment: values)

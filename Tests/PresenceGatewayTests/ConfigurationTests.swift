@@ -38,6 +38,117 @@ struct ConfigurationTests {
         }
     }
 
+    @Test("every setting of the table: its flag follows its variable, its default reads back, a value outside its range or choices is refused with its name, and each choice is taken")
+    func settingsTable() throws {
+        let settings = GatewaySetting.all
+        #expect(Set(settings.map(\.name)).count == settings.count && Set(settings.map(\.flag)).count == settings.count, "names and flags are unique")
+        #expect(GatewaySetting.named("--lease-ttl")?.name == "PRESENCE_LEASE_TTL" && GatewaySetting.named("--redis-url")?.name == "PRESENCE_REDIS_URL")
+        #expect(GatewaySetting.named("--max-devices-per-user") == nil, "a limit with no variable has no flag")
+        for setting in settings {
+            #expect(setting.name.hasPrefix("PRESENCE_") && setting.flag.hasPrefix("--") && !setting.help.isEmpty, "\(setting.name)")
+            if let value = setting.defaultValue {
+                let applied = try GatewayConfiguration(environment: [setting.name: value])
+                #expect(setting.read(applied) == value && setting.read(GatewayConfiguration()) == value, "\(setting.name)'s default \(value) reads back")
+            } else {
+                #expect(setting.kind == .secret || setting.defaultText != nil, "\(setting.name) says its default in words, or is a secret")
+            }
+            var refused: [String] = []
+            var taken: [(String, String)] = []
+            switch setting.kind {
+            case .text:
+                taken = [("a-value", "a-value")]
+            case .secret:
+                taken = [("s3cret", "")]
+                let empty = try GatewayConfiguration(environment: [setting.name: ""])
+                #expect(setting.read(empty) == nil, "an empty \(setting.name) leaves it unset")
+            case .integer(let range):
+                refused = ["\(range.lowerBound - 1)", "\(range.upperBound + 1)", "ten", "1.5", ""]
+                taken = [("\(range.lowerBound)", "\(range.lowerBound)"), ("\(range.upperBound)", "\(range.upperBound)")]
+            case .choice(let names):
+                refused = ["none-of-them", ""]
+                taken = names.map { ($0, $0) } + names.map { ($0.uppercased(), $0) }
+            }
+            for value in refused {
+                #expect(throws: GatewayConfigurationError.self, "\(setting.name)=\(value) is refused") { try GatewayConfiguration(environment: [setting.name: value]) }
+                do {
+                    _ = try GatewayConfiguration(environment: [setting.name: value])
+                } catch {
+                    #expect(error.description.contains("\(setting.name)="), "the refusal names the variable: \(error)")
+                }
+            }
+            for (value, stored) in taken where setting.kind != .secret {
+                #expect(setting.read(try GatewayConfiguration(environment: [setting.name: value])) == stored, "\(setting.name)=\(value) is taken as \(stored)")
+            }
+        }
+        let schema = try #require(try JSONSerialization.jsonObject(with: Data(GatewaySetting.schema.utf8)) as? [String: [[String: Any]]])
+        let entries = try #require(schema["settings"])
+        #expect(entries.map { $0["name"] as? String } == settings.map(\.name))
+        let lease = try #require(entries.first { $0["name"] as? String == "PRESENCE_LEASE_TTL" })
+        #expect(lease["default"] as? Int == 10 && lease["minimum"] as? Int == 1 && lease["maximum"] as? Int == 3600 && lease["flag"] as? String == "--lease-ttl")
+        let secret = try #require(entries.first { $0["name"] as? String == "PRESENCE_JWT_SECRET" })
+        #expect(secret["type"] as? String == "secret" && secret["default"] is NSNull)
+        let sessions = try #require(entries.first { $0["name"] as? String == "PRESENCE_MAX_SESSIONS" })
+        #expect(sessions["default"] is NSNull && sessions["default_text"] as? String == "the open-file limit less 256")
+    }
+
+    /// The rows of each Markdown table in `file` (under the repository) whose first cell names
+    /// `PRESENCE_*` variables: per variable, its default cell (backticks dropped) and its row.
+    static func documentedSettings(_ file: String) throws -> [(name: String, default: String, row: String)] {
+        var root = URL(fileURLWithPath: #filePath)
+        for _ in 0..<3 { root.deleteLastPathComponent() }
+        let text = try String(contentsOf: root.appendingPathComponent(file), encoding: .utf8)
+        var found: [(name: String, default: String, row: String)] = []
+        for row in text.split(separator: "\n") where row.hasPrefix("| `PRESENCE_") {
+            let cells = row.split(separator: "|").map { $0.trimmingCharacters(in: .whitespaces) }
+            let names = cells[0].split(separator: " / ").map { $0.replacingOccurrences(of: "`", with: "") }
+            let defaults = cells[1].split(separator: " / ").map { $0.replacingOccurrences(of: "`", with: "") }
+            for (index, name) in names.enumerated() {
+                found.append((name, defaults.count == names.count ? defaults[index] : defaults.joined(separator: " / "), String(row)))
+            }
+        }
+        return found
+    }
+
+    @Test("docs/configuration.md lists every setting once with its default and range, and docs/API.md names only settings there are, with their defaults")
+    func documentedSettings() throws {
+        let settings = Dictionary(uniqueKeysWithValues: GatewaySetting.all.map { ($0.name, $0) })
+        let documented = try Self.documentedSettings("docs/configuration.md")
+        #expect(documented.map(\.name).sorted() == settings.keys.sorted(), "docs/configuration.md's table has each setting once")
+        for (name, written, row) in documented {
+            guard let setting = settings[name] else { continue }
+            let wanted = setting.defaultValue ?? setting.defaultText ?? "–"
+            #expect(written == wanted, "docs/configuration.md gives \(name)'s default as \(written), the gateway \(wanted)")
+            if case .integer(let range) = setting.kind {
+                let spelled = { (value: Int) in [String(value), value.formatted(.number.grouping(.automatic).locale(Locale(identifier: "en_US")))] }
+                let shown = spelled(range.lowerBound).contains { low in spelled(range.upperBound).contains { row.contains("\(low)–\($0)") } }
+                #expect(shown, "docs/configuration.md gives \(name)'s range \(range.lowerBound)–\(range.upperBound)")
+            }
+        }
+        for (name, written, _) in try Self.documentedSettings("docs/API.md") {
+            let setting = settings[name]
+            #expect(setting != nil, "docs/API.md names \(name), which the gateway does not read")
+            if let value = setting?.defaultValue { #expect(written == value, "docs/API.md gives \(name)'s default as \(written), the gateway \(value)") }
+        }
+    }
+
+    @Test("presence-gateway prints its settings as JSON, and a flag it does not know or a value out of range stops it with a message naming it")
+    func gatewayFlags() async throws {
+        let schema = try await CTL.run(["--print-config-schema"], program: "presence-gateway")
+        #expect(schema.status == 0 && schema.out == GatewaySetting.schema + "\n", "\(schema.err)")
+        let help = try await CTL.run(["--help"], program: "presence-gateway")
+        #expect(help.status == 0 && GatewaySetting.all.allSatisfy { help.out.contains($0.flag) && help.out.contains("[\($0.name)]") }, "--help lists every setting: \(help.out)")
+        let unknown = try await CTL.run(["--lease-tll", "5"], program: "presence-gateway")
+        #expect(unknown.status == 64 && unknown.err.contains("unknown option '--lease-tll'"), "\(unknown)")
+        let missing = try await CTL.run(["--port"], program: "presence-gateway")
+        #expect(missing.status == 64 && missing.err.contains("--port needs a value"), "\(missing)")
+        for arguments in [["--lease-ttl", "0"], ["--lease-ttl=0"]] {
+            let refused = try await CTL.run(arguments + ["--jwt-secret", String(repeating: "s", count: 32)], program: "presence-gateway")
+            #expect(refused.status == 2 && refused.err.contains("PRESENCE_LEASE_TTL=0 must be a whole number between 1 and 3600"), "\(arguments): \(refused)")
+        }
+        let message = try await CTL.run(["--message-max-bytes", "0", "--jwt-secret", String(repeating: "s", count: 32)], program: "presence-gateway")
+        #expect(message.status == 2 && message.err.contains("PRESENCE_MESSAGE_MAX_BYTES=0"), "a setting that had no flag before has one: \(message)")
+    }
+
     @Test("id formats: which strings and JSON values are ids, their stored spelling, and how they are written")
     func idFormats() throws {
         let numeric = PresenceIDFormat.numeric, string = PresenceIDFormat.string

@@ -20,24 +20,24 @@ struct CTL {
     /// another test starts at the same moment, and reading it to the end would then wait for that
     /// child.
     /// The wait for the process happens off the cooperative pool (see `offThePool`).
-    static func run(_ arguments: [String], inheritPubSub: Bool = true) async throws -> (status: Int32, out: String, err: String) {
+    static func run(_ arguments: [String], inheritPubSub: Bool = true, program: String = "presencectl") async throws -> (status: Int32, out: String, err: String) {
         try await offThePool {
-            let (process, out, err) = try start(arguments, inheritPubSub: inheritPubSub)
+            let (process, out, err) = try start(arguments, inheritPubSub: inheritPubSub, program: program)
             process.waitUntilExit()
             return (process.terminationStatus, read(out), read(err))
         }
     }
 
     /// With `inheritPubSub`, the tests' pub/sub (``TestRedis/pubSub``) as `PRESENCE_REDIS_PUBSUB`;
-    /// without, none: presencectl picks the nodes'.
-    static func start(_ arguments: [String], inheritPubSub: Bool = true) throws -> (Process, URL, URL) {
+    /// without, none: presencectl picks the nodes'. `program` is another binary of the build.
+    static func start(_ arguments: [String], inheritPubSub: Bool = true, program: String = "presencectl") throws -> (Process, URL, URL) {
         let directory = FileManager.default.temporaryDirectory
         let out = directory.appendingPathComponent("presencectl-\(UUID().uuidString).out")
         let err = directory.appendingPathComponent("presencectl-\(UUID().uuidString).err")
         _ = FileManager.default.createFile(atPath: out.path, contents: nil)
         _ = FileManager.default.createFile(atPath: err.path, contents: nil)
         let process = Process()
-        process.executableURL = binary
+        process.executableURL = binary.deletingLastPathComponent().appendingPathComponent(program)
         process.arguments = arguments
         var environment = ProcessInfo.processInfo.environment
         environment["PRESENCE_REDIS_PUBSUB"] = inheritPubSub ? TestRedis.pubSub : nil
