@@ -44,8 +44,8 @@ extension PresenceEngine {
             let views = try await views(of: page.users)
             stats.usersOnline += views.count { $0.real.status == .online }
             stats.usersAway += views.count { $0.real.status == .away }
-            let lengths = try await run { try await self.redis.pipeline(page.users.map { ["HLEN", RedisArgument(keys.devices($0))] }) }
-            stats.devices += lengths.reduce(0) { $0 + ((try? $1.get())?.int ?? 0) }
+            let lengths = try await run { try await self.redis.pipeline(page.users.map { HLEN(key: keys.devices($0)) }) }
+            stats.devices += lengths.reduce(0) { $0 + ((try? $1.get()) ?? 0) }
         } while cursor != "0"
         stats.nodes = try await nodes().count { !$0.lapsed }
         repeat {
@@ -53,13 +53,13 @@ extension PresenceEngine {
             cursor = page.cursor
             let names = page.keys
             stats.keys += names.count
-            let sizes = try await run { try await self.redis.pipeline(names.map { ["MEMORY", "USAGE", RedisArgument($0)] }) }
-            stats.memoryBytes += sizes.reduce(0) { $0 + ((try? $1.get())?.int ?? 0) }
+            let sizes = try await run { try await self.redis.pipeline(names.map { MEMORYUSAGE(key: $0) }) }.map { (try? $0.get()) ?? nil ?? 0 }
+            stats.memoryBytes += sizes.reduce(0, +)
             let histories = names.indices.filter { names[$0].hasPrefix("\(keys.prefix):{c:") && names[$0].hasSuffix("}:history") }
             stats.histories += histories.count
-            stats.historyBytes += histories.reduce(0) { $0 + ((try? sizes[$1].get())?.int ?? 0) }
-            let lengths = try await run { try await self.redis.pipeline(histories.map { ["XLEN", RedisArgument(names[$0])] }) }
-            stats.messagesKept += lengths.reduce(0) { $0 + ((try? $1.get())?.int ?? 0) }
+            stats.historyBytes += histories.reduce(0) { $0 + sizes[$1] }
+            let lengths = try await run { try await self.redis.pipeline(histories.map { XLEN(key: names[$0]) }) }
+            stats.messagesKept += lengths.reduce(0) { $0 + ((try? $1.get()) ?? 0) }
             stats.retryRecords += names.count { $0.hasPrefix("\(keys.prefix):{c:") && $0.contains("}:sent:") }
         } while cursor != "0"
         return stats
@@ -67,8 +67,7 @@ extension PresenceEngine {
 
     /// Whether Redis holds anything of this user (state or devices).
     public func userExists(_ user: String) async throws(PresenceError) -> Bool {
-        let count = try await run { try await self.redis.send("EXISTS", RedisArgument(keys.state(user)), RedisArgument(keys.devices(user))) }
-        return (count.int ?? 0) > 0
+        try await run { try await self.redis.execute(EXISTS(keys: [keys.state(user), keys.devices(user)])) } > 0
     }
 }
 
@@ -125,10 +124,10 @@ extension PresenceEngine {
         overview.conversationsTruncated = conversations.count > conversationLimit
         // Two round trips for them all: every member set, then every member's state.
         let chosen = Array(conversations.prefix(conversationLimit))
-        let memberSets = try await run { try await self.redis.pipeline(chosen.map { ["SMEMBERS", RedisArgument(keys.members($0))] }) }
+        let memberSets = try await run { try await self.redis.pipeline(chosen.map { SMEMBERS(key: keys.members($0)) }) }
         let members = try memberSets.map { (result) throws(PresenceError) -> [String] in
-            guard case .success(let reply) = result else { throw PresenceError(.unavailable, "the presence store is unreachable") }
-            return reply.strings
+            guard case .success(let members) = result else { throw PresenceError(.unavailable, "the presence store is unreachable") }
+            return members
         }
         let everyone = Array(Set(members.joined()))
         let statuses = Dictionary(uniqueKeysWithValues: zip(everyone, try await views(of: everyone).map(\.real.status)))

@@ -82,36 +82,32 @@ extension PresenceEngine {
         guard let members = try await members(of: conversation) else { return false }
         _ = try await applyMembership(conversation, adding: [], removing: Set(members), notifying: Set(members), create: false)
         _ = try await run {
-            try await self.redis.pipeline([
-                ["DEL", RedisArgument(keys.members(conversation)), RedisArgument(keys.typing(conversation)), RedisArgument(keys.history(conversation)),
-                 RedisArgument(keys.historyMeta(conversation)), RedisArgument(keys.cursors(conversation))],
-                ["SREM", RedisArgument(keys.conversations), RedisArgument(conversation)],
-            ])
+            try await self.redis.pipeline(
+                DEL(keys: [keys.members(conversation), keys.typing(conversation), keys.history(conversation), keys.historyMeta(conversation), keys.cursors(conversation)]),
+                SREM(key: keys.conversations, members: [conversation])
+            )
         }
         return true
     }
 
     /// The members of a conversation, sorted; `nil` if there is no such conversation.
     public func members(of conversation: String) async throws(PresenceError) -> [String]? {
-        let results = try await run {
-            try await self.redis.pipeline([
-                ["SISMEMBER", RedisArgument(keys.conversations), RedisArgument(conversation)],
-                ["SMEMBERS", RedisArgument(keys.members(conversation))],
-            ])
+        let (exists, members) = try await run {
+            try await self.redis.pipeline(SISMEMBER(key: keys.conversations, member: conversation), SMEMBERS(key: keys.members(conversation)))
         }
-        guard case .success(let exists) = results[0], exists.int == 1 else { return nil }
-        guard case .success(let members) = results[1] else { throw PresenceError(.unavailable, "the presence store is unreachable") }
-        return members.strings.sorted()
+        guard case .success(true) = exists else { return nil }
+        guard case .success(let members) = members else { throw PresenceError(.unavailable, "the presence store is unreachable") }
+        return members.sorted()
     }
 
     /// The conversations a user is a member of, sorted.
     public func conversations(of user: String) async throws(PresenceError) -> [String] {
-        try await run { try await self.redis.send("SMEMBERS", RedisArgument(keys.conversationsOf(user))) }.strings.sorted()
+        try await run { try await self.redis.execute(SMEMBERS(key: keys.conversationsOf(user))) }.sorted()
     }
 
     /// Every conversation id, sorted.
     public func allConversations() async throws(PresenceError) -> [String] {
-        try await run { try await self.redis.send("SMEMBERS", RedisArgument(keys.conversations)) }.strings.sorted()
+        try await run { try await self.redis.execute(SMEMBERS(key: keys.conversations)) }.sorted()
     }
 
     /// Whether `viewer` may see `target` under the configured visibility.
@@ -136,14 +132,13 @@ extension PresenceEngine {
 
     /// Those of `users` who are members of at least one of `conversations`.
     private func sharing(_ conversations: [String], with users: [String]) async throws(PresenceError) -> Set<String> {
-        let names = conversations.map { RedisArgument($0) }
         let replies = try await run {
-            try await self.redis.pipeline(users.map { [RedisArgument("SMISMEMBER"), RedisArgument(keys.conversationsOf($0))] + names })
+            try await self.redis.pipeline(users.map { SMISMEMBER(key: keys.conversationsOf($0), members: conversations) })
         }
         var sharing = Set<String>()
         for (user, reply) in zip(users, replies) {
-            guard case .success(let flags) = reply else { throw PresenceError(.unavailable, "the presence store is unreachable") }
-            if (flags.array ?? []).contains(where: { $0.int == 1 }) { sharing.insert(user) }
+            guard case .success(let memberships) = reply else { throw PresenceError(.unavailable, "the presence store is unreachable") }
+            if memberships.contains(true) { sharing.insert(user) }
         }
         return sharing
     }
@@ -158,20 +153,20 @@ extension PresenceEngine {
         if !includingLarge {
             // Conversations above the large-group size add no automatic contacts (docs/API.md, "Who
             // may see whom"): their sizes first, then the members of the others only.
-            let sizes = try await run { try await self.redis.pipeline(conversations.map { ["SCARD", RedisArgument(keys.members($0))] }) }
+            let sizes = try await run { try await self.redis.pipeline(conversations.map { SCARD(key: keys.members($0)) }) }
             var small: [String] = []
             for (conversation, size) in zip(conversations, sizes) {
                 guard case .success(let count) = size else { throw PresenceError(.unavailable, "the presence store is unreachable") }
-                if (count.int ?? 0) <= configuration.largeGroup { small.append(conversation) }
+                if count <= configuration.largeGroup { small.append(conversation) }
             }
             conversations = small
             guard !conversations.isEmpty else { return [] }
         }
-        let replies = try await run { try await self.redis.pipeline(conversations.map { ["SMEMBERS", RedisArgument(keys.members($0))] }) }
+        let replies = try await run { try await self.redis.pipeline(conversations.map { SMEMBERS(key: keys.members($0)) }) }
         var contacts = Set<String>()
         for reply in replies {
             guard case .success(let members) = reply else { throw PresenceError(.unavailable, "the presence store is unreachable") }
-            contacts.formUnion(members.strings)
+            contacts.formUnion(members)
         }
         contacts.remove(viewer)
         return contacts.sorted()
@@ -198,22 +193,20 @@ extension PresenceEngine {
         let large = min(before.count, after.count) > configuration.largeGroup
         let event = MembershipEvent(conversationID: conversation, added: adding.sorted(), removed: removing.sorted(), large: large)
         let recipients = large ? adding.union(removing) : notifying
-        let revoke: [[RedisArgument]] = event.removed.map { ["SREM", RedisArgument(keys.conversationsOf($0)), RedisArgument(conversation)] }
-        var members: [[RedisArgument]] = []
-        if create { members.append(["SADD", RedisArgument(keys.conversations), RedisArgument(conversation)]) }
-        if !adding.isEmpty {
-            members.append([RedisArgument("SADD"), RedisArgument(keys.members(conversation))] + event.added.map { RedisArgument($0) })
-        }
-        if !removing.isEmpty {
-            members.append([RedisArgument("SREM"), RedisArgument(keys.members(conversation))] + event.removed.map { RedisArgument($0) })
-        }
-        let grant: [[RedisArgument]] = event.added.map { ["SADD", RedisArgument(keys.conversationsOf($0)), RedisArgument(conversation)] }
-        var events: [[RedisArgument]] = []
+        // Every step's commands answer a count: SADD and SREM, how many changed; a publish, how
+        // many heard it.
+        let revoke: [any RedisCommand<Int>] = event.removed.map { SREM(key: keys.conversationsOf($0), members: [conversation]) }
+        var members: [any RedisCommand<Int>] = []
+        if create { members.append(SADD(key: keys.conversations, members: [conversation])) }
+        if !adding.isEmpty { members.append(SADD(key: keys.members(conversation), members: event.added)) }
+        if !removing.isEmpty { members.append(SREM(key: keys.members(conversation), members: event.removed)) }
+        let grant: [any RedisCommand<Int>] = event.added.map { SADD(key: keys.conversationsOf($0), members: [conversation]) }
+        var events: [any RedisCommand<Int>] = []
         if !adding.isEmpty || !removing.isEmpty, let payload = try? JSONEncoder().encode(event) {
-            let message = RedisArgument(bytes: Array(payload))
-            let publish = redis.pubSub.publishCommand
-            events.append([publish, RedisArgument(keys.conversationChannel(conversation)), message])
-            for user in recipients.sorted() { events.append([publish, RedisArgument(keys.userChannel(user)), message]) }
+            let message = Array(payload)
+            let mode = redis.pubSub
+            events.append(Publish(message, on: keys.conversationChannel(conversation), mode: mode))
+            for user in recipients.sorted() { events.append(Publish(message, on: keys.userChannel(user), mode: mode)) }
         }
         for (index, step) in [revoke, members, grant, events].enumerated() {
             for start in stride(from: 0, to: step.count, by: 1000) {

@@ -11,11 +11,11 @@ extension PresenceEngine {
     @discardableResult
     public func tell(_ message: NodeMessage) async throws(PresenceError) -> Int {
         guard redis.pubSub == .sharded else { return try await publish(message, on: keys.broadcastChannel) }
-        let registered = try await run { try await self.redis.send("ZRANGE", RedisArgument(keys.nodes), "0", "-1") }.strings
-        let payload = RedisArgument(bytes: Array(nodeMessageCoder.data(message)))
-        let command = redis.pubSub.publishCommand
+        let registered = try await run { try await self.redis.execute(ZRANGE(key: keys.nodes)) }
+        let payload = Array(nodeMessageCoder.data(message))
+        let mode = redis.pubSub
         let results = try await run {
-            try await self.redis.pipeline(registered.map { [command, RedisArgument(self.keys.nodeChannel($0)), payload] })
+            try await self.redis.pipeline(registered.map { Publish(payload, on: self.keys.nodeChannel($0), mode: mode) })
         }
         // A node whose channel's primary is failing over misses the message; the others still
         // have it, so it fails only when no node could be told.
@@ -23,7 +23,7 @@ extension PresenceEngine {
         var failures: [RedisError] = []
         for result in results {
             switch result {
-            case .success(let reply): heard += reply.int ?? 0
+            case .success(let count): heard += count
             case .failure(let error): failures.append(error)
             }
         }

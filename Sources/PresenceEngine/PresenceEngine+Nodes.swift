@@ -108,8 +108,8 @@ extension PresenceEngine {
     @discardableResult
     public func reapPredecessor() async throws(PresenceError) -> Int {
         let node = configuration.nodeID
-        let listed = try await run { try await self.redis.send("ZSCORE", RedisArgument(keys.nodes), RedisArgument(node)) }
-        guard !listed.isNull else { return 0 }
+        let listed = try await run { try await self.redis.execute(ZSCORE(key: keys.nodes, member: node)) }
+        guard listed != nil else { return 0 }
         guard case .reaped(let changed) = try await reapNode(node, predecessor: true) else { return 0 }
         return changed
     }
@@ -117,14 +117,13 @@ extension PresenceEngine {
     /// Lists `node` in the registry, to be looked at by a reaper at `until` (with the registry's
     /// safety TTL).
     private func list(_ node: String, until: Int64) async throws(PresenceError) {
-        let keep = RedisArgument(Int(configuration.deviceKeyTTL.milliseconds))
-        let results = try await run {
-            try await self.redis.pipeline([
-                ["ZADD", RedisArgument(keys.nodes), RedisArgument(Int(until)), RedisArgument(node)],
-                ["PEXPIRE", RedisArgument(keys.nodes), keep],
-            ])
+        let (listed, _) = try await run {
+            try await self.redis.pipeline(
+                ZADD(key: keys.nodes, entries: [(until, node)]),
+                PEXPIRE(key: keys.nodes, milliseconds: configuration.deviceKeyTTL.milliseconds)
+            )
         }
-        if case .failure(let error) = results[0] { throw Self.presenceError(error) }
+        if case .failure(let error) = listed { throw Self.presenceError(error) }
     }
 
     /// Renews the lease. Returns `false` when the lease was gone: the node was reaped or Redis
@@ -135,7 +134,7 @@ extension PresenceEngine {
         // The deadline sets every node shares are kept by whichever node's turn comes first, an
         // eighth of their TTL after the last time this node did it.
         let node = configuration.nodeID
-        let keep = RedisArgument(Int(configuration.deviceKeyTTL.milliseconds))
+        let keep = configuration.deviceKeyTTL.milliseconds
         var sets = [keys.nodeDevices(node)]
         let now = ContinuousClock.now
         let shared = sharedKeysKept.withLockedValue { last in
@@ -144,15 +143,15 @@ extension PresenceEngine {
             return true
         }
         if shared { sets += keys.allDeadlines + keys.allTypingDeadlines }
-        _ = try await run { try await self.redis.pipeline(sets.map { ["PEXPIRE", RedisArgument($0), keep] }) }
+        _ = try await run { try await self.redis.pipeline(sets.map { PEXPIRE(key: $0, milliseconds: keep) }) }
         return true
     }
 
     /// Refreshes the safety TTL of the devices hash of every user this node holds a device of.
     public func refreshDeviceKeys() async throws(PresenceError) {
         let users = Set(local.withLockedValue { $0.values.map(\.user) })
-        let ttl = deviceTTLArgument
-        let commands = users.map { ["PEXPIRE", RedisArgument(keys.devices($0)), ttl] as [RedisArgument] }
+        let ttl = configuration.deviceKeyTTL.milliseconds
+        let commands = users.map { PEXPIRE(key: keys.devices($0), milliseconds: ttl) }
         for start in stride(from: 0, to: commands.count, by: 1000) {
             _ = try await run { try await self.redis.pipeline(Array(commands[start..<min(start + 1000, commands.count)])) }
         }
@@ -187,30 +186,23 @@ extension PresenceEngine {
     /// The registered nodes, live and lapsed-but-not-reaped.
     public func nodes() async throws(PresenceError) -> [NodeRecord] {
         let now = try await storeNow()
-        let reply = try await run { try await self.redis.send("ZRANGE", RedisArgument(keys.nodes), "0", "-1", "WITHSCORES") }
-        let values = reply.array ?? []
-        var pairs: [(String, Int64)] = []
-        for index in stride(from: 0, to: values.count - 1, by: 2) {
-            if let node = values[index].string, let score = values[index + 1].double { pairs.append((node, Int64(score))) }
-        }
-        let commands: [[RedisArgument]] = pairs.flatMap { pair -> [[RedisArgument]] in
-            [["HMGET", RedisArgument(keys.nodeInfo(pair.0)), "sessions", "renewed_at", "pubsub", "messages"], ["EXISTS", RedisArgument(keys.lease(pair.0))]]
-        }
-        let replies = try await run { try await self.redis.pipeline(commands) }
+        let pairs = try await run { try await self.redis.execute(ZRANGE.WithScores(key: keys.nodes)) }.map { ($0.member, Int64($0.score)) }
+        let infos = try await run { try await self.redis.pipeline(pairs.map { HMGET(key: keys.nodeInfo($0.0), fields: ["sessions", "renewed_at", "pubsub", "messages"]) }) }
+        let leases = try await run { try await self.redis.pipeline(pairs.map { EXISTS(keys: [keys.lease($0.0)]) }) }
         return pairs.enumerated().map { index, pair in
-            let fields = (try? replies[2 * index].get())?.array ?? []
-            let leaseExists = (try? replies[2 * index + 1].get())?.int == 1
+            let fields = (try? infos[index].get()) ?? []
+            let leaseExists = (try? leases[index].get()) == 1
             let renewed = fields.count == 4 ? ScriptLua.timestamp(fields[1]) : nil
             // A node being reaped has its registry score moved forward by the claim, but its
             // lease key has expired: it is lapsed either way.
             return NodeRecord(
                 nodeID: pair.0,
-                sessions: fields.first?.int ?? 0,
+                sessions: fields.count == 4 ? fields[0].flatMap { Int($0) } ?? 0 : 0,
                 leaseExpiresAt: leaseExists ? pair.1 : min(pair.1, (renewed ?? now) + configuration.leaseTTL.milliseconds),
                 renewedAt: renewed,
                 lapsed: !leaseExists,
-                pubSub: fields.count == 4 ? fields[2].string.flatMap(RedisPubSub.init(rawValue:)) : nil,
-                messagesStored: fields.count == 4 ? fields[3].string.flatMap { Int($0) } ?? 0 : 0
+                pubSub: fields.count == 4 ? fields[2].flatMap(RedisPubSub.init(rawValue:)) : nil,
+                messagesStored: fields.count == 4 ? fields[3].flatMap { Int($0) } ?? 0 : 0
             )
         }
     }

@@ -57,7 +57,7 @@ extension PresenceEngine {
         }
         try await forEachClaimed(try await claim(keys.allDeadlines, limit: limit)) { key, due, member throws(PresenceError) in
             guard let (user, device) = keys.splitDeviceMember(member) else {
-                _ = try await run { try await self.redis.send("ZREM", RedisArgument(key), RedisArgument(member)) }
+                _ = try await run { try await self.redis.execute(ZREM(key: key, members: [member])) }
                 return
             }
             var next: Int64?
@@ -119,18 +119,17 @@ extension PresenceEngine {
         // A predecessor's lease may still run: everything written under the node id up to now
         // is its.
         let leaseEnded = leaseEnded ?? leaseNow
-        let info = try await run { try await self.redis.send("HMGET", RedisArgument(keys.nodeInfo(node)), "renewed_at", "sessions") }.array ?? []
+        let info = try await run { try await self.redis.execute(HMGET(key: keys.nodeInfo(node), fields: ["renewed_at", "sessions"])) }
         // Without its info (lost with Redis data), the best known moment is a lease before the
         // lease's end.
-        let renewed = info.first.flatMap(ScriptLua.timestamp) ?? (leaseEnded - configuration.leaseTTL.milliseconds)
-        let sessions = info.count == 2 ? info[1].int ?? 0 : 0
+        let renewed = ScriptLua.timestamp(info[0]) ?? (leaseEnded - configuration.leaseTTL.milliseconds)
+        let sessions = info[1].flatMap { Int($0) } ?? 0
         var cursor = "0"
         var byUser: [String: [String]] = [:]
         repeat {
-            let page = try await run { try await self.redis.send("SSCAN", RedisArgument(keys.nodeDevices(node)), RedisArgument(cursor), "COUNT", "1000") }
-            guard let parts = page.array, parts.count == 2, let next = parts[0].string else { break }
-            cursor = next
-            for member in parts[1].strings {
+            let page = try await run { try await self.redis.execute(SSCAN(key: keys.nodeDevices(node), cursor: cursor, count: 1000)) }
+            cursor = page.cursor
+            for member in page.members {
                 if let (user, device) = keys.splitDeviceMember(member) { byUser[user, default: []].append(device) }
             }
         } while cursor != "0"
@@ -162,8 +161,8 @@ extension PresenceEngine {
                 // Devices the index did not name linger too: indexed now, at their deadline.
                 let unindexed = lingering.filter { !(byUser[user] ?? []).contains($0) }
                 if !unindexed.isEmpty {
-                    let members = unindexed.flatMap { [RedisArgument(Int(until)), RedisArgument(keys.deviceMember(user: user, device: $0))] }
-                    try await run { try await self.redis.send([RedisArgument("ZADD"), RedisArgument(self.keys.deadlines(ofUser: user))] + members) }
+                    let entries = unindexed.map { (score: until, member: keys.deviceMember(user: user, device: $0)) }
+                    try await run { try await self.redis.execute(ZADD(key: self.keys.deadlines(ofUser: user), entries: entries)) }
                 }
                 if change.changed || change.shownChanged {
                     changed += 1

@@ -34,7 +34,7 @@ extension PresenceEngine {
         let member = keys.deviceMember(user: user, device: device)
         // The node's device index is written first: if the script then fails, a stale entry
         // costs the reaper one no-op; the other order could leave a device nobody reaps.
-        try await run { try await self.redis.send("SADD", RedisArgument(self.keys.nodeDevices(self.configuration.nodeID)), RedisArgument(member)) }
+        try await run { try await self.redis.execute(SADD(key: self.keys.nodeDevices(self.configuration.nodeID), members: [member])) }
         let outcome = try await evaluate(UpsertDevice(user: user, device: device, status: status, node: configuration.nodeID, session: session, mode: .session))
         guard case .written(let change, let previous) = outcome else { throw PresenceError(.internal, "unexpected reply from the device script") }
         return SessionOpened(change: change, replaced: previous)
@@ -160,9 +160,9 @@ extension PresenceEngine {
         // This session no longer holds the device: out of the node's index, unless a session of
         // this node holds it again (a new one, or the one that took it over). A device taken
         // over by another node's session is indexed there; left here, it would stay for good.
-        _ = try? await redis.send("SREM", RedisArgument(keys.nodeDevices(configuration.nodeID)), RedisArgument(member))
+        _ = try? await redis.execute(SREM(key: keys.nodeDevices(configuration.nodeID), members: [member]))
         if local.withLockedValue({ $0[member] != nil }) {
-            _ = try? await redis.send("SADD", RedisArgument(keys.nodeDevices(configuration.nodeID)), RedisArgument(member))
+            _ = try? await redis.execute(SADD(key: keys.nodeDevices(configuration.nodeID), members: [member]))
         }
         guard case .removed(let change) = outcome else { return nil }
         await settle(change)

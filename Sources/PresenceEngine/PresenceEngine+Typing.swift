@@ -62,18 +62,16 @@ extension PresenceEngine {
 
     /// Whether `user` may be shown typing: online or away, and not hidden.
     private func mayShowTyping(_ user: String) async throws(PresenceError) -> Bool {
-        let state = try await run { try await self.redis.send("HMGET", RedisArgument(keys.state(user)), "status", "hidden") }.array ?? []
-        guard state.count == 2, let status = state[0].string, status != PresenceStatus.offline.rawValue else { return false }
-        return state[1].string != "1"
+        let state = try await run { try await self.redis.execute(HMGET(key: keys.state(user), fields: ["status", "hidden"])) }
+        guard let status = state[0], status != PresenceStatus.offline.rawValue else { return false }
+        return state[1] != "1"
     }
 
     /// Indexes a typing state in its conversation's bucket before a start writes it (see
     /// ``indexDeadline(of:devices:after:)``).
     private func indexTyping(_ conversation: String, user: String) async throws(PresenceError) {
-        let score = RedisArgument(Int(indexScore(after: configuration.typingTTL)))
-        try await run {
-            try await self.redis.send("ZADD", RedisArgument(self.keys.typingDeadlines(ofConversation: conversation)), score, RedisArgument("\(conversation)|\(user)"))
-        }
+        let entry = (score: indexScore(after: configuration.typingTTL), member: "\(conversation)|\(user)")
+        try await run { try await self.redis.execute(ZADD(key: self.keys.typingDeadlines(ofConversation: conversation), entries: [entry])) }
     }
 
     /// Ends every typing state of `user`, as when they go offline.
@@ -85,10 +83,10 @@ extension PresenceEngine {
     /// every stop), as a reaper taking a dead node's users offline needs.
     func clearTyping(users: [String]) async throws(PresenceError) {
         guard !users.isEmpty else { return }
-        let lists = try await run { try await self.redis.pipeline(users.map { ["SMEMBERS", RedisArgument(self.keys.conversationsOf($0))] }) }
+        let lists = try await run { try await self.redis.pipeline(users.map { SMEMBERS(key: self.keys.conversationsOf($0)) }) }
         var stops: [SetTyping] = []
         for (user, list) in zip(users, lists) {
-            for conversation in (try? list.get())?.strings ?? [] {
+            for conversation in (try? list.get()) ?? [] {
                 stops.append(SetTyping(conversation: conversation, user: user, isTyping: false, checked: false))
             }
         }
@@ -97,11 +95,11 @@ extension PresenceEngine {
 
     /// Who is typing in a conversation now.
     public func typingUsers(in conversation: String) async throws(PresenceError) -> Set<String> {
-        let all = try await run { try await self.redis.send("HGETALL", RedisArgument(keys.typing(conversation))) }.strings
+        let all = try await run { try await self.redis.execute(HGETALL(key: keys.typing(conversation))) }
         let now = try await storeNow()
         var users = Set<String>()
-        for index in stride(from: 0, to: all.count - 1, by: 2) {
-            if let expiry = Int64(all[index + 1].prefix { $0 != "|" }), expiry > now { users.insert(all[index]) }
+        for (user, entry) in all {
+            if let expiry = Int64(entry.prefix { $0 != "|" }), expiry > now { users.insert(user) }
         }
         return users
     }
@@ -118,19 +116,19 @@ extension PresenceEngine {
         let own = try await conversations(of: viewer)
         guard !own.isEmpty, !users.isEmpty else { return [] }
         let memberships = try await run {
-            try await self.redis.pipeline(users.map { [RedisArgument("SMISMEMBER"), RedisArgument(keys.conversationsOf($0))] + own.map { RedisArgument($0) } })
+            try await self.redis.pipeline(users.map { SMISMEMBER(key: keys.conversationsOf($0), members: own) })
         }
         var pairs: [(user: String, conversation: String)] = []
         for (user, reply) in zip(users, memberships) {
             guard case .success(let flags) = reply else { throw PresenceError(.unavailable, "the presence store is unreachable") }
-            for (conversation, flag) in zip(own, flags.array ?? []) where flag.int == 1 { pairs.append((user, conversation)) }
+            for (conversation, member) in zip(own, flags) where member { pairs.append((user, conversation)) }
         }
         guard !pairs.isEmpty else { return [] }
-        let entries = try await run { try await self.redis.pipeline(pairs.map { ["HGET", RedisArgument(keys.typing($0.conversation)), RedisArgument($0.user)] }) }
+        let entries = try await run { try await self.redis.pipeline(pairs.map { HGET(key: keys.typing($0.conversation), field: $0.user) }) }
         let now = try await storeNow()
         var typing = Set<String>()
         for (pair, entry) in zip(pairs, entries) {
-            guard let raw = (try? entry.get())?.string, let expiry = Int64(raw.prefix { $0 != "|" }), expiry > now else { continue }
+            guard let raw = (try? entry.get()) ?? nil, let expiry = Int64(raw.prefix { $0 != "|" }), expiry > now else { continue }
             typing.insert(pair.user)
         }
         return typing

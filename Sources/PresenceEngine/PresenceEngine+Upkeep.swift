@@ -66,9 +66,7 @@ extension PresenceEngine {
     /// then each device, pipelined.
     private func restore(_ batch: [(member: String, device: LocalDevice)]) async throws(PresenceError) -> Int {
         let node = configuration.nodeID
-        try await run {
-            try await self.redis.send([RedisArgument("SADD"), RedisArgument(self.keys.nodeDevices(node))] + batch.map { RedisArgument($0.member) })
-        }
+        try await run { try await self.redis.execute(SADD(key: self.keys.nodeDevices(node), members: batch.map(\.member))) }
         let calls = batch.map { entry in
             UpsertDevice(user: entry.device.user, device: entry.device.device, status: entry.device.status, node: node, session: entry.device.session, mode: .restore)
         }
@@ -122,7 +120,7 @@ extension PresenceEngine {
         guard dropped else { return }
         upkeep.yield(.deviceTakenOver(session: session))
         if local.withLockedValue({ $0[member] == nil }) {
-            _ = try? await run { try await self.redis.send("SREM", RedisArgument(self.keys.nodeDevices(self.configuration.nodeID)), RedisArgument(member)) }
+            _ = try? await run { try await self.redis.execute(SREM(key: self.keys.nodeDevices(self.configuration.nodeID), members: [member])) }
         }
     }
 
@@ -181,7 +179,7 @@ extension PresenceEngine {
         let calls = users.map { user in
             AuditDevices(user: user, devices: (positions[user] ?? []).map { position in
                 let device = devices[position].value
-                return AuditDevices.Device(device: device.device, session: device.session, status: device.status, indexed: position < index.count && index[position].int == 1)
+                return AuditDevices.Device(device: device.device, session: device.session, status: device.status, indexed: index[position])
             })
         }
         var findings = [AuditDevices.Finding?](repeating: nil, count: devices.count)
@@ -204,16 +202,14 @@ extension PresenceEngine {
         let unindexed = findings.indices.filter { findings[$0] == .unindexed }
         if !unindexed.isEmpty {
             let again = try await indexed(unindexed.map { devices[$0].key })
-            for (position, flag) in zip(unindexed, again) where flag.int == 1 { findings[position] = .held }
+            for (position, held) in zip(unindexed, again) where held { findings[position] = .held }
         }
         return findings
     }
 
-    /// Which of `members` the node's device index holds (one `SMISMEMBER`), a reply per member.
-    private func indexed(_ members: [String]) async throws(PresenceError) -> [RESPValue] {
-        try await run {
-            try await self.redis.send([RedisArgument("SMISMEMBER"), RedisArgument(self.keys.nodeDevices(self.configuration.nodeID))] + members.map { RedisArgument($0) })
-        }.array ?? []
+    /// Which of `members` the node's device index holds (one `SMISMEMBER`), in order.
+    private func indexed(_ members: [String]) async throws(PresenceError) -> [Bool] {
+        try await run { try await self.redis.execute(SMISMEMBER(key: self.keys.nodeDevices(self.configuration.nodeID), members: members)) }
     }
 
     @discardableResult

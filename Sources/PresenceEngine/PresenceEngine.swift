@@ -167,14 +167,8 @@ public final class PresenceEngine: Sendable {
 
     /// The devices of a user, as stored.
     public func devices(of user: String) async throws(PresenceError) -> [DeviceRecord] {
-        let reply = try await run { try await self.redis.send("HGETALL", RedisArgument(self.keys.devices(user))) }
-        let values = reply.array ?? []
-        var records: [DeviceRecord] = []
-        for index in stride(from: 0, to: values.count - 1, by: 2) {
-            guard let id = values[index].string, let raw = values[index + 1].string, let record = DeviceRecord(id: id, stored: raw) else { continue }
-            records.append(record)
-        }
-        return records.sorted { $0.deviceID < $1.deviceID }
+        let stored = try await run { try await self.redis.execute(HGETALL(key: self.keys.devices(user))) }
+        return stored.compactMap { DeviceRecord(id: $0.field, stored: $0.value) }.sorted { $0.deviceID < $1.deviceID }
     }
 
     /// Decodes an event published on a user's channel; `nil` for other message types.
@@ -204,8 +198,6 @@ public final class PresenceEngine: Sendable {
 
     // MARK: Helpers
 
-    var deviceTTLArgument: RedisArgument { ScriptContext.milliseconds(configuration.deviceKeyTTL) }
-
     /// Every script's ARGV[1]: empty, so that it reads Redis's clock, or a test clock's time.
     var nowArgument: RedisArgument { clock.scriptTime.map { RedisArgument(Int($0)) } ?? "" }
 
@@ -231,9 +223,9 @@ public final class PresenceEngine: Sendable {
 
     /// ``indexDeadline(of:devices:after:)`` for several users, in one pipeline.
     func indexDeadlines(_ entries: [(user: String, devices: [String])], after duration: Duration) async throws(PresenceError) {
-        let score = RedisArgument(Int(indexScore(after: duration)))
-        let commands: [[RedisArgument]] = entries.filter { !$0.devices.isEmpty }.map { entry in
-            [RedisArgument("ZADD"), RedisArgument(keys.deadlines(ofUser: entry.user))] + entry.devices.flatMap { [score, RedisArgument(keys.deviceMember(user: entry.user, device: $0))] }
+        let score = indexScore(after: duration)
+        let commands = entries.filter { !$0.devices.isEmpty }.map { entry in
+            ZADD(key: keys.deadlines(ofUser: entry.user), entries: entry.devices.map { (score, keys.deviceMember(user: entry.user, device: $0)) })
         }
         guard !commands.isEmpty else { return }
         for result in try await run({ try await self.redis.pipeline(commands) }) {
@@ -250,11 +242,7 @@ public final class PresenceEngine: Sendable {
     /// Now by the clock the scripts use: Redis's (one `TIME`), or a test clock's.
     func storeNow() async throws(PresenceError) -> Int64 {
         if let fixed = clock.scriptTime { return fixed }
-        let reply = try await run { try await self.redis.send("TIME") }
-        guard let parts = reply.array, parts.count == 2, let seconds = parts[0].int, let micros = parts[1].int else {
-            throw PresenceError(.internal, "unexpected reply to TIME")
-        }
-        return Int64(seconds) * 1000 + Int64(micros) / 1000
+        return try await run { try await self.redis.execute(TIME()) } / 1000
     }
 
     /// Runs a Redis call, mapping its errors to presence errors.

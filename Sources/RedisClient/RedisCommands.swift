@@ -94,7 +94,7 @@ extension RedisCommands {
     /// same shard passes the message on and counts none.
     @discardableResult
     public func publish(_ payload: [UInt8], on channel: String) async throws(RedisError) -> Int {
-        try await send(pubSub.publishCommand, RedisArgument(channel), RedisArgument(bytes: payload)).int ?? 0
+        try await execute(Publish(payload, on: channel, mode: pubSub))
     }
 
     /// Sends one command given as words.

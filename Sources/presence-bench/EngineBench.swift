@@ -49,7 +49,7 @@ struct EngineBench: AsyncParsableCommand {
             }
             // Its lease key has run out as a killed node's does (the key's own TTL is real time,
             // which the offset clock does not move): without it, the reaper finds the node alive.
-            try await redis.send("DEL", RedisArgument(dead.keys.lease("dead")))
+            try await redis.execute(DEL(keys: [dead.keys.lease("dead")]))
             let reapStart = ContinuousClock.now
             let report = try await live.reapOnce()
             let reapTime = ContinuousClock.now - reapStart
@@ -121,22 +121,23 @@ struct EngineBench: AsyncParsableCommand {
 
     /// `total_commands_processed` of each server: the one, or each primary of a cluster.
     private func commandsPerServer(_ redis: any RedisCommands) async throws -> [String: Int] {
-        func processed(_ reply: RESPValue) -> Int {
-            for line in (reply.string ?? "").split(whereSeparator: \.isNewline) where line.hasPrefix("total_commands_processed:") {
+        func processed(_ text: String) -> Int {
+            for line in text.split(whereSeparator: \.isNewline) where line.hasPrefix("total_commands_processed:") {
                 return Int(line.split(separator: ":")[1]) ?? 0
             }
             return 0
         }
         guard let cluster = redis as? RedisClusterClient else {
-            return ["\(redis.configuration.host):\(redis.configuration.port)": processed(try await redis.send("INFO", "stats"))]
+            return ["\(redis.configuration.host):\(redis.configuration.port)": processed(try await redis.execute(INFO(section: "stats")))]
         }
         var counts: [String: Int] = [:]
-        for (node, result) in try await cluster.sendToEachPrimary(["INFO", "stats"]) { counts[node.description] = processed(try result.get()) }
+        let info = INFO(section: "stats")
+        for (node, result) in try await cluster.sendToEachPrimary(info.arguments) { counts[node.description] = processed(try info.decode(try result.get())) }
         return counts
     }
 
     private func cleanup(redis: any RedisCommands, prefix: String) async throws {
-        _ = try await redis.pipeline(redis.allKeys(matching: prefix + ":*").map { ["UNLINK", RedisArgument($0)] })
+        _ = try await redis.pipeline(redis.allKeys(matching: prefix + ":*").map { UNLINK(keys: [$0]) })
     }
 }
 

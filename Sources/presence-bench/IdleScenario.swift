@@ -29,7 +29,7 @@ struct IdleScenario: AsyncParsableCommand {
         defer { nodes.stop() }
         let fleet = Fleet(nodes: nodes, threads: options.threads)
         let (memoryBefore, keysBefore) = try await withRedis(options.common.redisURL) { redis in
-            (try await redisInfo(redis, "memory", "used_memory"), try await redis.send("DBSIZE").int ?? 0)
+            (try await redisInfo(redis, "memory", "used_memory"), try await redis.execute(DBSIZE()))
         }
         try await Task.sleep(for: .seconds(1))
         let rssBefore = nodes.residentBytes(0)
@@ -45,7 +45,7 @@ struct IdleScenario: AsyncParsableCommand {
         try await Task.sleep(for: .seconds(settle))
         let rssAfter = nodes.residentBytes(0)
         let (memoryAfter, keysAfter) = try await withRedis(options.common.redisURL) { redis in
-            (try await redisInfo(redis, "memory", "used_memory"), try await redis.send("DBSIZE").int ?? 0)
+            (try await redisInfo(redis, "memory", "used_memory"), try await redis.execute(DBSIZE()))
         }
         let perSession = Double(rssAfter - rssBefore) / Double(sessions)
         let perUser = (memoryAfter - memoryBefore) / Double(sessions)

@@ -122,8 +122,8 @@ struct MessageBench: AsyncParsableCommand {
         // Redis bytes per stored message: the one conversation's stream over its entries.
         let perMessage = try await withRedis(common.redisURL) { redis -> Double in
             let key = "\(nodes.prefix):{c:bench-room}:history"
-            let bytes = try await redis.send("MEMORY", "USAGE", RedisArgument(key), "SAMPLES", "0").int ?? 0
-            let entries = try await redis.send("XLEN", RedisArgument(key)).int ?? 1
+            let bytes = try await redis.execute(MEMORYUSAGE(key: key, samples: 0)) ?? 0
+            let entries = try await redis.execute(XLEN(key: key))
             return Double(bytes) / Double(max(1, entries))
         }
         senderTask.cancel()

@@ -23,7 +23,7 @@ func withRedis<T: Sendable>(_ url: String, _ body: (RedisClient) async throws ->
 
 /// A field of `INFO section`, as a number.
 func redisInfo(_ redis: RedisClient, _ section: String, _ field: String) async throws -> Double {
-    let text = try await redis.send("INFO", RedisArgument(section)).string ?? ""
+    let text = try await redis.execute(INFO(section: section))
     for line in text.split(whereSeparator: \.isNewline) where line.hasPrefix(field + ":") {
         return Double(line.dropFirst(field.count + 1)) ?? 0
     }
@@ -32,7 +32,7 @@ func redisInfo(_ redis: RedisClient, _ section: String, _ field: String) async t
 
 /// Total calls of every command since the last `CONFIG RESETSTAT` (INFO commandstats).
 func commandCalls(_ redis: RedisClient) async throws -> Double {
-    let text = try await redis.send("INFO", "commandstats").string ?? ""
+    let text = try await redis.execute(INFO(section: "commandstats"))
     var total = 0.0
     for line in text.split(whereSeparator: \.isNewline) where line.hasPrefix("cmdstat_") {
         if let calls = line.split(separator: ",").first?.split(separator: "=").last { total += Double(calls) ?? 0 }
@@ -137,7 +137,7 @@ func publishFloor(redisURL: String, rate: Int, count: Int) async throws -> Laten
             let start = ContinuousClock.now
             for index in 0..<count {
                 sent.withLockedValue { $0[index] = ContinuousClock.now }
-                _ = try await redis.send("PUBLISH", RedisArgument(channel), RedisArgument("\(index)"))
+                _ = try await redis.execute(Publish(Array("\(index)".utf8), on: channel, mode: .classic))
                 try await Task.sleep(until: start + interval * (index + 1))
             }
             try await Task.sleep(for: .milliseconds(500))
@@ -360,7 +360,7 @@ struct CostScenario: AsyncParsableCommand {
         }
         try await Task.sleep(for: .seconds(2))
         let idle = try await withRedis(options.common.redisURL) { redis in
-            _ = try await redis.send("CONFIG", "RESETSTAT")
+            try await redis.execute(CONFIGRESETSTAT())
             for second in 0..<idleSeconds {
                 progress("cost: idle \(second)/\(idleSeconds) s")
                 try await Task.sleep(for: .seconds(1))
@@ -371,7 +371,7 @@ struct CostScenario: AsyncParsableCommand {
         let perDeviceMinute = idle / Double(devices) / (Double(idleSeconds) / 60)
         let idlePerSecond = idle / Double(idleSeconds)
         let change = try await withRedis(options.common.redisURL) { redis in
-            _ = try await redis.send("CONFIG", "RESETSTAT")
+            try await redis.execute(CONFIGRESETSTAT())
             let start = ContinuousClock.now
             for index in 0..<changes {
                 sockets[index % devices].send(clientText(.status(index / devices % 2 == 0 ? .away : .online), id: "c"))

@@ -195,7 +195,7 @@ struct SoakSample {
             sessions += line.flatMap { Double($0.split(separator: " ").last ?? "") }.map { Int($0) } ?? 0
         }
         let (channels, keys) = try await withRedis(redisURL) { redis in
-            let channels = try await redis.send("PUBSUB", "CHANNELS", RedisArgument("\(nodes.prefix):*")).array?.compactMap(\.string) ?? []
+            let channels = try await redis.execute(PUBSUBCHANNELS(pattern: "\(nodes.prefix):*"))
             let keys = try await RedisKeys.read(redis, prefix: nodes.prefix).total
             return (channels.filter { $0.hasSuffix(":events") }.count, keys)
         }
@@ -217,9 +217,9 @@ struct RedisKeys {
         var keys = RedisKeys()
         var cursor = "0"
         repeat {
-            let page = try await redis.send("SCAN", RedisArgument(cursor), "MATCH", RedisArgument("\(prefix):*"), "COUNT", "1000")
-            cursor = page.array?.first?.string ?? "0"
-            for key in page.array?.last?.array?.compactMap(\.string) ?? [] {
+            let page = try await redis.execute(SCAN(cursor: cursor, matching: "\(prefix):*", count: 1000))
+            cursor = page.cursor
+            for key in page.keys {
                 keys.total += 1
                 if key.hasPrefix("\(prefix):{u:") && key.hasSuffix(":state") {
                     keys.lastSeen += 1

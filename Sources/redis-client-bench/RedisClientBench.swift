@@ -33,16 +33,16 @@ struct RedisClientBench: AsyncParsableCommand {
         var rows: [(String, Double)] = []
         try await RedisClient.withClient(configuration: configuration, logger: logger) { client in
             rows.append(("SET", try await measure("SET") { index in
-                try await client.send("SET", RedisArgument("\(prefix):\(index % 1000)"), "value")
+                try await client.execute(SET(key: "\(prefix):\(index % 1000)", value: "value"))
             }))
             rows.append(("GET", try await measure("GET") { index in
-                try await client.send("GET", RedisArgument("\(prefix):\(index % 1000)"))
+                try await client.execute(GET(key: "\(prefix):\(index % 1000)"))
             }))
             rows.append(("EVALSHA", try await measure("EVALSHA") { index in
                 try await client.evaluate(script, keys: ["\(prefix):\(index % 1000)"], arguments: ["value"])
             }))
             for start in stride(from: 0, to: 1000, by: 100) {
-                try await client.send([RedisArgument("DEL")] + (start..<start + 100).map { RedisArgument("\(prefix):\($0)") })
+                try await client.execute(DEL(keys: (start..<start + 100).map { "\(prefix):\($0)" }))
             }
         }
         print("")

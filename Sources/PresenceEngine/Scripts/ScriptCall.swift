@@ -192,7 +192,12 @@ enum ScriptLua {
 
     /// A moment in ms; `nil` for 0 (never).
     static func timestamp(_ value: RESPValue) -> Int64? {
-        guard let number = value.int, number > 0 else { return nil }
-        return Int64(number)
+        timestamp(value.string)
+    }
+
+    /// The same, from a field's text (`HMGET`'s answer).
+    static func timestamp(_ text: String?) -> Int64? {
+        guard let number = text.flatMap({ Int64($0) }), number > 0 else { return nil }
+        return number
     }
 }
