@@ -187,8 +187,12 @@ extension PresenceEngine {
     public func nodes() async throws(PresenceError) -> [NodeRecord] {
         let now = try await storeNow()
         let pairs = try await run { try await self.redis.execute(ZRANGE.WithScores(key: keys.nodes)) }.map { ($0.member, Int64($0.score)) }
-        let infos = try await run { try await self.redis.pipeline(pairs.map { HMGET(key: keys.nodeInfo($0.0), fields: ["sessions", "renewed_at", "pubsub", "messages"]) }) }
+        // Leases first: a node's lease and info are written by one script, so a lease seen here
+        // has its info by the time it is read. The other order, a round trip apart, sees a node
+        // that registers in between as live with no info, taken for one of classic pub/sub:
+        // beside sharded nodes, that made the reader refuse to start.
         let leases = try await run { try await self.redis.pipeline(pairs.map { EXISTS(keys: [keys.lease($0.0)]) }) }
+        let infos = try await run { try await self.redis.pipeline(pairs.map { HMGET(key: keys.nodeInfo($0.0), fields: ["sessions", "renewed_at", "pubsub", "messages"]) }) }
         return pairs.enumerated().map { index, pair in
             let fields = (try? infos[index].get()) ?? []
             let leaseExists = (try? leases[index].get()) == 1
