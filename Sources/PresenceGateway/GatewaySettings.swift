@@ -124,6 +124,32 @@ extension GatewaySetting {
         all.first { $0.name == name || $0.flag == name }
     }
 
+    /// The `PRESENCE_*` names among `names` that are no setting, each with the setting it was
+    /// likely meant to be (at most two letters off), if any: a misspelt variable is otherwise
+    /// ignored without a word. Names of the test tools (`PRESENCE_TEST_*`) are left out.
+    public static func unknown(among names: some Sequence<String>) -> [(name: String, meant: String?)] {
+        names.filter { $0.hasPrefix("PRESENCE_") && !$0.hasPrefix("PRESENCE_TEST_") && named($0) == nil }.sorted().map { name in
+            (name, all.map(\.name).first { distance(name, $0) <= 2 })
+        }
+    }
+
+    /// The edit distance of `a` and `b` (insertions, deletions, substitutions).
+    static func distance(_ a: String, _ b: String) -> Int {
+        let b = Array(b.utf8)
+        // One row of the table at a time: row[j] is the distance of a's first i letters to b's first j.
+        var row = Array(0...b.count)
+        for (i, letter) in a.utf8.enumerated() {
+            var diagonal = row[0]
+            row[0] = i + 1
+            for (j, other) in b.enumerated() {
+                let replaced = diagonal + (letter == other ? 0 : 1)
+                diagonal = row[j + 1]
+                row[j + 1] = min(replaced, row[j + 1] + 1, row[j] + 1)
+            }
+        }
+        return row[b.count]
+    }
+
     /// Every setting as JSON (`presence-gateway --print-config-schema`): per setting its
     /// `name`, `flag`, `type` (`text`, `secret`, `integer` with `minimum` and `maximum`,
     /// `choice` with `choices`), `default` (a number, a string, or null with `default_text`

@@ -98,6 +98,9 @@ struct PresenceGatewayCommand: AsyncParsableCommand {
         logger.logLevel = configuration.logLevel
         logger[metadataKey: "presence.node_id"] = "\(configuration.nodeID)"
         logger.info("starting", metadata: ["presence.max_sessions": "\(configuration.maxSessions)", "presence.open_file_limit": "\(openFiles.map(String.init) ?? "unknown")"])
+        for (name, meant) in GatewaySetting.unknown(among: values.keys) {
+            logger.warning("\(name) is not a setting; it is ignored\(meant.map { " (did you mean \($0)?)" } ?? "")")
+        }
         try await buildGateway(configuration: configuration, logger: logger).run()
     }
 

@@ -87,6 +87,10 @@ struct ConfigurationTests {
         #expect(lease["default"] as? Int == 10 && lease["minimum"] as? Int == 1 && lease["maximum"] as? Int == 3600 && lease["flag"] as? String == "--lease-ttl")
         let secret = try #require(entries.first { $0["name"] as? String == "PRESENCE_JWT_SECRET" })
         #expect(secret["type"] as? String == "secret" && secret["default"] is NSNull)
+        let unknown = GatewaySetting.unknown(among: ["PRESENCE_LEASE_TLL", "PRESENCE_PORT", "PRESENCE_TEST_REDIS_URL", "HOME", "PRESENCE_WHATEVER"])
+        #expect(unknown.map(\.name) == ["PRESENCE_LEASE_TLL", "PRESENCE_WHATEVER"] && unknown.map(\.meant) == ["PRESENCE_LEASE_TTL", nil],
+                "a misspelt variable is named, with the setting it was likely meant to be: \(unknown)")
+        #expect(GatewaySetting.distance("", "ab") == 2 && GatewaySetting.distance("kitten", "sitting") == 3 && GatewaySetting.distance("ab", "") == 2)
         let sessions = try #require(entries.first { $0["name"] as? String == "PRESENCE_MAX_SESSIONS" })
         #expect(sessions["default"] is NSNull && sessions["default_text"] as? String == "the open-file limit less 256")
     }
