@@ -88,6 +88,7 @@ let package = Package(
             dependencies: [
                 "CMallocTrim",
                 "PresenceEngine",
+                "PresenceWebClient",
                 "RedisClient",
                 .product(name: "Hummingbird", package: "hummingbird"),
                 .product(name: "HummingbirdCore", package: "hummingbird"),
@@ -104,14 +105,21 @@ let package = Package(
                 .product(name: "NIOWebSocket", package: "swift-nio"),
                 .product(name: "UnixSignals", package: "swift-service-lifecycle"),
             ],
-            // The browser client and the dashboard, compiled into the binary: a node serves them
-            // with no files beside it.
+            // The dashboard, compiled into the binary: a node serves it with no files beside it.
             resources: [
-                .embedInCode("Web/presence.js"),
-                .embedInCode("Web/presence.d.ts"),
                 .embedInCode("Web/dashboard.html"),
                 .embedInCode("Web/dashboard.js"),
                 .embedInCode("Web/dashboard.css"),
+            ],
+            swiftSettings: swiftSettings
+        ),
+        // The browser client, a second SDK beside PresenceClient: JavaScript, compiled into the
+        // binary for the gateway to serve.
+        .target(
+            name: "PresenceWebClient",
+            resources: [
+                .embedInCode("presence.js"),
+                .embedInCode("presence.d.ts"),
             ],
             swiftSettings: swiftSettings
         ),

@@ -15,10 +15,10 @@ import Testing
 /// a user's devices, the overview, and the live feed (Server-Sent Events), on a live node.
 @Suite("Browser client, dashboard and admin feed")
 struct DashboardTests {
-    /// The repository's `Sources/PresenceGateway/Web/`.
-    static let webFolder = URL(fileURLWithPath: #filePath)
+    /// The repository's `Sources/`.
+    static let sources = URL(fileURLWithPath: #filePath)
         .deletingLastPathComponent().deletingLastPathComponent().deletingLastPathComponent()
-        .appendingPathComponent("Sources/PresenceGateway/Web")
+        .appendingPathComponent("Sources")
 
     static func fetch(_ port: Int, _ path: String, token: String? = nil) async throws -> (status: Int, body: Data, headers: [String: String]) {
         var request = URLRequest(url: URL(string: "http://127.0.0.1:\(port)\(path)")!)
@@ -34,14 +34,16 @@ struct DashboardTests {
     func assets() async throws {
         try await withNodes(1) { ports in
             for (path, file, type) in [
-                ("/client/presence.js", "presence.js", "text/javascript"), ("/client/presence.d.ts", "presence.d.ts", "text/plain"),
-                ("/dashboard", "dashboard.html", "text/html"), ("/dashboard/dashboard.js", "dashboard.js", "text/javascript"),
-                ("/dashboard/dashboard.css", "dashboard.css", "text/css"),
+                ("/client/presence.js", "PresenceWebClient/presence.js", "text/javascript"),
+                ("/client/presence.d.ts", "PresenceWebClient/presence.d.ts", "text/plain"),
+                ("/dashboard", "PresenceGateway/Web/dashboard.html", "text/html"),
+                ("/dashboard/dashboard.js", "PresenceGateway/Web/dashboard.js", "text/javascript"),
+                ("/dashboard/dashboard.css", "PresenceGateway/Web/dashboard.css", "text/css"),
             ] {
                 let answer = try await Self.fetch(ports[0], path)
                 #expect(answer.status == 200, "\(path)")
                 #expect(answer.headers["content-type"]?.hasPrefix(type) == true, "\(path): \(answer.headers["content-type"] ?? "none")")
-                let repository = try Data(contentsOf: Self.webFolder.appendingPathComponent(file))
+                let repository = try Data(contentsOf: Self.sources.appendingPathComponent(file))
                 #expect(answer.body == repository, "\(path) is \(file)")
                 #expect(answer.headers["x-content-type-options"] == "nosniff")
             }

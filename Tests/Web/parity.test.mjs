@@ -6,7 +6,7 @@ import { test } from "node:test";
 
 import { FakeClock, settle } from "./fake-clock.mjs";
 
-import { MemoryOutboxStore, PresenceClient, PresenceText, formatTimestamp, parseTimestamp } from "../../Sources/PresenceGateway/Web/presence.js";
+import { MemoryOutboxStore, PresenceClient, PresenceText, formatTimestamp, parseTimestamp } from "../../Sources/PresenceWebClient/presence.js";
 
 const fixture = JSON.parse(readFileSync(new URL("../Fixtures/parity.json", import.meta.url), "utf8"));
 

@@ -1,4 +1,4 @@
-// The browser SDK (Sources/PresenceGateway/Web/presence.js) on a fake clock and a fake
+// The browser SDK (Sources/PresenceWebClient/presence.js) on a fake clock and a fake
 // WebSocket: `node --test Tests/Web/`.
 import assert from "node:assert/strict";
 import { describe, test } from "node:test";
@@ -14,7 +14,7 @@ import {
   ReconnectBackoff,
   TypingDebouncer,
   parseTimestamp,
-} from "../../Sources/PresenceGateway/Web/presence.js";
+} from "../../Sources/PresenceWebClient/presence.js";
 
 const START = Date.parse("2026-11-21T12:00:00.000Z");
 

@@ -6,6 +6,7 @@ import NIOConcurrencyHelpers
 import NIOCore
 import PresenceEngine
 import PresenceProtocol
+import PresenceWebClient
 import RedisClient
 import ServiceLifecycle
 
@@ -21,10 +22,10 @@ extension Gateway {
         // The client is public code: any origin may import it as a module.
         let client: HTTPFields = [.accessControlAllowOrigin: "*"]
         router.get("/client/presence.js") { _, _ in
-            Self.asset(PackageResources.presence_js, type: "text/javascript; charset=utf-8", extra: client)
+            Self.asset(PresenceWebClient.module, type: "text/javascript; charset=utf-8", extra: client)
         }
         router.get("/client/presence.d.ts") { _, _ in
-            Self.asset(PackageResources.presence_d_ts, type: "text/plain; charset=utf-8", extra: client)
+            Self.asset(PresenceWebClient.declarations, type: "text/plain; charset=utf-8", extra: client)
         }
         let page: HTTPFields = [
             .contentSecurityPolicy: Self.dashboardPolicy, HTTPField.Name("Referrer-Policy")!: "no-referrer",
