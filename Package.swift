@@ -220,7 +220,9 @@ let package = Package(
             name: "RedisClientTests",
             dependencies: [
                 "RedisClient", "RedisTestSupport",
+                .product(name: "NIOCore", package: "swift-nio"),
                 .product(name: "NIOEmbedded", package: "swift-nio"),
+                .product(name: "NIOPosix", package: "swift-nio"),
             ],
             swiftSettings: swiftSettings
         ),

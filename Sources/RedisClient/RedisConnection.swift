@@ -47,7 +47,10 @@ public final class RedisConnection: Sendable {
         do {
             channel = try await ClientBootstrap(group: eventLoopGroup)
                 .connectTimeout(TimeAmount(configuration.connectTimeout))
-                .channelOption(.socketOption(.tcp_nodelay), value: 1)
+                // A TCP option: `.socketOption(.tcp_nodelay)` would set SOL_SOCKET's option 1,
+                // SO_DEBUG, which only a privileged process may set (every connection of a node
+                // run as a plain user failed with EACCES).
+                .channelOption(.tcpOption(.tcp_nodelay), value: 1)
                 .channelInitializer { channel in
                     channel.eventLoop.makeCompletedFuture {
                         if let tlsContext {

@@ -1,7 +1,10 @@
 import Foundation
-import RedisClient
+import NIOCore
+import NIOPosix
 import RedisTestSupport
 import Testing
+
+@testable import RedisClient
 
 @Suite("Redis client against a real redis-server")
 struct RedisClientIntegrationTests {
@@ -29,6 +32,19 @@ struct RedisClientIntegrationTests {
             let keys = (0..<100).map { RedisArgument("\(prefix):counter:\($0)") }
             #expect(try await client.send([RedisArgument("DEL")] + keys) == .integer(100))
         }
+    }
+
+    /// Fails before the fix: the connection asked for `.socketOption(.tcp_nodelay)`, which is
+    /// SOL_SOCKET's option 1, SO_DEBUG: set as root (debug 1 read here), refused with EACCES to
+    /// a plain user, whose every connection failed (the image runs as uid 10001).
+    @Test("a connection's socket has TCP_NODELAY on and SO_DEBUG off, so that a node run as a plain user can connect")
+    func socketOptions() async throws {
+        let connection = try await RedisConnection.connect(configuration: TestRedis.configuration(), eventLoopGroup: MultiThreadedEventLoopGroup.singleton, logger: logger)
+        let noDelay = try await connection.channel.getOption(.tcpOption(.tcp_nodelay)).get()
+        let debug = try await connection.channel.getOption(.socket(SocketOptionLevel(SOL_SOCKET), SocketOptionName(SO_DEBUG))).get()
+        await connection.close()
+        #expect(noDelay != 0, "TCP_NODELAY is on")
+        #expect(debug == 0, "SO_DEBUG is off")
     }
 
     @Test("an error reply fails only its own command")
