@@ -2,7 +2,7 @@
 SWIFT ?= swift
 BUILD_FLAGS ?=
 
-.PHONY: deps test-deps build build-tests test unit check-links check-contract check-deploy api-fuzz fuzz-build fuzz soak mutants run cluster cluster-stop bench bench-redis clean
+.PHONY: deps test-deps build build-tests test unit check-links check-contract check-deploy container-check api-fuzz fuzz-build fuzz soak mutants run cluster cluster-stop bench bench-redis clean
 
 # What building and running need (make run, make build); test-deps adds what the tests need, and
 # the deploy linters from PyPI in .tools/venv (never the system's Python: Debian's is externally
@@ -115,6 +115,13 @@ check-contract:
 check-deploy: test-deps
 	$(SWIFT) build --product presence-gateway $(BUILD_FLAGS)
 	PATH="$(CURDIR)/.tools/venv/bin:$$PATH" scripts/check-deploy --gateway "$$($(SWIFT) build --show-bin-path $(BUILD_FLAGS))/presence-gateway"
+
+# deploy/Dockerfile's runtime image built with podman, run beside a Redis: /readyz, the health
+# check, its uid, a clean stop on SIGTERM (scripts/check-container; as root). Not part of `make
+# test`: the release build and a debootstrap'd base take some 15 minutes the first time.
+container-check: deps
+	@scripts/install-deps container
+	scripts/check-container
 
 # Each hand mutant of scripts/mutants (a guard taken away) against the tests that must catch it;
 # prints the survivors and fails if there are any. Some 10 minutes: an incremental build a mutant.
