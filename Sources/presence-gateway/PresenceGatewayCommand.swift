@@ -61,7 +61,8 @@ struct PresenceGatewayCommand: AsyncParsableCommand {
         while let word = rest.popFirst() {
             let (flag, inline) = word.firstIndex(of: "=").map { (String(word[..<$0]), String(word[word.index(after: $0)...])) } ?? (word, nil)
             guard flag.hasPrefix("--"), let setting = GatewaySetting.named(flag) else {
-                throw ValidationError("unknown option '\(word)'; presence-gateway --help lists the settings")
+                // The flag alone: `--jwt-secrt=...` must not print the secret.
+                throw ValidationError("unknown option '\(flag)'; presence-gateway --help lists the settings")
             }
             guard let value = inline ?? rest.popFirst() else { throw ValidationError("\(flag) needs a value") }
             values[setting.name] = value

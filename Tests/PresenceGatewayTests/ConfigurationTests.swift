@@ -143,6 +143,8 @@ struct ConfigurationTests {
         #expect(help.status == 0 && GatewaySetting.all.allSatisfy { help.out.contains($0.flag) && help.out.contains("[\($0.name)]") }, "--help lists every setting: \(help.out)")
         let unknown = try await CTL.run(["--lease-tll", "5"], program: "presence-gateway")
         #expect(unknown.status == 64 && unknown.err.contains("unknown option '--lease-tll'"), "\(unknown)")
+        let misspelt = try await CTL.run(["--jwt-secrt=hunter2-hunter2"], program: "presence-gateway")
+        #expect(misspelt.status == 64 && misspelt.err.contains("'--jwt-secrt'") && !misspelt.err.contains("hunter2"), "a misspelt flag's value is not printed: \(misspelt)")
         let missing = try await CTL.run(["--port"], program: "presence-gateway")
         #expect(missing.status == 64 && missing.err.contains("--port needs a value"), "\(missing)")
         for arguments in [["--lease-ttl", "0"], ["--lease-ttl=0"]] {
