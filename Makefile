@@ -68,7 +68,7 @@ test: check-links check-contract build-tests check-deploy fuzz-build
 # connection handler and mailbox on embedded channels, the clients' logic on a test clock, the
 # fuzzers' regression inputs; then the browser client's logic under Node. Seconds after a build
 # (no fuzzer build): the loop to run while changing code. `make test` runs them too, with the rest.
-UNIT_TESTS = \.(BackoffTests|ClientLifecycleTests|ClientLoopTests|ConfigurationTests|FrameTests|FuzzRegressionTests|HashSlotTests|LoopMailboxTests|OutboxTests|ParityTests|PresenceCacheTests|PresenceTextTests|RESPParserTests|RedisChannelHandlerTests|RedisCommandTests|RedisConfigurationTests|SessionChannelHandlerTests|SessionTests|ShardUnsubscribeHandlerTests|TimestampTests|TypingDebouncerTests|WorkGateTests)(/|$$)
+UNIT_TESTS = \.(BackoffTests|ClientLifecycleTests|ClientLoopTests|ConfigurationTests|FrameTests|FuzzRegressionTests|HashSlotTests|LoopMailboxTests|OutboxTests|ParityTests|PresenceCacheTests|PresenceTextTests|RESPParserTests|RedisChannelHandlerTests|RestoreQueueTests|RedisCommandTests|RedisConfigurationTests|SessionChannelHandlerTests|SessionTests|ShardUnsubscribeHandlerTests|TimestampTests|TypingDebouncerTests|WorkGateTests)(/|$$)
 unit: build-tests
 	env -u PRESENCE_TEST_REDIS_URL -u PRESENCE_TEST_REDIS_CLUSTER_URL timeout --kill-after=10 120 $(SWIFT) test --skip-build $(BUILD_FLAGS) --filter '$(UNIT_TESTS)'
 	timeout --kill-after=10 120 node --test Tests/Web/

@@ -78,6 +78,9 @@ extension PresenceEngine {
         }
     }
 
+    /// Whether this process has taken its lease.
+    var isRegistered: Bool { registered.withLockedValue { $0 } }
+
     /// Whether what Redis says of this node's own sessions is current: the node holds its lease
     /// (renewed less than a lease ago) and has written every session again since it last found
     /// the lease gone. Otherwise reapers may have taken its users offline, and a read would

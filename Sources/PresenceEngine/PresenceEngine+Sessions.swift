@@ -19,7 +19,7 @@ extension PresenceEngine {
             }
             // Unreachable in time, Redis may still have run the write (its reply lost in a cut):
             // then the device would be held for good by a session that never opened. It is let go
-            // as after a drop, on the lease tick until Redis takes it; a no-op if the write never
+            // as after a drop, on the upkeep ticks until Redis takes it; a no-op if the write never
             // ran or another session holds the device by then.
             if error.code == .unavailable {
                 let release = PendingRelease(user: user, device: device, session: session, clean: false)
@@ -72,8 +72,8 @@ extension PresenceEngine {
             let member = keys.deviceMember(user: user, device: device)
             guard local.withLockedValue({ $0[member]?.session == session }) else { return nil }
             logger.warning("Redis had lost a device a session here holds; writing it again", metadata: ["presence.user_id": "\(user)", "presence.device_id": "\(device)"])
-            unrestored.withLockedValue { _ = $0.insert(member) }
-            upkeep.yield(.dataLost)
+            unrestored.withLockedValue { _ = $0.owed.insert(member) }
+            reportLoss()
             try await restorePending()
             return nil
         }
@@ -92,7 +92,7 @@ extension PresenceEngine {
             let change = try await release(user: user, device: device, session: session, clean: clean)
             return change
         } catch {
-            // Redis did not take it: retried on every lease tick, or the device would stay held
+            // Redis did not take it: retried on every upkeep tick, or the device would stay held
             // by this live node for good.
             let release = PendingRelease(user: user, device: device, session: session, clean: clean)
             pendingReleases.withLockedValue { $0[release.key] = release }
@@ -109,7 +109,7 @@ extension PresenceEngine {
     }
 
     /// Writes the status Redis has not taken for each device of this node (a change made while
-    /// Redis was unreachable); called on every lease tick.
+    /// Redis was unreachable); called on every upkeep tick (``PresenceLeaseService``).
     public func retryOwedStatuses() async {
         let owed = local.withLockedValue { $0.filter(\.value.statusOwed) }
         for (member, device) in owed {
@@ -140,7 +140,7 @@ extension PresenceEngine {
         }
     }
 
-    /// Retries the disconnects Redis could not take; called on every lease tick.
+    /// Retries the disconnects Redis could not take; called on every upkeep tick (``PresenceLeaseService``).
     public func retryPendingReleases() async {
         let pending = pendingReleases.withLockedValue { Array($0.values) }
         for release in pending {

@@ -27,14 +27,56 @@ extension PresenceEngine {
     public func reregister() async throws(PresenceError) -> Int {
         // Owed before the lease is taken again: until they are written, reads of this node's
         // users are not current (``holdsCurrentState``).
-        unrestored.withLockedValue { $0 = Set(local.withLockedValue { $0.keys }) }
+        unrestored.withLockedValue { $0.owed = Set(local.withLockedValue { $0.keys }) }
         try await registerNode()
-        upkeep.yield(.dataLost)
+        reportLoss()
         return try await restorePending()
     }
 
+    /// Redis was found to have lost what this node wrote: the gateway reads again what its
+    /// watchers were told (``UpkeepEvent/dataLost``), and an audit follows a renewal period later.
+    /// On a cluster a loss reaches the shards one by one: one that lands just after this node
+    /// wrote its devices back is found by that audit, within the grace other nodes give before
+    /// they read again (an audit at once finds nothing: everything was just written).
+    func reportLoss() {
+        upkeep.yield(.dataLost)
+        requestAudit(after: configuration.leaseTTL / 3)
+    }
+
+    /// Devices owed a write since Redis was found to have lost them, and which of them a run of
+    /// ``restorePending()`` is writing: runs at once (the lease service's, an audit's, a status
+    /// write's) each take batches of their own.
+    struct RestoreQueue: Sendable {
+        /// Owed, claimed or not: until it is empty, reads of this node's users are not current.
+        var owed: Set<String> = []
+        /// Owed devices a run is writing now.
+        var claimed: Set<String> = []
+
+        /// Up to `limit` owed devices no run has claimed, claimed now.
+        mutating func claim(_ limit: Int) -> [String] {
+            var batch: [String] = []
+            for member in owed where !claimed.contains(member) {
+                batch.append(member)
+                if batch.count == limit { break }
+            }
+            claimed.formUnion(batch)
+            return batch
+        }
+
+        /// A claimed batch was written (or its sessions closed since): owed no more.
+        mutating func written(_ batch: [String]) {
+            owed.subtract(batch)
+            claimed.subtract(batch)
+        }
+
+        /// A claimed batch a failure left unwritten: owed still, for the next run.
+        mutating func unclaim(_ batch: [String]) {
+            claimed.subtract(batch)
+        }
+    }
+
     /// Whether devices found lost are still to be written.
-    public var restoreOwed: Bool { !unrestored.withLockedValue { $0.isEmpty } }
+    public var restoreOwed: Bool { !unrestored.withLockedValue { $0.owed.isEmpty } }
 
     /// Writes the devices found lost, in pipelined batches, each only if no other session has
     /// taken it meanwhile (such a session of this node is reported, ``UpkeepEvent/deviceTakenOver(session:)``).
@@ -45,12 +87,17 @@ extension PresenceEngine {
         var written = 0
         var renewed = ContinuousClock.now
         while true {
-            let members = unrestored.withLockedValue { Array($0.prefix(Self.restoreBatch)) }
+            let members = unrestored.withLockedValue { $0.claim(Self.restoreBatch) }
             if members.isEmpty { break }
             let batch = local.withLockedValue { devices in members.compactMap { member in devices[member].map { (member: member, device: $0) } } }
-            if !batch.isEmpty { written += try await restore(batch) }
-            // Written now, or closed since and nothing to write; a failure above leaves them owed.
-            unrestored.withLockedValue { $0.subtract(members) }
+            do {
+                if !batch.isEmpty { written += try await restore(batch) }
+            } catch {
+                unrestored.withLockedValue { $0.unclaim(members) }
+                throw error
+            }
+            // Written now, or closed since and nothing to write.
+            unrestored.withLockedValue { $0.written(members) }
             if ContinuousClock.now - renewed >= configuration.leaseTTL / 3 {
                 if try await !renewLease() { try await registerNode() }
                 renewed = .now
@@ -124,17 +171,26 @@ extension PresenceEngine {
         }
     }
 
-    /// Asks for an audit on the next lease tick: after a connection to Redis was made again, a
-    /// failover may have lost the last writes.
-    public func requestAudit() {
-        auditRequested.withLockedValue { $0 = true }
+    /// Asks for an audit of every device on the upkeep's next tick once `delay` has passed: after
+    /// a connection to Redis was made again (a failover may have lost the last writes), or a loss
+    /// was found. A request due within a quarter of a renewal period before this one's time, and
+    /// not taken yet, stands for it.
+    public func requestAudit(after delay: Duration = .zero) {
+        let due = ContinuousClock.now + delay
+        let slack = configuration.leaseTTL / 12
+        auditsRequested.withLockedValue { pending in
+            guard !pending.contains(where: { $0 <= due && $0 >= due - slack }) else { return }
+            pending.append(due)
+        }
     }
 
-    /// Whether an audit was asked for, clearing the request.
+    /// Whether an audit asked for is due, taking every request that is.
     func takeAuditRequest() -> Bool {
-        auditRequested.withLockedValue { requested in
-            defer { requested = false }
-            return requested
+        let now = ContinuousClock.now
+        return auditsRequested.withLockedValue { pending in
+            let before = pending.count
+            pending.removeAll { $0 <= now }
+            return pending.count < before
         }
     }
 
@@ -214,6 +270,7 @@ extension PresenceEngine {
 
     @discardableResult
     public func audit(all: Bool = true) async throws(PresenceError) -> AuditReport {
+        if let probe = beforeAudit.withLockedValue({ $0 }) { await probe() }
         let devices: [(key: String, value: LocalDevice)] = local.withLockedValue { local in
             guard !all else { return Array(local) }
             let members = local.keys.sorted()
@@ -257,8 +314,8 @@ extension PresenceEngine {
         }
         if !lost.isEmpty {
             logger.warning("Redis had lost devices this node's sessions hold; writing them again", metadata: ["presence.node_id": "\(node)", "presence.devices": "\(lost.count)"])
-            unrestored.withLockedValue { $0.formUnion(lost) }
-            upkeep.yield(.dataLost)
+            unrestored.withLockedValue { $0.owed.formUnion(lost) }
+            reportLoss()
             report.restored = try await restorePending()
         }
         return report

@@ -44,15 +44,17 @@ public final class PresenceEngine: Sendable {
     let leaseHeldUntil = NIOLockedValueBox<ContinuousClock.Instant?>(nil)
     /// Devices of this node's sessions still to be written again since Redis was found to have
     /// lost them (``restorePending()``): what is left when a re-registration was cut short.
-    let unrestored = NIOLockedValueBox(Set<String>())
+    let unrestored = NIOLockedValueBox(RestoreQueue())
     /// Redis's clock minus this process's (ms), as the last lease renewal measured it.
     let storeClockOffset = NIOLockedValueBox<Int64>(0)
     /// When this node last refreshed the safety TTL of the deadline sets (``renewLease()``).
     let sharedKeysKept = NIOLockedValueBox<ContinuousClock.Instant?>(nil)
     /// The last device the scheduled audit checked: the next one goes on after it.
     let auditCursor = NIOLockedValueBox("")
-    /// An audit asked for outside the schedule (``requestAudit()``).
-    let auditRequested = NIOLockedValueBox(false)
+    /// When the audits asked for outside the schedule are due (``requestAudit(after:)``).
+    let auditsRequested = NIOLockedValueBox<[ContinuousClock.Instant]>([])
+    /// Runs at the start of every audit, when set: tests make an audit slow there.
+    let beforeAudit = NIOLockedValueBox<(@Sendable () async -> Void)?>(nil)
     /// Runs in a reap of a dead node between its lease check and the reading of its devices,
     /// when set: tests let time pass and sessions arrive there.
     let afterLeaseChecked = NIOLockedValueBox<(@Sendable () async -> Void)?>(nil)

@@ -2,12 +2,22 @@ import Logging
 import RedisClient
 import ServiceLifecycle
 
-/// Keeps this node's lease: before taking it, refuses to run beside live nodes of another
-/// pub/sub (``PubSubMismatch``); renews it every third of the lease TTL, registers every session
-/// again when it finds the lease gone (resuming on the next tick if that was cut short), audits
-/// the devices its sessions hold every ``PresenceConfiguration/auditInterval``, after every
-/// reconnect of either Redis connection and on the tick after a loss was found, and gives the
-/// lease up on graceful shutdown.
+/// Keeps this node's lease and its keys, in two loops that never wait for each other.
+///
+/// The lease loop, before taking the lease, refuses to run beside live nodes of another pub/sub
+/// (``PubSubMismatch``); then renews it every third of the lease TTL, on a fixed schedule from
+/// the moment the last renewal was sent (never a period after the work of a tick), tries a failed
+/// renewal again 200 ms later, registers every session again when it finds the lease gone
+/// (resuming on the next tick if that was cut short), and gives the lease up on graceful
+/// shutdown.
+///
+/// The upkeep loop, on the same period once the lease is taken, sends the disconnects and
+/// statuses Redis could not take yet, refreshes the safety TTL of the devices, and audits the
+/// devices the node's sessions hold: some every ``PresenceConfiguration/auditInterval``, all of
+/// them after a reconnect of either Redis connection and a renewal period after a loss was found
+/// (``PresenceEngine/requestAudit(after:)``). However long an audit takes (a big node, a Redis
+/// that stalls it), the next renewal is not held up: a renewal that waited behind one came late,
+/// and a cut of the network then let the lease lapse within the bound a cut must stay under.
 public struct PresenceLeaseService: Service {
     let engine: PresenceEngine
 
@@ -18,20 +28,36 @@ public struct PresenceLeaseService: Service {
     static let retryAfterFailure = Duration.milliseconds(200)
 
     public func run() async throws {
-        let interval = engine.configuration.leaseTTL / 3
-        let refreshEvery = max(1, Int(engine.configuration.deviceKeyTTL.milliseconds / 3 / max(1, interval.milliseconds)))
-        let auditEvery = max(1, Int(engine.configuration.auditInterval / interval))
-        var registered = false
-        var tick = 0
-        var failures = 0
         // A connection made again may lead to a new primary that missed the last writes.
         let observer = engine.redis.addConnectionObserver { [engine] event in
             if case .connected(reconnect: true) = event { engine.requestAudit() }
         }
         defer { engine.redis.removeConnectionObserver(observer) }
+        try await withThrowingTaskGroup(of: Void.self) { group in
+            group.addTask { await keepUp() }
+            do {
+                try await keepLease()
+            } catch {
+                group.cancelAll()
+                throw error
+            }
+            group.cancelAll()
+        }
+        do {
+            try await engine.deregisterNode()
+        } catch {
+            engine.logger.warning("cannot give up the lease", metadata: ["error": "\(error)"])
+        }
+    }
+
+    private var period: Duration { engine.configuration.leaseTTL / 3 }
+
+    /// Takes the lease, then renews it every period until graceful shutdown.
+    private func keepLease() async throws {
+        var registered = false
+        var failures = 0
         while !Task.isShuttingDownGracefully, !Task.isCancelled {
-            var renewed = false
-            var foundLoss = false
+            let started = ContinuousClock.now
             do {
                 if !registered {
                     try await engine.checkPubSubAgreement()
@@ -41,48 +67,51 @@ public struct PresenceLeaseService: Service {
                 } else if try await !engine.renewLease() {
                     engine.logger.warning("this node's lease was gone; registering its sessions again", metadata: ["presence.node_id": "\(engine.configuration.nodeID)"])
                     try await engine.reregister()
-                    foundLoss = true
                 } else if engine.restoreOwed {
                     try await engine.restorePending()
                 }
-                renewed = true
                 failures = 0
-                await engine.retryPendingReleases()
-                await engine.retryOwedStatuses()
-                tick += 1
-                if tick % refreshEvery == 0 { try await engine.refreshDeviceKeys() }
-                if foundLoss {
-                    // On a cluster a loss reaches the shards one by one: one that lands just
-                    // after the sessions were written again is found on the next tick, within
-                    // the grace other nodes give before they re-read (an audit now finds
-                    // nothing: everything was just written).
-                    engine.requestAudit()
-                } else if engine.takeAuditRequest() {
-                    try await engine.audit()
-                } else if tick % auditEvery == 0 {
-                    try await engine.audit(all: false)
-                }
             } catch let mismatch as PubSubMismatch {
                 // Not a node that can serve: ends the node's services (and so the process).
                 engine.logger.error("refusing to start", metadata: ["error": "\(mismatch)"])
                 throw mismatch
             } catch {
-                // An audit's failure waits a whole period: the lease is renewed.
-                if !renewed { failures += 1 }
-                // A renewal's failure is said once per outage, then every 20th try.
-                let level: Logger.Level = renewed || failures % 20 == 1 ? .warning : .debug
-                let what = renewed ? "cannot keep the node's keys (audit, refresh)" : "cannot renew the lease"
-                engine.logger.log(level: level, "\(what)", metadata: ["error": "\(error)", "presence.attempts": "\(failures)"])
+                failures += 1
+                // Said once per outage, then every 20th try.
+                let level: Logger.Level = failures % 20 == 1 ? .warning : .debug
+                engine.logger.log(level: level, "cannot renew the lease", metadata: ["error": "\(error)", "presence.attempts": "\(failures)"])
             }
             // After a failure, tried again soon (on a fresh connection once the stalled one is
             // dropped): a renewal that waits a whole period may come after the lease ran out.
-            let pause = failures > 0 ? min(interval, Self.retryAfterFailure) : interval
-            try? await cancelWhenGracefulShutdown { try await Task.sleep(for: pause) }
+            let next = failures > 0 ? ContinuousClock.now + min(period, Self.retryAfterFailure) : started + period
+            try? await cancelWhenGracefulShutdown { try await Task.sleep(until: next) }
         }
-        do {
-            try await engine.deregisterNode()
-        } catch {
-            engine.logger.warning("cannot give up the lease", metadata: ["error": "\(error)"])
+    }
+
+    /// Once the lease is taken: every period, what Redis could not take yet is sent again, the
+    /// devices' safety TTL is refreshed every third of it, and devices are audited.
+    private func keepUp() async {
+        let refreshEvery = max(1, Int(engine.configuration.deviceKeyTTL / 3 / period))
+        let auditEvery = max(1, Int(engine.configuration.auditInterval / period))
+        var tick = 0
+        while !Task.isShuttingDownGracefully, !Task.isCancelled {
+            let started = ContinuousClock.now
+            if engine.isRegistered {
+                tick += 1
+                await engine.retryPendingReleases()
+                await engine.retryOwedStatuses()
+                do {
+                    if tick % refreshEvery == 0 { try await engine.refreshDeviceKeys() }
+                    if engine.takeAuditRequest() {
+                        try await engine.audit()
+                    } else if tick % auditEvery == 0 {
+                        try await engine.audit(all: false)
+                    }
+                } catch {
+                    engine.logger.warning("cannot keep the node's keys (audit, refresh)", metadata: ["error": "\(error)"])
+                }
+            }
+            try? await cancelWhenGracefulShutdown { try await Task.sleep(until: started + period) }
         }
     }
 }

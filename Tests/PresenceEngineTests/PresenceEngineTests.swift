@@ -716,7 +716,7 @@ struct PresenceEngineTests {
         }
     }
 
-    @Test("a status change Redis could not take is written on the lease tick once Redis answers")
+    @Test("a status change Redis could not take is written on the upkeep tick once Redis answers")
     func owedStatus() async throws {
         try await EngineCluster.withRestartableRedis { cluster, server in
             let redis = cluster.redis
@@ -730,8 +730,48 @@ struct PresenceEngineTests {
             #expect(await eventually(timeout: .seconds(5)) { (try? await redis.send("PING")) != nil })
             #expect(try await node.views(of: "petra").real.status == .online, "Redis came back without the change")
             await node.retryOwedStatuses()
-            #expect(try await node.views(of: "petra").real.status == .away, "retryOwedStatuses, which the lease tick calls, wrote it")
+            #expect(try await node.views(of: "petra").real.status == .away, "retryOwedStatuses, which the upkeep tick calls, wrote it")
             #expect(node.local.withLockedValue { $0.values.allSatisfy { !$0.statusOwed } }, "nothing is owed any more")
+        }
+    }
+
+    /// Fails before the change: the lease service renewed only after a tick's audit was done, and
+    /// slept a whole period after that, so a slow audit (a big node; a stalled connection under a
+    /// cut) held the renewal up, and with it the margin a short cut of the network must fit in.
+    /// A 2 s lease leaves room for a renewal some 700 ms late on a loaded machine (a 1 s lease,
+    /// tried first, lapsed when this ran beside another full test run on 2 cores).
+    @Test("an audit stuck for two leases and more holds up no renewal: the lease never lapses and the node keeps holding current state")
+    func slowAuditKeepsLease() async throws {
+        try await EngineCluster.with { cluster in
+            let node = cluster.engine(node: "slow", lease: .seconds(2))
+            let (audits, auditStarted) = AsyncStream.makeStream(of: Void.self)
+            node.beforeAudit.withLockedValue { probe in
+                probe = {
+                    auditStarted.yield()
+                    try? await Task.sleep(for: .milliseconds(4_500))
+                }
+            }
+            let service = Task { try await PresenceLeaseService(engine: node).run() }
+            defer { service.cancel() }
+            #expect(await node.waitUntilRegistered(timeout: .seconds(5)))
+            _ = try await node.connect(user: "sam", device: "phone", session: "s1")
+            node.requestAudit()
+            var started = audits.makeAsyncIterator()
+            _ = await started.next()
+
+            let lease = cluster.prefixKeys.lease("slow")
+            let end = ContinuousClock.now + .milliseconds(4_200)
+            var lowest = Int.max
+            var lapses = 0
+            while ContinuousClock.now < end {
+                if let left = try await cluster.redis.execute(PTTL(key: lease)) { lowest = min(lowest, left) } else { lapses += 1 }
+                if !node.holdsCurrentState { lapses += 1 }
+                try await Task.sleep(for: .milliseconds(20))
+            }
+            print("slow audit: the lease's lowest time left over 4.2 s was \(lowest) ms (lease 2,000 ms, renewed every 667 ms)")
+            #expect(lapses == 0, "the lease stood, and the node held current state, the whole time the audit was stuck")
+            #expect(lowest >= 600, "renewed on schedule: at least 600 ms were always left, \(lowest) ms at the lowest")
+            #expect(try await node.views(of: "sam").real.status == .online)
         }
     }
 

@@ -307,9 +307,6 @@ final class SessionHub: Service, Sendable {
             case .dataLost:
                 messages.readAgain()
                 startResync(grace: Self.dataLossGrace(engine.configuration))
-                // A loss on a cluster reaches its shards one by one: one that lands after this
-                // node wrote its sessions again is found by the audit this asks for.
-                engine.requestAudit()
                 _ = try? await engine.tell(.resync(node: engine.configuration.nodeID))
             case .deviceTakenOver(let id):
                 state.withLockedValue { $0.sessions[id] }?.close(.replaced, reason: "this device connected again in another session")
@@ -388,8 +385,8 @@ final class SessionHub: Service, Sendable {
                 messages.readAgain()
                 startResync(grace: Self.dataLossGrace(engine.configuration))
                 // The loss may have taken this node's devices too, where its lease still stands
-                // (another shard): checked on the next lease tick, within the grace, rather than
-                // at the scheduled audit.
+                // (another shard): checked on the upkeep's next tick, within the grace, rather
+                // than at the scheduled audit.
                 engine.requestAudit()
             }
         case .closeSession(let id):

@@ -33,6 +33,18 @@ public struct PEXPIRE: RedisCommand {
     public func decode(_ reply: RESPValue) throws(RedisError) -> Bool { try integer(reply) == 1 }
 }
 
+/// `PTTL key`: the milliseconds left before the key expires, -1 for a key that never does, nil
+/// for no key.
+public struct PTTL: RedisCommand {
+    public var key: String
+    public init(key: String) { self.key = key }
+    public var arguments: [RedisArgument] { ["PTTL", RedisArgument(key)] }
+    public func decode(_ reply: RESPValue) throws(RedisError) -> Int? {
+        let left = try integer(reply)
+        return left == -2 ? nil : left
+    }
+}
+
 /// `MEMORY USAGE key SAMPLES samples`: the bytes the key and its value take, nil for no key.
 /// `samples` 0 counts every element of a collection; Redis's default samples 5.
 public struct MEMORYUSAGE: RedisCommand {
