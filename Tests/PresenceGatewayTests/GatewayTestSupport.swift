@@ -112,6 +112,9 @@ final class TestSocket: Sendable {
     var frames: [Frame] { received.withLockedValue { $0 } }
     private let cursor = NIOLockedValueBox(0)
     private let closeCode = NIOLockedValueBox<UInt16?>(nil)
+    private let closeReasonBox = NIOLockedValueBox<String?>(nil)
+    /// The reason of the server's close frame, once closed.
+    var closeReason: String? { closeReasonBox.withLockedValue { $0 } }
     private let outgoing: AsyncStream<String?>.Continuation
     private let task: Task<Void, Never>
 
@@ -128,6 +131,7 @@ final class TestSocket: Sendable {
         self.outgoing = continuation
         let received = self.received
         let closeCode = self.closeCode
+        let closeReason = self.closeReasonBox
         task = Task {
             do {
                 let close = try await WebSocketClient.connect(
@@ -157,6 +161,7 @@ final class TestSocket: Sendable {
                         group.cancelAll()
                     }
                 }
+                closeReason.withLockedValue { $0 = close?.reason }
                 closeCode.withLockedValue { $0 = close.map { UInt16(webSocketErrorCode: $0.closeCode) } ?? 1006 }
             } catch {
                 closeCode.withLockedValue { $0 = $0 ?? 1006 }

@@ -78,6 +78,39 @@ struct SessionLifecycleTests {
         #expect(Self.name(open.connectionEnded(Self.clientClose)) == "finish s 1000/0")
     }
 
+    @Test("refused messages wait in order, apart from the limits: at most refusedKept of them, later ones dropped until the handling catches up; never an overflow")
+    func refusals() {
+        var life = Lifecycle(limits: .init(messages: 4, bytes: 100, refusedKept: 3))
+        _ = life.openingEnded("s")
+        #expect(Self.name(life.received(.text("a"))) == "start")
+        for _ in 0..<5 { #expect(Self.name(life.received(.refused(retryAfter: 1))) == "none", "not an overflow") }
+        #expect(Self.name(life.received(.text("b"))) == "none")
+        #expect(Self.name(life.received(.refused(retryAfter: 2))) == "none", "dropped: three wait already")
+        // One handled: a refusal may wait again.
+        #expect(Self.name(life.nextMessage()) == "handle text(\"a\") on s")
+        #expect(Self.name(life.handled(goesOn: true)) == "again")
+        #expect(Self.name(life.nextMessage()) == "handle refused(retryAfter: 1) on s")
+        #expect(Self.name(life.handled(goesOn: true)) == "again")
+        #expect(Self.name(life.received(.refused(retryAfter: 3))) == "none")
+        var handled: [String] = []
+        var next = life.nextMessage()
+        while case .handle(let message, _) = next {
+            handled.append("\(message)")
+            next = life.handled(goesOn: true)
+            if case .handleAgain = next { next = life.nextMessage() }
+        }
+        #expect(handled == ["refused(retryAfter: 1)", "refused(retryAfter: 1)", "text(\"b\")", "refused(retryAfter: 3)"],
+                "three of the first five refusals kept, the one after b dropped, one kept once a place was free: \(handled)")
+
+        // Many refusals between admitted messages never overflow; five admitted ones do.
+        var interleaved = Lifecycle(limits: .init(messages: 4, bytes: 100, refusedKept: 2))
+        for _ in 0..<4 {
+            #expect(Self.name(interleaved.received(.binary)) == "none")
+            for _ in 0..<10 { #expect(Self.name(interleaved.received(.refused(retryAfter: 1))) == "none") }
+        }
+        #expect(Self.name(interleaved.received(.binary)) == "overflow", "the fifth admitted message")
+    }
+
     @Test("a message that ends the session drops what waits; a failed opening is settled with nothing opened")
     func stops() {
         var life = Lifecycle(limits: Self.limits)
@@ -126,7 +159,7 @@ struct SessionLifecycleTests {
                     finishes += 1
                     #expect(openingOver && connectionOver, "run \(run): settled early: \(trace)")
                     #expect(task?.message == nil, "run \(run): settled while a message is handled: \(trace)")
-                case .handle(.binary, _), .none, .overflow:
+                case .handle(.binary, _), .handle(.refused, _), .none, .overflow:
                     break
                 }
             }

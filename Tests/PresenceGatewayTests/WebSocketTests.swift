@@ -1,4 +1,5 @@
 import Foundation
+import NIOConcurrencyHelpers
 import PresenceEngine
 import RedisTestSupport
 import Testing
@@ -73,6 +74,35 @@ struct WebSocketTests {
         }
     }
 
+    /// Fails before the change: the frame rate was taken as each message was handled, so a
+    /// flood arriving faster than a slow node handled it filled the inbox (256 messages) and
+    /// ended with the overflow's 4029 after a few pongs, not after the burst and 51 refusals
+    /// (the heavy flood test saw 23 pongs on a slower machine). The rate is now taken on arrival.
+    /// A frame rate of 5 (burst 10), so that the 51 refusals in a row come however slowly the
+    /// flood arrives on a loaded machine (a refill every 200 ms).
+    @Test("a flood on a session whose messages are handled slowly: the burst is answered, then 51 rate_limited, then 4029, whatever the node's speed")
+    func floodOnASlowSession() async throws {
+        try await withGateway(configure: { $0.frameRate = 5 }) { port, gateway in
+            let flooder = TestSocket(port: port, token: try await token("mallory"), device: "d")
+            _ = try await flooder.next("initial_state")
+            gateway.afterMessageHandled.withLockedValue { probe in
+                probe = { session in
+                    if session.userID == "mallory" { try? await Task.sleep(for: .milliseconds(4)) }
+                }
+            }
+            for index in 0..<600 { flooder.send("ping", id: "p\(index)") }
+            let code = await flooder.closed(timeout: .seconds(10))
+            let answers = flooder.frames.dropFirst()
+            let pongs = answers.filter { $0.type == "pong" }.count
+            let limited = answers.filter { $0.type == "error" && $0.text.contains("rate_limited") }
+            print("floodOnASlowSession: 600 pings, each handled in 4 ms or more: \(pongs) pongs, \(limited.count) rate_limited, close \(code.map(String.init) ?? "none") (\(flooder.closeReason ?? ""))")
+            #expect(code == 4029 && flooder.closeReason == "rate limited past a limit", "closed with \(code.map(String.init) ?? "nothing")")
+            #expect(pongs >= 10 && pongs < 40, "the burst (10) and what the rate refills are answered: \(pongs)")
+            #expect(limited.count >= 51 && answers.suffix(51).allSatisfy { $0.type == "error" && $0.text.contains("rate_limited") },
+                    "51 rate_limited answers in a row, then the close (\(limited.count) in all)")
+        }
+    }
+
     /// Fails before the change: the opening went on once Redis answered, wrote the device and
     /// published alice online, and her close then took her offline: a blip for bob.
     @Test("a client that leaves while its session opens (Redis stalled) is never shown online")
@@ -98,7 +128,8 @@ struct WebSocketTests {
     @Test("messages flooding in while the session cannot handle them (Redis stalled) are bounded: past 1 MiB waiting, closed with 4029")
     func inboundQueueBound() async throws {
         let redis = try RedisServerProcess()
-        try await withNodes(1, configure: { $0.redisURL = redis.url(); $0.leaseTTL = 5 }) { ports in
+        // A frame rate that lets the 150 through: frames it refuses are not kept, so they cannot fill the inbox.
+        try await withNodes(1, configure: { $0.redisURL = redis.url(); $0.leaseTTL = 5; $0.frameRate = 100 }) { ports in
             redis.freeze()
             defer { redis.thaw() }
             let alice = TestSocket(port: ports[0], token: try await token("alice"), device: "phone")
@@ -108,6 +139,10 @@ struct WebSocketTests {
             let code = await alice.closed(timeout: .seconds(3))
             #expect(code == 4029, "closed with \(code.map(String.init) ?? "nothing")")
             redis.thaw()
+            // The node dropped its stalled connection during the freeze: the next one starts once
+            // a command has gone through again, or bob's opening would find no connection.
+            let reader = try await token("reader")
+            #expect(await eventually(timeout: .seconds(10)) { (try? await call(ports[0], "GET", "/api/presence/users/reader", token: reader).status) == 200 })
             // Under the bound, the same flood waits and is handled: a second client's 50 pings of
             // 10 KB sent while the opening waits are all answered.
             redis.freeze()
@@ -115,7 +150,9 @@ struct WebSocketTests {
             for index in 0..<50 { bob.send("ping", ["pad": big], id: "b\(index)") }
             try await Task.sleep(for: .milliseconds(300))
             redis.thaw()
-            _ = try await bob.next("initial_state")
+            let opened = try? await bob.next("initial_state")
+            let closed = opened == nil ? await bob.closed(timeout: .zero) : nil
+            #expect(opened != nil, "bob's session opened once Redis answered (closed: \(closed.map(String.init) ?? "no"), \(bob.closeReason ?? ""))")
             let answers = await bob.drain(for: .seconds(2))
             #expect(answers.filter { $0.type == "pong" }.count == 50, "\(answers.map(\.type))")
         }

@@ -8,7 +8,8 @@ import PresenceEngine
 import PresenceProtocol
 
 /// The WebSocket protocol of docs/API.md for one session: each client frame decoded, checked
-/// against the session's rate limits, and done.
+/// against the session's rate limits, and done. The frame rate itself is taken as frames arrive
+/// (``SessionRun/received(_:)``); the frames it refused come here to be answered in order.
 struct FrameHandler {
     let gateway: Gateway
     let session: Session
@@ -16,7 +17,6 @@ struct FrameHandler {
     let logger: Logger
     private var badFrames = 0
     private var rateLimitedFrames = 0
-    private var frameBucket: TokenBucket
     private var statusBucket: TokenBucket
     private var subscribeBucket: TokenBucket
     private var typingBucket: TokenBucket
@@ -30,13 +30,10 @@ struct FrameHandler {
         statusBucket = TokenBucket(rate: configuration.statusRate, burst: configuration.statusRate * 2)
         subscribeBucket = TokenBucket(rate: configuration.subscribeRate, burst: configuration.subscribeRate * 2)
         typingBucket = TokenBucket(rate: configuration.typingRate, burst: configuration.typingRate * 2)
-        frameBucket = TokenBucket(rate: configuration.frameRate, burst: configuration.frameRate * 2)
     }
 
     /// Handles one text message; returns `false` once the session must close.
     mutating func handle(_ text: String) async -> Bool {
-        // Checked before parsing: a flood costs the node as little as possible.
-        if let wait = frameBucket.take() { return refuse(.rateLimited("too many frames", retryAfter: wait), id: nil) }
         let message: ClientMessage
         do {
             message = try gateway.frames.clientMessage(text)
@@ -53,10 +50,14 @@ struct FrameHandler {
         return !session.isClosing
     }
 
+    /// Answers a frame the frame rate refused on arrival (its content was not kept).
+    mutating func handleRefused(retryAfter wait: Int) -> Bool {
+        refuse(.rateLimited("too many frames", retryAfter: wait), id: nil)
+    }
+
     /// Answers a binary frame (the protocol is JSON text); it counts against the frame rate but
     /// not as a bad frame.
     mutating func handleBinary() -> Bool {
-        if let wait = frameBucket.take() { return refuse(.rateLimited("too many frames", retryAfter: wait), id: nil) }
         session.send(gateway.frames.text(.error(APIError.invalid("frames must be JSON text, not binary").payload)))
         return !session.isClosing
     }

@@ -102,6 +102,8 @@ final class SessionRun: Sendable {
         /// The connection, from the upgrade on: closed from here when the inbox overflows.
         var connection: SessionConnection?
         var lifecycle: SessionLifecycle<Open>
+        /// The session's frame rate, taken as each message arrives (on the connection's loop).
+        var frameBucket: TokenBucket
     }
 
     /// At most this many messages, or this many bytes of them, wait to be handled (while the
@@ -119,7 +121,16 @@ final class SessionRun: Sendable {
     init(gateway: Gateway, request: Request) {
         self.gateway = gateway
         self.request = request
-        state = NIOLockedValueBox(State(lifecycle: SessionLifecycle(limits: .init(messages: Self.queueLimit.messages, bytes: Self.queueLimit.bytes))))
+        let configuration = gateway.configuration
+        let limits = SessionLifecycle<Open>.Limits(
+            messages: Self.queueLimit.messages, bytes: Self.queueLimit.bytes,
+            // As many as close the session when answered in a row (FrameHandler).
+            refusedKept: configuration.maxRateLimitedFrames + 1
+        )
+        state = NIOLockedValueBox(State(
+            lifecycle: SessionLifecycle(limits: limits),
+            frameBucket: TokenBucket(rate: configuration.frameRate, burst: configuration.frameRate * 2)
+        ))
     }
 
     /// Runs what the lifecycle asked for.
@@ -154,9 +165,16 @@ final class SessionRun: Sendable {
         gateway.sessionWork.start { await self.opening(connection) }
     }
 
-    /// A message from the client (on the connection's loop).
+    /// A message from the client, on its connection's loop. The frame rate is taken here, not
+    /// when the message is handled: a flood then costs its text nothing, and what the client is
+    /// allowed does not depend on how fast the node handles what came before (a flood used to
+    /// fill the inbox, and end with the overflow's 4029, before a slow node had answered the
+    /// burst).
     func received(_ message: SessionMessage) {
-        run(state.withLockedValue { $0.lifecycle.received(message) })
+        run(state.withLockedValue { state in
+            let arrived = state.frameBucket.take().map { SessionMessage.refused(retryAfter: $0) } ?? message
+            return state.lifecycle.received(arrived)
+        })
     }
 
     /// Whether the client has gone (its connection ended, or it is being closed).
@@ -267,6 +285,7 @@ final class SessionRun: Sendable {
         switch message {
         case .text(let text): goesOn = await open.frames.handle(text)
         case .binary: goesOn = open.frames.handleBinary()
+        case .refused(let wait): goesOn = open.frames.handleRefused(retryAfter: wait)
         }
         if let probe = gateway.afterMessageHandled.withLockedValue({ $0 }) { await probe(open.session) }
         if !goesOn { open.session.close(.normal, reason: "") }
@@ -307,4 +326,5 @@ final class FrameHandlerBox: @unchecked Sendable {
 
     func handle(_ text: String) async -> Bool { await handler.handle(text) }
     func handleBinary() -> Bool { handler.handleBinary() }
+    func handleRefused(retryAfter wait: Int) -> Bool { handler.handleRefused(retryAfter: wait) }
 }

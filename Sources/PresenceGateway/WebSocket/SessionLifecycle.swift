@@ -2,6 +2,9 @@
 enum SessionMessage: Sendable, Equatable {
     case text(String)
     case binary
+    /// A message the session's frame rate refused on arrival: its content is dropped there, and
+    /// it waits in order with the others to be answered with `rate_limited`.
+    case refused(retryAfter: Int)
 }
 
 /// The life of one session, apart from its socket, its tasks and Redis: what it holds in each
@@ -19,31 +22,52 @@ struct SessionLifecycle<Opened> {
     typealias Message = SessionMessage
 
     /// At most this many messages, or this many bytes of them, wait to be handled (while the
-    /// session opens, or behind a slow Redis call).
+    /// session opens, or behind a slow Redis call). Refused messages do not count: at most
+    /// `refusedKept` of them wait, and later ones are dropped unanswered until the handling
+    /// catches up (a run of that many answered refusals closes the session anyway).
     struct Limits: Sendable {
         var messages: Int
         var bytes: Int
+        var refusedKept = Int.max
     }
 
     /// Messages not handled yet, with the bytes of their text.
     struct Inbox: Sendable {
         private(set) var messages: [Message] = []
         private(set) var bytes = 0
+        /// Refused messages waiting.
+        private var refused = 0
 
         var isEmpty: Bool { messages.isEmpty }
 
-        mutating func append(_ message: Message) {
+        /// Queues `message`; `false` when it is dropped instead: a refusal while `refusedKept`
+        /// wait already.
+        mutating func append(_ message: Message, limits: Limits) -> Bool {
+            switch message {
+            case .refused:
+                guard refused < limits.refusedKept else { return false }
+                refused += 1
+            case .text(let text):
+                bytes += text.utf8.count
+            case .binary:
+                break
+            }
             messages.append(message)
-            if case .text(let text) = message { bytes += text.utf8.count }
+            return true
         }
 
         mutating func removeFirst() -> Message {
             let message = messages.removeFirst()
-            if case .text(let text) = message { bytes -= text.utf8.count }
+            switch message {
+            case .text(let text): bytes -= text.utf8.count
+            case .refused: refused -= 1
+            case .binary: break
+            }
             return message
         }
 
-        func exceeds(_ limits: Limits) -> Bool { messages.count > limits.messages || bytes > limits.bytes }
+        /// Past the limits, counting the messages the frame rate let in.
+        func exceeds(_ limits: Limits) -> Bool { messages.count - refused > limits.messages || bytes > limits.bytes }
     }
 
     enum Phase {
@@ -96,11 +120,12 @@ struct SessionLifecycle<Opened> {
     }
 
     /// A message from the client: queued; handled at once when the session is open and no task
-    /// handles its messages; dropped after the session stopped or ended.
+    /// handles its messages; dropped after the session stopped or ended, and when it is a
+    /// refusal while `limits.refusedKept` wait already.
     mutating func received(_ message: Message) -> Action {
         switch phase {
         case .opening(var inbox):
-            inbox.append(message)
+            guard inbox.append(message, limits: limits) else { return .none }
             guard !inbox.exceeds(limits) else {
                 phase = .stopped(nil, openingOver: false, handling: false)
                 return .overflow
@@ -108,7 +133,7 @@ struct SessionLifecycle<Opened> {
             phase = .opening(inbox)
             return .none
         case .open(let opened, var inbox, let handling):
-            inbox.append(message)
+            guard inbox.append(message, limits: limits) else { return .none }
             guard !inbox.exceeds(limits) else {
                 phase = .stopped(opened, openingOver: true, handling: handling)
                 return .overflow
