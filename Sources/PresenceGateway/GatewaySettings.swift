@@ -97,7 +97,7 @@ extension GatewaySetting {
                   help: "classic or sharded pub/sub on one server or through Sentinel; a cluster takes sharded only.",
                   defaultText: "classic (a cluster: sharded)"),
         .text("PRESENCE_KEY_PREFIX", \.keyPrefix, help: "Prefix of every Redis key and channel."),
-        .text("PRESENCE_NODE_ID", \.nodeID, help: "This node's id.", defaultText: "host name + random suffix"),
+        .text("PRESENCE_NODE_ID", \.nodeID, help: "This node's id; up to 10 characters keep each online user's devices hash compact in Redis (a listpack).", defaultText: "host name + random suffix"),
         .optional("PRESENCE_JWT_SECRET", \.jwtSecret, secret: true, help: "HS256 secret, at least 32 bytes."),
         .optional("PRESENCE_JWT_PUBLIC_KEY", \.jwtPublicKey, secret: true, help: "RS256/ES256 public key, PEM text."),
         .optional("PRESENCE_ADMIN_TOKEN", \.adminToken, secret: true, help: "Admin bearer token; admin routes are off without it."),
