@@ -19,6 +19,21 @@ public struct StoredMessage: Sendable, Equatable {
     /// As the client said it made it, ms since 1970.
     public var clientCreatedAt: Int64?
 
+    init(conversationID: String, epoch: String, seq: Int64, id: String, senderID: String, clientMessageID: String, type: MessageType,
+         text: String, imageURL: String?, createdAt: Int64, clientCreatedAt: Int64?) {
+        self.conversationID = conversationID
+        self.epoch = epoch
+        self.seq = seq
+        self.id = id
+        self.senderID = senderID
+        self.clientMessageID = clientMessageID
+        self.type = type
+        self.text = text
+        self.imageURL = imageURL
+        self.createdAt = createdAt
+        self.clientCreatedAt = clientCreatedAt
+    }
+
     /// Reads the flat field list of a stream entry or a retry record (`seq` given apart for an
     /// entry, whose id holds it).
     init?(conversation: String, epoch: String, seq: Int64?, fields: [String]) {
@@ -27,17 +42,8 @@ public struct StoredMessage: Sendable, Equatable {
         guard let seq = seq ?? values["s"].flatMap({ Int64($0) }), let id = values["i"], let sender = values["u"],
               let clientID = values["c"], let type = values["t"].flatMap(MessageType.init(rawValue:)), let text = values["x"],
               let created = values["a"].flatMap({ Int64($0) }) else { return nil }
-        self.conversationID = conversation
-        self.epoch = values["e"] ?? epoch
-        self.seq = seq
-        self.id = id
-        self.senderID = sender
-        self.clientMessageID = clientID
-        self.type = type
-        self.text = text
-        self.imageURL = values["g"]
-        self.createdAt = created
-        self.clientCreatedAt = values["k"].flatMap { Int64($0) }
+        self.init(conversationID: conversation, epoch: values["e"] ?? epoch, seq: seq, id: id, senderID: sender, clientMessageID: clientID,
+                  type: type, text: text, imageURL: values["g"], createdAt: created, clientCreatedAt: values["k"].flatMap { Int64($0) })
     }
 
     /// Reads a stream entry, `[id, [field, value, ...]]`.

@@ -83,15 +83,9 @@ extension PresenceEngine {
         return sent
     }
 
-    /// A message as the send script publishes it (see ``decodeMessageEvent(_:)``).
+    /// A message as the send script publishes it (see ``PublishedMessage``).
     static func messageEvent(_ message: StoredMessage) -> [UInt8] {
-        let object: [String: Any] = [
-            "type": "message", "conversation_id": message.conversationID, "epoch": message.epoch, "seq": message.seq, "id": message.id,
-            "sender_id": message.senderID, "client_message_id": message.clientMessageID, "message_type": message.type.rawValue,
-            "text": message.text, "image_url": message.imageURL ?? "", "created_at": message.createdAt,
-            "client_created_at": message.clientCreatedAt.map { String($0) } ?? "",
-        ]
-        return Array((try? JSONSerialization.data(withJSONObject: object)) ?? Data())
+        Array((try? JSONEncoder().encode(PublishedMessage(message))) ?? Data())
     }
 
     /// With `messageReplicas`, waits up to a second for that many replicas to have what this
@@ -226,24 +220,6 @@ extension PresenceEngine {
 
     /// Decodes a message or receipt published on a message channel; `nil` for anything else.
     public func decodeMessageEvent(_ payload: [UInt8]) -> MessageEvent? {
-        guard let object = try? JSONSerialization.jsonObject(with: Data(payload)) as? [String: Any],
-              let conversation = object["conversation_id"] as? String, let epoch = object["epoch"] as? String else { return nil }
-        func int(_ key: String) -> Int64? { (object[key] as? NSNumber).map { $0.int64Value } }
-        func text(_ key: String) -> String? { (object[key] as? String).flatMap { $0.isEmpty ? nil : $0 } }
-        switch object["type"] as? String {
-        case "message":
-            guard let seq = int("seq"), let id = text("id"), let sender = text("sender_id"), let clientID = text("client_message_id"),
-                  let type = text("message_type").flatMap(MessageType.init(rawValue:)), let body = object["text"] as? String,
-                  let created = int("created_at") else { return nil }
-            var fields = ["i", id, "u", sender, "c", clientID, "t", type.rawValue, "x", body, "a", String(created)]
-            if let image = text("image_url") { fields += ["g", image] }
-            if let clientAt = text("client_created_at") { fields += ["k", clientAt] }
-            return StoredMessage(conversation: conversation, epoch: epoch, seq: seq, fields: fields).map(MessageEvent.message)
-        case "receipt":
-            guard let user = text("user_id"), let delivered = int("delivered_seq"), let read = int("read_seq") else { return nil }
-            return .receipt(conversationID: conversation, epoch: epoch, userID: user, cursors: Cursors(deliveredSeq: delivered, readSeq: read))
-        default:
-            return nil
-        }
+        (try? JSONDecoder().decode(PublishedMessageEvent.self, from: Data(payload)))?.event
     }
 }

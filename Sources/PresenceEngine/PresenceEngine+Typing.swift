@@ -13,7 +13,7 @@ public struct TypingEvent: Sendable, Equatable, Decodable {
     /// When it happened (ms since 1970).
     public var at: Int64
 
-    enum CodingKeys: String, CodingKey {
+    enum CodingKeys: String, CodingKey, CaseIterable {
         case type, conversationID = "conversation_id", userID = "user_id", isTyping = "is_typing", at
     }
 

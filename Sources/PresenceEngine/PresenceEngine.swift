@@ -175,27 +175,7 @@ public final class PresenceEngine: Sendable {
 
     /// Decodes an event published on a user's channel; `nil` for other message types.
     public func decodeEvent(_ payload: [UInt8]) -> PresenceEvent? {
-        guard let wire = try? JSONDecoder().decode(WireEvent.self, from: Data(payload)), wire.type == "presence",
-              let status = PresenceStatus(rawValue: wire.status), let shownStatus = PresenceStatus(rawValue: wire.public_status)
-        else { return nil }
-        let real = Presence(userID: wire.user_id, status: status, lastSeen: wire.last_seen == 0 ? nil : wire.last_seen)
-        let shown = Presence(userID: wire.user_id, status: shownStatus, lastSeen: wire.public_last_seen == 0 ? nil : wire.public_last_seen)
-        return PresenceEvent(
-            views: PresenceViews(real: real, shown: shown, hidden: shown != real),
-            changed: wire.changed, shownChanged: wire.public_changed, at: wire.at
-        )
-    }
-
-    private struct WireEvent: Decodable {
-        var type: String
-        var user_id: String
-        var status: String
-        var last_seen: Int64
-        var public_status: String
-        var public_last_seen: Int64
-        var changed: Bool
-        var public_changed: Bool
-        var at: Int64
+        (try? JSONDecoder().decode(PublishedPresence.self, from: Data(payload)))?.event
     }
 
     // MARK: Helpers

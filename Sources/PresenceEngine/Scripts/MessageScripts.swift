@@ -48,7 +48,7 @@ enum MessageLua {
 /// Sends one message: checks membership and the sender's earlier send of the same client id,
 /// numbers it from the history's meta, stores it (trimming the oldest), remembers it for
 /// retries, moves the sender's cursors to it, and publishes it on the conversation's message
-/// channel.
+/// channel (read by ``PublishedMessage``).
 struct SendMessage: ScriptCall {
     enum Outcome {
         case stored(StoredMessage)

@@ -83,7 +83,8 @@ enum ScriptLua {
     /// Now in ms: ARGV[1] when a test drives the time, else Redis's clock. Whether a node's
     /// lease is held: its key exists. Under a test's clock, whose time Redis's key expiry does
     /// not follow, a lease whose end (its value) that clock has passed counts as expired too.
-    /// And the two events the scripts publish, each written in one place.
+    /// And the two events the scripts publish, each written in one place (read by
+    /// ``PublishedPresence`` and ``TypingEvent``).
     static let clock = header + """
     local function clock(given)
       if given ~= '' then return tonumber(given) end

@@ -1,0 +1,103 @@
+import Foundation
+import NIOConcurrencyHelpers
+import RedisClient
+import RedisTestSupport
+import Testing
+
+@testable import PresenceEngine
+
+/// The events the Lua scripts publish against the types that read them in Swift: what each
+/// script really published, decoded, and its keys compared with the reading type's, so that a
+/// field added, renamed or dropped on one side alone fails here.
+@Suite("Published events: the scripts' JSON and its Swift readers")
+struct PublishedEventTests {
+    /// The keys of a published JSON object.
+    static func keys(_ payload: [UInt8]) -> Set<String> {
+        Set(((try? JSONSerialization.jsonObject(with: Data(payload))) as? [String: Any])?.keys.map { $0 } ?? [])
+    }
+
+    static func keys<Key: CodingKey & CaseIterable>(_: Key.Type) -> Set<String> {
+        Set(Key.allCases.map(\.stringValue))
+    }
+
+    @Test("presence, typing, message and receipt events as the scripts publish them: each decodes, with the keys its Swift type reads")
+    func scriptsAndReaders() async throws {
+        try await EngineCluster.with { cluster in
+            let engine = cluster.engine(node: "n1")
+            let keys = engine.keys
+            try await engine.setMembers(of: "chat", to: ["ann", "bo"])
+            try await withRedisSubscriber(for: engine.redis, logger: TestRedis.logger()) { subscriber in
+                let channels = [keys.userChannel("ann"), keys.conversationChannel("chat"), keys.messageChannel("chat")]
+                try await subscriber.subscribe(channels)
+                let received = NIOLockedValueBox<[(channel: String, payload: [UInt8])]>([])
+                let listener = Task {
+                    for await event in subscriber.events {
+                        if case .message(let channel, let payload) = event { received.withLockedValue { $0.append((channel, payload)) } }
+                    }
+                }
+                defer { listener.cancel() }
+                func next(on channel: String) async -> [UInt8]? {
+                    guard await eventually(timeout: .seconds(3), { received.withLockedValue { $0.contains { $0.channel == channel } } }) else { return nil }
+                    return received.withLockedValue { list in
+                        let index = list.firstIndex { $0.channel == channel }!
+                        return list.remove(at: index).payload
+                    }
+                }
+
+                _ = try await engine.connect(user: "ann", device: "phone", session: "s1")
+                let presence = try #require(await next(on: keys.userChannel("ann")))
+                #expect(Self.keys(presence) == Self.keys(PublishedPresence.CodingKeys.self), "presence: \(String(decoding: presence, as: UTF8.self))")
+                let event = try #require(engine.decodeEvent(presence))
+                #expect(event.views.real.userID == "ann" && event.views.real.status == .online && event.changed)
+
+                #expect(try await engine.setTyping(user: "ann", conversation: "chat", isTyping: true))
+                let typing = try #require(await next(on: keys.conversationChannel("chat")))
+                #expect(Self.keys(typing) == Self.keys(TypingEvent.CodingKeys.self), "typing: \(String(decoding: typing, as: UTF8.self))")
+                #expect(engine.decodeTyping(typing).map { [$0.userID, $0.conversationID, "\($0.isTyping)"] } == ["ann", "chat", "true"])
+
+                let outgoing = OutgoingMessage(clientMessageID: "c-1", type: .image, text: "a cat", imageURL: "https://img.test/cat.png",
+                                               clientCreatedAt: 1_700_000_000_123)
+                let sent = try await engine.send(outgoing, to: "chat", from: "ann").message
+                let message = try #require(await next(on: keys.messageChannel("chat")))
+                #expect(Self.keys(message) == Self.keys(PublishedMessage.CodingKeys.self), "message: \(String(decoding: message, as: UTF8.self))")
+                #expect(engine.decodeMessageEvent(message) == .message(sent), "the script's event reads as the stored message")
+                // A send with replicas publishes from Swift: the same keys, the same message.
+                let replicated = PresenceEngine.messageEvent(sent)
+                #expect(Self.keys(replicated) == Self.keys(message))
+                #expect(engine.decodeMessageEvent(replicated) == .message(sent))
+
+                _ = try await engine.moveCursor(.read, of: "bo", in: "chat", to: sent.seq)
+                let receipt = try #require(await next(on: keys.messageChannel("chat")))
+                #expect(Self.keys(receipt) == Self.keys(PublishedReceipt.CodingKeys.self), "receipt: \(String(decoding: receipt, as: UTF8.self))")
+                #expect(engine.decodeMessageEvent(receipt) == .receipt(conversationID: "chat", epoch: sent.epoch, userID: "bo",
+                                                                      cursors: Cursors(deliveredSeq: sent.seq, readSeq: sent.seq)))
+            }
+        }
+    }
+
+    @Test("what is not an event of its channel reads as nothing: another type, a missing field, a status or message type this node does not know, not JSON")
+    func notEvents() async throws {
+        try await EngineCluster.with { cluster in
+            let engine = cluster.engine(node: "n1")
+            let presence = #"{"type":"presence","user_id":"u","status":"online","last_seen":0,"public_status":"online","public_last_seen":0,"changed":true,"public_changed":true,"at":1}"#
+            #expect(engine.decodeEvent(Array(presence.utf8)) != nil, "the control: a whole presence event")
+            for bad in [
+                presence.replacingOccurrences(of: #""type":"presence""#, with: #""type":"typing""#),
+                presence.replacingOccurrences(of: #""status":"online","#, with: ""),
+                presence.replacingOccurrences(of: #""status":"online""#, with: #""status":"busy""#),
+                "not json",
+            ] {
+                #expect(engine.decodeEvent(Array(bad.utf8)) == nil, "\(bad)")
+            }
+            let receipt = #"{"type":"receipt","conversation_id":"c","epoch":"e","user_id":"u","delivered_seq":2,"read_seq":1}"#
+            #expect(engine.decodeMessageEvent(Array(receipt.utf8)) != nil, "the control: a whole receipt")
+            for bad in [
+                receipt.replacingOccurrences(of: #""type":"receipt""#, with: #""type":"typing""#),
+                receipt.replacingOccurrences(of: #","read_seq":1"#, with: ""),
+                #"{"type":"message","conversation_id":"c","epoch":"e","seq":1,"id":"i","sender_id":"u","client_message_id":"k","message_type":"video","text":"t","image_url":"","created_at":1,"client_created_at":""}"#,
+            ] {
+                #expect(engine.decodeMessageEvent(Array(bad.utf8)) == nil, "\(bad)")
+            }
+        }
+    }
+}
