@@ -111,10 +111,16 @@ check-contract:
 # docker-compose.yml and deploy/: yamllint, hadolint, haproxy -c, promtool, kubernetes-validate and
 # check-jsonschema (Compose schema), then what the files must agree on with each other and with
 # the gateway (its settings, as `presence-gateway --print-config-schema` prints them, and the
-# metric names in its sources).
-check-deploy: test-deps
+# metric names in its sources). Its own unit tests first.
+check-deploy: test-deps deploy-check-unit
 	$(SWIFT) build --product presence-gateway $(BUILD_FLAGS)
 	PATH="$(CURDIR)/.tools/venv/bin:$$PATH" scripts/check-deploy --gateway "$$($(SWIFT) build --show-bin-path $(BUILD_FLAGS))/presence-gateway"
+
+# The unit tests of scripts/check-deploy's cross-checks (scripts/deploycheck/tests/): each module
+# on small scratch trees, good and broken, with a fixture schema for the gateway. No linter, no
+# build, no network; seconds.
+deploy-check-unit: test-deps
+	.tools/venv/bin/python3 -m unittest discover -s scripts/deploycheck/tests -t scripts
 
 # deploy/Dockerfile's runtime image built with podman, run beside a Redis: /readyz, the health
 # check, its uid, a clean stop on SIGTERM (scripts/check-container; as root). Not part of `make

@@ -1,0 +1,1 @@
+"""Unit tests of the deploycheck modules; run with make deploy-check-unit."""
