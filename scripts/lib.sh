@@ -7,23 +7,42 @@ free_port() {
   python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
 
+# retry_until DEADLINE INTERVAL COMMAND...: runs COMMAND every INTERVAL seconds until it succeeds;
+# fails once $SECONDS has reached DEADLINE (a point in time, so that several waits can share one).
+retry_until() {
+  local deadline=$1 interval=$2
+  shift 2
+  until "$@"; do
+    [ $SECONDS -lt "$deadline" ] || return 1
+    sleep "$interval"
+  done
+}
+
+# redis_answers PORT: the redis-server (or Sentinel) on 127.0.0.1:PORT answers PING.
+redis_answers() {
+  redis-cli -h 127.0.0.1 -p "$1" ping >/dev/null 2>&1
+}
+
+# redis_launch NAME PORT LOG ARG...: runs redis-server ARG..., which must daemonize it on
+# 127.0.0.1:PORT with LOG as its log file (what it prints while starting goes there too). Returns
+# once it answers PING; fails naming it NAME, with the log's tail, if it does not start or does
+# not answer within 5 s.
+redis_launch() {
+  local name=$1 port=$2 log=$3
+  shift 3
+  redis-server "$@" </dev/null >>"$log" 2>&1 || { echo "$name did not start: $(tail -5 "$log")" >&2; return 1; }
+  retry_until $((SECONDS + 5)) 0.05 redis_answers "$port" \
+    || { echo "$name on port $port did not answer within 5 s: $(tail -5 "$log")" >&2; return 1; }
+}
+
 # redis_start PORT DIR [ARG...]: a daemonized redis-server on 127.0.0.1:PORT, its pid file and log
 # in DIR (its data too, unless ARGs say otherwise), with no persistence unless ARGs turn it on.
 # Returns once it answers PING; fails with the log's tail after 5 s.
 redis_start() {
   local port=$1 dir=$2
   shift 2
-  redis-server --port "$port" --bind 127.0.0.1 --save '' --appendonly no --dir "$dir" \
-    --daemonize yes --pidfile "$dir/redis.pid" --logfile "$dir/redis.log" "$@" </dev/null >>"$dir/redis.log" 2>&1 \
-    || { echo "redis-server did not start: $(tail -5 "$dir/redis.log")" >&2; return 1; }
-  local deadline=$((SECONDS + 5))
-  until redis-cli -h 127.0.0.1 -p "$port" ping >/dev/null 2>&1; do
-    if [ $SECONDS -ge $deadline ]; then
-      echo "redis-server on port $port did not answer within 5 s: $(tail -5 "$dir/redis.log")" >&2
-      return 1
-    fi
-    sleep 0.05
-  done
+  redis_launch redis-server "$port" "$dir/redis.log" --port "$port" --bind 127.0.0.1 --save '' --appendonly no \
+    --dir "$dir" --daemonize yes --pidfile "$dir/redis.pid" --logfile "$dir/redis.log" "$@"
 }
 
 # redis_stop PORT DIR: stops a server redis_start started, without saving; SIGKILL if it does not
@@ -82,15 +101,8 @@ PY
 # that WHAT was not reached after SECONDS.
 wait_until() {
   local seconds=$1 what=$2
-  local deadline=$((SECONDS + seconds))
   shift 2
-  until "$@"; do
-    if [ $SECONDS -ge $deadline ]; then
-      echo "$what not reached within $seconds s" >&2
-      return 1
-    fi
-    sleep 0.1
-  done
+  retry_until $((SECONDS + seconds)) 0.1 "$@" || { echo "$what not reached within $seconds s" >&2; return 1; }
 }
 
 # redis_cluster_node_start PORT DIR: redis_start for a Redis Cluster node: cluster mode on, its
