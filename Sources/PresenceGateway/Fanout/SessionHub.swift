@@ -90,7 +90,6 @@ final class SessionHub: Service, Sendable {
             state.sessions[session.id] = session
             state.own[session.userID, default: []].insert(session.id)
         }
-        GatewayMetrics.sessions(sessionCount)
         try? await subscriber.retain([engine.keys.userChannel(session.userID)])
         Task {
             try? await Task.sleep(for: Self.messageOpeningHold)
@@ -128,7 +127,6 @@ final class SessionHub: Service, Sendable {
         }
         await messages.end(session)
         guard let removed else { return }
-        GatewayMetrics.sessions(sessionCount)
         let channels = removed.watched.map { engine.keys.userChannel($0) }
             + removed.followed.map { engine.keys.conversationChannel($0) } + [engine.keys.userChannel(session.userID)]
         try? await subscriber.release(channels)

@@ -21,7 +21,7 @@ extension Gateway {
         }
         router.get("/metrics") { _, _ in
             let work = [self.sessionWork.load, self.sessionEnds.load].reduce((running: 0, waiting: 0)) { ($0.running + $1.running, $0.waiting + $1.waiting) }
-            GatewayMetrics.sample(channels: self.hub.subscriber.channels.count, work: work)
+            GatewayMetrics.sample(sessions: self.hub.sessionCount, channels: self.hub.subscriber.channels.count, work: work)
             return Response(status: .ok, headers: [.contentType: "text/plain; version=0.0.4"], body: .init(byteBuffer: ByteBuffer(string: GatewayMetrics.render())))
         }
         users.post("/api/presence/status") { request, context in

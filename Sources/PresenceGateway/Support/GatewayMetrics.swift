@@ -20,27 +20,29 @@ enum GatewayMetrics {
     private static let deliveries = Metrics.Timer(label: "presence_delivery_latency_seconds")
     private static let transitions = Counter(label: "presence_transitions_total")
 
-    static func sessions(_ count: Int) { sessionGauge.record(count) }
-
     private static let connectionGauge = Gauge(label: "presence_connections")
     private static let openConnections = NIOLockedValueBox(0)
     /// A TCP connection of the node's port opened (`+1`) or ended (`-1`): HTTP and WebSocket
     /// alike, from the accept to the close, so that connections held by nothing show.
     static func connections(_ change: Int) {
-        let open = openConnections.withLockedValue { count in
-            count += change
-            return count
-        }
-        connectionGauge.record(open)
+        openConnections.withLockedValue { $0 += change }
     }
     private static let channelGauge = Gauge(label: "presence_subscribed_channels")
     private static let workRunning = Gauge(label: "presence_session_work", dimensions: [("state", "running")])
     private static let workWaiting = Gauge(label: "presence_session_work", dimensions: [("state", "waiting")])
 
-    /// What is read at each scrape rather than counted as it changes: the pub/sub channels the
-    /// node's subscriber wants, and the session work (openings, frames, ends) running and waiting.
-    /// Both go back to their idle values once sessions end: a leak shows as a floor that rises.
-    static func sample(channels: Int, work: (running: Int, waiting: Int)) {
+    /// What is read at each scrape rather than recorded as it changes: the open sessions and
+    /// connections, the pub/sub channels the node's subscriber wants, and the session work
+    /// (openings, frames, ends) running and waiting. All go back to their idle values once
+    /// sessions end: a leak shows as a floor that rises.
+    ///
+    /// Read, not recorded: a count recorded after each change can be overtaken, when two changes
+    /// on two threads record in the other order, and the gauge then keeps a stale value until
+    /// the next change (300 sessions ending at once could leave `presence_sessions` at 10 until
+    /// another session came or went).
+    static func sample(sessions: Int, channels: Int, work: (running: Int, waiting: Int)) {
+        sessionGauge.record(sessions)
+        connectionGauge.record(openConnections.withLockedValue { $0 })
         channelGauge.record(channels)
         workRunning.record(work.running)
         workWaiting.record(work.waiting)
