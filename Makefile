@@ -2,7 +2,7 @@
 SWIFT ?= swift
 BUILD_FLAGS ?=
 
-.PHONY: deps test-deps build build-tests test unit check-links check-contract check-deploy container-check api-fuzz fuzz-build fuzz soak mutants run cluster cluster-stop bench bench-redis clean
+.PHONY: deps test-deps build build-tests test unit check-links check-contract check-deploy deploy-check-unit container-check api-fuzz fuzz-build fuzz soak mutants run cluster cluster-stop bench bench-redis instructions clean
 
 # What building and running need (make run, make build); test-deps adds what the tests need, and
 # the deploy linters from PyPI in .tools/venv (never the system's Python: Debian's is externally
@@ -166,10 +166,19 @@ bench: deps
 	  $$b churn --rate 1000 --duration 20 --json $$r/churn.json; \
 	  $$b storm --devices 10000 --json $$r/storm.json; \
 	  $$b fanout --watchers 10000 --json $$r/fanout.json; \
+	  $$b floor --connections 4000 --json $$r/floor.json; \
 	  $$b death --sessions 5000 --lease 10 --json $$r/death.json; \
 	  $$b cost --devices 10000 --idle-seconds 60 --json $$r/cost.json; \
 	  $$b engine --devices 10000 --idle-seconds 60; \
 	  $$b latency --rate 1000 --duration 20'
+
+# The node's instructions per status change and per delivery under callgrind (exact, where CPU
+# time is noisy); valgrind 3.24 is unpacked into .tools/valgrind, Debian's vgdb talks to it.
+instructions: deps
+	scripts/fetch-valgrind
+	$(SWIFT) build -c release --product presence-gateway
+	$(SWIFT) build -c release --product presence-bench
+	scripts/with-redis .build/release/presence-bench instructions
 
 clean:
 	rm -rf .build

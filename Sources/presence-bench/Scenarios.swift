@@ -283,17 +283,22 @@ struct FanoutScenario: AsyncParsableCommand {
         let deliveries = Double(watchers) / (percentile(sorted, 0.5) / 1000)
         let measured = completions.reduce(0, +) / 1000
         let perDelivery = nodeCPU / Double(watchers * changes) * 1_000_000
+        await fleet.shutdown()
+        // The kernel's part no gateway avoids, in the same run: a frame written to each of as
+        // many loopback connections (at most 4,000) by a writer that does nothing else.
+        let floor = try FloorMeasurement(connections: min(watchers, 4_000), rounds: 20, payload: 150, pause: 20)
         try report("fanout: one user watched by \(watchers) sessions over two nodes, \(changes) changes", [
             ("time until every watcher had it", String(format: "median %.1f ms, worst %.1f ms", percentile(sorted, 0.5), sorted.last ?? 0)),
             ("per-watcher latency (all changes)", latency.line),
             ("deliveries/s (median change)", String(format: "%.0f", deliveries)),
             ("node CPU per delivery", String(format: "%.1f µs (both nodes, %.2f s in %.2f s of changes)", perDelivery, nodeCPU, measured)),
+            ("kernel floor per delivery", "\(floor.line); the nodes at " + String(format: "%.2f× the floor", perDelivery / max(floor.perDelivery.total, 0.001))),
             ("generator CPU", String(format: "%.2f s in %.2f s of changes (%.0f%% of one core; %d event-loop threads)",
                                      generatorCPU, measured, generatorCPU / max(measured, 0.001) * 100, options.threads)),
         ], json: ["scenario": "fanout", "watchers": watchers, "changes": changes, "completion_ms": completions,
                   "latency": latency.summary, "deliveries_per_second": deliveries, "node_cpu_us_per_delivery": perDelivery,
-                  "generator_cpu_seconds": generatorCPU, "generator_threads": options.threads], to: options.json)
-        await fleet.shutdown()
+                  "generator_cpu_seconds": generatorCPU, "generator_threads": options.threads,
+                  "floor_cpu_us_per_delivery": floor.perDelivery.total], to: options.json)
     }
 }
 

@@ -9,9 +9,16 @@ import Testing
 @Suite("presence-bench scenarios, short runs", .serialized)
 struct BenchmarkTests {
     static var binary: URL { GatewayProcess.binary.deletingLastPathComponent().appendingPathComponent("presence-bench") }
+    /// The valgrind `scripts/fetch-valgrind` unpacks, in the package's `.tools`.
+    static let valgrind: String = {
+        var root = URL(fileURLWithPath: #filePath)
+        for _ in 0..<3 { root.deleteLastPathComponent() }
+        return root.appendingPathComponent(".tools/valgrind").path
+    }()
 
     /// Runs a scenario and returns its JSON results.
-    func run(_ arguments: [String]) throws -> [String: Any] {
+    /// `nodes` false for a scenario that starts no node and uses no Redis.
+    func run(_ arguments: [String], nodes: Bool = true) throws -> [String: Any] {
         let directory = FileManager.default.temporaryDirectory
         let json = directory.appendingPathComponent("bench-\(UUID().uuidString).json")
         let output = directory.appendingPathComponent("bench-\(UUID().uuidString).out")
@@ -22,7 +29,7 @@ struct BenchmarkTests {
         }
         let process = Process()
         process.executableURL = Self.binary
-        process.arguments = arguments + ["--redis-url", TestRedis.url, "--gateway-binary", GatewayProcess.binary.path, "--json", json.path]
+        process.arguments = arguments + (nodes ? ["--redis-url", TestRedis.url, "--gateway-binary", GatewayProcess.binary.path] : []) + ["--json", json.path]
         let handle = try FileHandle(forWritingTo: output)
         process.standardOutput = handle
         process.standardError = handle
@@ -65,6 +72,14 @@ struct BenchmarkTests {
         let result = try run(["fanout", "--watchers", "200", "--changes", "2"])
         #expect((result["completion_ms"] as? [Double])?.count == 2)
         #expect((result["deliveries_per_second"] as? Double ?? 0) > 0)
+        #expect((result["floor_cpu_us_per_delivery"] as? Double ?? 0) > 0, "the kernel's floor is measured beside the nodes")
+    }
+
+    @Test("floor: every reader gets every frame, and the writer's CPU per write is measured")
+    func floor() throws {
+        let result = try run(["floor", "--connections", "200", "--rounds", "5", "--pause", "5"], nodes: false)
+        #expect(result["connections"] as? Int == 200)
+        #expect((result["cpu_us_per_delivery"] as? Double ?? 0) > 0)
     }
 
     @Test("death: a killed node's sessions are all seen offline within the lease plus a little")
@@ -72,6 +87,22 @@ struct BenchmarkTests {
         let result = try run(["death", "--sessions", "100", "--lease", "2"])
         #expect(result["all_seen"] as? Bool == true)
         #expect((result["detected_seconds"] as? Double ?? 99) < 5)
+    }
+
+    /// Needs valgrind unpacked by `scripts/fetch-valgrind` (`make instructions` does it): not in
+    /// CI, which does not download it.
+    @Test(
+        "instructions: the node runs under callgrind and its instructions are read for each stretch",
+        .enabled(if: FileManager.default.isExecutableFile(atPath: "\(valgrind)/usr/bin/valgrind.bin")
+            && FileManager.default.isExecutableFile(atPath: "/usr/bin/vgdb"), "needs scripts/fetch-valgrind")
+    )
+    func instructions() throws {
+        let result = try run(["instructions", "--users", "2", "--watchers", "10", "--changes", "5", "--valgrind", Self.valgrind])
+        let series = result["series"] as? [String: [String: Double]] ?? [:]
+        let instructions = { (name: String) in series[name]?["instructions"] ?? 0 }
+        // Ten deliveries a change against one: the second series cannot cost less.
+        #expect(instructions("solo") > 0 && instructions("idle") > 0 && instructions("star") > instructions("solo"), "\(series)")
+        #expect((result["instructions_per_delivery"] as? Double)?.isFinite == true)
     }
 
     @Test("cost: commands per idle device and per change are counted")

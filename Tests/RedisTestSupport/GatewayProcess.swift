@@ -22,7 +22,11 @@ public final class GatewayProcess: @unchecked Sendable {
     /// until it answers `/healthz`. `binary` replaces ``binary`` (a release build, say). With
     /// `group`, the node runs with that group id (through `setpriv`), so that iptables can tell
     /// its packets from every other process's by their owner (`-m owner --gid-owner`).
-    public init(nodeID: String, environment: [String: String], port: Int? = nil, binary: URL? = nil, group: UInt32? = nil) async throws {
+    /// `startWithin` bounds the wait for `/healthz` (longer for a node run under valgrind).
+    public init(
+        nodeID: String, environment: [String: String], port: Int? = nil, binary: URL? = nil, group: UInt32? = nil,
+        startWithin: Duration = .seconds(20)
+    ) async throws {
         self.port = try port ?? RedisServerProcess.freePort()
         self.nodeID = nodeID
         log = FileManager.default.temporaryDirectory.appendingPathComponent("gateway-\(nodeID)-\(UUID().uuidString).log")
@@ -45,10 +49,10 @@ public final class GatewayProcess: @unchecked Sendable {
         process.standardOutput = try FileHandle(forWritingTo: log)
         process.standardError = try FileHandle(forWritingTo: log)
         try process.run()
-        let healthy = await eventually(timeout: .seconds(20), poll: .milliseconds(50)) { Self.httpStatus(port: self.port, path: "/healthz") == 200 }
+        let healthy = await eventually(timeout: startWithin, poll: .milliseconds(50)) { Self.httpStatus(port: self.port, path: "/healthz") == 200 }
         guard healthy else {
             kill()
-            throw GatewayProcessError("presence-gateway \(nodeID) did not answer /healthz within 20 s: \(output)")
+            throw GatewayProcessError("presence-gateway \(nodeID) did not answer /healthz within \(startWithin): \(output)")
         }
     }
 
@@ -56,6 +60,9 @@ public final class GatewayProcess: @unchecked Sendable {
         kill()
         try? FileManager.default.removeItem(at: log)
     }
+
+    /// The process id of the node (or of what runs it: `setpriv`, a wrapper that execs).
+    public var pid: Int32 { process.processIdentifier }
 
     /// The node's resident memory (VmRSS of /proc), or nil once it is gone.
     public var residentBytes: Int? {
