@@ -160,34 +160,39 @@ struct HeaderScanner {
     }
 }
 
-/// Encodes commands with hiredis's binary-safe formatter.
+/// Encodes commands as RESP arrays of bulk strings, binary safe: each argument's length, then its
+/// bytes as they are. Made in one array and written to the buffer at once: hiredis's formatter,
+/// used before, cost three arrays, a `malloc` and an `sprintf` per argument, and ByteBuffer's
+/// writes of a few bytes each cost some 250 instructions apiece (callgrind, BENCHMARKS.md).
 enum RESPEncoder {
     /// Writes `arguments` as one RESP command into `buffer`.
     static func encode(_ arguments: [RedisArgument], into buffer: inout ByteBuffer) {
-        let count = arguments.count
-        let lengths = arguments.map { $0.bytes.count }
-        // Keep every argument's bytes alive and contiguous while hiredis reads them.
-        let storage = arguments.flatMap(\.bytes)
-        var formatted: UnsafeMutablePointer<CChar>?
-        let length: Int32 = storage.withUnsafeBufferPointer { all in
-            let base = all.baseAddress.map { UnsafeRawPointer($0).assumingMemoryBound(to: CChar.self) }
-            var pointers: [UnsafePointer<CChar>?] = []
-            pointers.reserveCapacity(count)
-            var offset = 0
-            for length in lengths {
-                pointers.append(base.map { $0 + offset } ?? UnsafePointer(bitPattern: 1))
-                offset += length
-            }
-            return pointers.withUnsafeMutableBufferPointer { argv in
-                lengths.withUnsafeBufferPointer { argvlen in
-                    redisFormatCommandArgv(&formatted, Int32(count), argv.baseAddress, argvlen.baseAddress)
-                }
-            }
+        var bytes: [UInt8] = []
+        // A length takes at most 20 digits; with its marker and two CRLFs, 24 bytes.
+        bytes.reserveCapacity(arguments.reduce(24) { $0 + $1.bytes.count + 24 })
+        appendHeader(UInt8(ascii: "*"), arguments.count, to: &bytes)
+        for argument in arguments {
+            appendHeader(UInt8(ascii: "$"), argument.bytes.count, to: &bytes)
+            bytes.append(contentsOf: argument.bytes)
+            bytes.append(UInt8(ascii: "\r"))
+            bytes.append(UInt8(ascii: "\n"))
         }
-        guard length >= 0, let formatted else {
-            fatalError("hiredis could not format a command (out of memory)")
-        }
-        defer { redisFreeCommand(formatted) }
-        buffer.writeBytes(UnsafeRawBufferPointer(start: formatted, count: Int(length)))
+        buffer.writeBytes(bytes)
+    }
+
+    /// `marker`, `count` in decimal, CRLF.
+    private static func appendHeader(_ marker: UInt8, _ count: Int, to bytes: inout [UInt8]) {
+        bytes.append(marker)
+        // Most significant digit first: no slice to reverse.
+        var divisor = 1
+        while divisor <= count / 10 { divisor *= 10 }
+        var rest = count
+        repeat {
+            bytes.append(UInt8(ascii: "0") + UInt8(rest / divisor))
+            rest %= divisor
+            divisor /= 10
+        } while divisor > 0
+        bytes.append(UInt8(ascii: "\r"))
+        bytes.append(UInt8(ascii: "\n"))
     }
 }

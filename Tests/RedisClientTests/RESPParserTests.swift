@@ -105,11 +105,20 @@ struct RESPParserTests {
         #expect(try fine.next() == nil, "a bulk string's bytes are data, and a million elements are allowed")
     }
 
-    @Test("commands are encoded binary safe")
+    @Test("commands are encoded binary safe, with lengths and counts of any number of digits")
     func encoding() {
         var buffer = ByteBuffer()
         RESPEncoder.encode(["SET", "k", RedisArgument(bytes: [0, 13, 10, 255]), ""], into: &buffer)
         let expected: [UInt8] = Array("*4\r\n$3\r\nSET\r\n$1\r\nk\r\n$4\r\n".utf8) + [0, 13, 10, 255] + Array("\r\n$0\r\n\r\n".utf8)
         #expect(buffer.readableBytesView.elementsEqual(expected))
+
+        // Lengths of several digits, an argument count of two, a command appended to another.
+        let long = RedisArgument(bytes: Array(repeating: 7, count: 12_345))
+        let many = (0..<11).map { RedisArgument($0) }
+        RESPEncoder.encode([long], into: &buffer)
+        RESPEncoder.encode(many, into: &buffer)
+        let more: [UInt8] = Array("*1\r\n$12345\r\n".utf8) + Array(repeating: 7, count: 12_345) + Array("\r\n*11\r\n".utf8)
+            + (0..<11).flatMap { Array("$\(String($0).count)\r\n\($0)\r\n".utf8) }
+        #expect(buffer.readableBytesView.elementsEqual(expected + more))
     }
 }
