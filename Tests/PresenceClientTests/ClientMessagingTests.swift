@@ -104,6 +104,10 @@ struct ClientMessagingTests {
             }
             await client.client.setOffline(false)
             #expect(await client.connected())
+            // Back online and caught up: its own messages stored (the order expected below is
+            // the order they reached the server), and the others' received.
+            let sent = expected.count
+            #expect(await client.waitUntil(.seconds(10)) { await $0.messages(in: "room").filter { $0.seq != nil }.count == sent })
         }
         let total = expected.count
         for client in [alice, bob] {
