@@ -18,7 +18,6 @@ public struct WebSocketTransport: PresenceTransport {
     /// How long to wait for the gateway's answer to a close before dropping the connection.
     public var closeTimeout: Duration
     private let logger: Logger
-    private let loops = SessionLoops()
 
     /// A transport; `logger` gets connection-level detail at `debug` and below.
     public init(maxFrameSize: Int = 4 << 20, pingInterval: Duration = .seconds(15), closeTimeout: Duration = .seconds(2), logger: Logger) {
@@ -32,20 +31,22 @@ public struct WebSocketTransport: PresenceTransport {
         let configuration = WebSocketClientConfiguration(
             maxFrameSize: maxFrameSize, closeTimeout: closeTimeout, autoPing: .enabled(timePeriod: pingInterval)
         )
-        // A session that is cancelled before its upgrade is answered has its event loop shut
-        // down, which closes its connection: the library's wait for the upgrade does not end on
-        // cancellation, and a gateway that never answers would hold it forever. Once upgraded,
-        // cancelling ends the session the ordinary way.
-        let loop = loops.current()
-        let upgraded = NIOLockedValueBox(false)
+        // Each session runs on an event loop of its own, shut down when the session ends. A
+        // session cancelled before its upgrade is answered has its loop shut down at once, which
+        // closes its connection: the library's wait for the upgrade does not end on
+        // cancellation, and a gateway that never answers would hold it forever. Its own loop
+        // means that shutdown ends nothing else: a session opened while an earlier attempt of
+        // this transport was still waiting for its upgrade goes on.
+        let attempt = SessionAttempt()
+        defer { attempt.end() }
         let close: WebSocketCloseFrame?
         do {
             close = try await withTaskCancellationHandler {
-                try await connect(url: url, configuration: configuration, on: loop, outgoing: outgoing, received: received) {
-                    upgraded.withLockedValue { $0 = true }
+                try await connect(url: url, configuration: configuration, on: attempt.loop, outgoing: outgoing, received: received) {
+                    attempt.upgraded()
                 }
             } onCancel: {
-                if !upgraded.withLockedValue({ $0 }) { loops.abandon(loop) }
+                attempt.cancelled()
             }
         } catch let error as WebSocketClientError where error == .webSocketUpgradeFailed {
             throw PresenceTransportError.upgradeRefused
@@ -85,33 +86,31 @@ public struct WebSocketTransport: PresenceTransport {
     }
 }
 
-/// The event loop a transport's sessions run on: one thread, made when first needed, shared by
-/// the transport's copies, and shut down when the last copy goes. An attempt given up before its
-/// upgrade was answered takes the loop down with it, which closes its connection; the next
-/// attempt gets a new one.
-final class SessionLoops: Sendable {
-    private let group = NIOLockedValueBox<MultiThreadedEventLoopGroup?>(nil)
+/// One session's event loop (one thread) and whether its upgrade was answered. The loop is shut
+/// down once: when the session ends, or at once when the session is cancelled before its
+/// upgrade was answered (which closes the connection that waits for it).
+final class SessionAttempt: Sendable {
+    let loop = MultiThreadedEventLoopGroup(numberOfThreads: 1)
+    private let state = NIOLockedValueBox((upgraded: false, shutDown: false))
 
-    /// The loop for the next session.
-    func current() -> MultiThreadedEventLoopGroup {
-        group.withLockedValue { group in
-            if let group { return group }
-            let made = MultiThreadedEventLoopGroup(numberOfThreads: 1)
-            group = made
-            return made
-        }
+    func upgraded() {
+        state.withLockedValue { $0.upgraded = true }
     }
 
-    /// Shuts `loop` down, closing every connection on it, and forgets it.
-    func abandon(_ loop: MultiThreadedEventLoopGroup) {
-        group.withLockedValue { group in
-            if group === loop { group = nil }
-        }
-        loop.shutdownGracefully { _ in }
+    /// The session's task was cancelled: before the upgrade, nothing else would end the wait.
+    func cancelled() {
+        if state.withLockedValue({ !$0.upgraded }) { shutDown() }
     }
 
-    deinit {
-        group.withLockedValue { $0 }?.shutdownGracefully { _ in }
+    /// The session is over, whichever way it ended.
+    func end() { shutDown() }
+
+    private func shutDown() {
+        let first = state.withLockedValue { state -> Bool in
+            defer { state.shutDown = true }
+            return !state.shutDown
+        }
+        if first { loop.shutdownGracefully { _ in } }
     }
 }
 #endif

@@ -3,6 +3,7 @@ import Foundation
 import JWTKit
 import Logging
 import NIOConcurrencyHelpers
+import PresenceProtocol
 import RedisClient
 import RedisTestSupport
 import Testing
@@ -235,26 +236,11 @@ struct ClientLiveTests {
 
     @Test("a gateway that takes the connection and never answers: the attempt is given up after openTimeout and the next URL is tried")
     func silentGateway() async throws {
-        // A listening socket nobody accepts on: the kernel completes the TCP handshake, and the
-        // upgrade request then waits for an answer that never comes.
-        let silent = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
-        try #require(silent >= 0)
-        defer { close(silent) }
-        var address = sockaddr_in()
-        address.sin_family = sa_family_t(AF_INET)
-        address.sin_addr.s_addr = inet_addr("127.0.0.1")
-        var length = socklen_t(MemoryLayout<sockaddr_in>.size)
-        let bound = withUnsafeMutablePointer(to: &address) { pointer in
-            pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) {
-                bind(silent, $0, length) == 0 && listen(silent, 16) == 0 && getsockname(silent, $0, &length) == 0
-            }
-        }
-        try #require(bound)
-        let silentPort = Int(UInt16(bigEndian: address.sin_port))
+        let silent = try SilentListener()
         let prefix = TestRedis.uniquePrefix("sdk-silent")
         let node = try await GatewayProcess(nodeID: "node", environment: nodeEnvironment(prefix: prefix))
         let started = ContinuousClock.now
-        let alice = try await LiveClient("alice", device: "phone", ports: [silentPort, node.port]) { $0.openTimeout = 1 }
+        let alice = try await LiveClient("alice", device: "phone", ports: [silent.port, node.port]) { $0.openTimeout = 1 }
         #expect(await alice.connected(), "connected to the second URL")
         let took = ContinuousClock.now - started
         print("silent gateway: given up and connected to the next URL \(took) after the start")
@@ -263,6 +249,44 @@ struct ClientLiveTests {
         // Counted by the client's event consumer, a moment after the state says connected.
         let counted = await eventually(timeout: .seconds(2)) { alice.connections == 1 }
         #expect(counted && alice.connections == 1, "one session, on the second URL: \(alice.connections)")
+    }
+
+    @Test("a transport's session outlives the cancellation of an earlier attempt that still waits for its upgrade")
+    func overlappingAttempts() async throws {
+        // A device that drops a session and opens the next at once can leave the first attempt
+        // waiting for its upgrade while the second opens; cancelling the first must end it alone.
+        let silent = try SilentListener()
+        let node = try await GatewayProcess(nodeID: "node", environment: nodeEnvironment(prefix: TestRedis.uniquePrefix("sdk-overlap")))
+        let transport = WebSocketTransport(logger: TestRedis.logger("transport"))
+        let (quiet, _) = AsyncStream.makeStream(of: OutgoingFrame.self)
+        let waitingEnded = NIOLockedValueBox(false)
+        let waiting = Task {
+            _ = try? await transport.session(url: URL(string: "ws://127.0.0.1:\(silent.port)/api/presence/subscribe")!, outgoing: quiet) { _ in }
+            waitingEnded.withLockedValue { $0 = true }
+        }
+        #expect(await eventually(timeout: .seconds(5)) { silent.accept(within: .zero) }, "the first attempt connected and waits for its upgrade")
+
+        let token = try await mint("alice")
+        let url = URL(string: "ws://127.0.0.1:\(node.port)/api/presence/subscribe?token=\(token)&device_id=phone")!
+        let received = NIOLockedValueBox<[String]>([])
+        let sessionEnded = NIOLockedValueBox<(ended: Bool, code: UInt16?)>((false, nil))
+        let (outgoing, frames) = AsyncStream.makeStream(of: OutgoingFrame.self)
+        let session = Task {
+            let code = try? await transport.session(url: url, outgoing: outgoing) { text in received.withLockedValue { $0.append(text) } }
+            sessionEnded.withLockedValue { $0 = (true, code) }
+        }
+        defer { session.cancel() }
+        #expect(await eventually(timeout: .seconds(5)) { received.withLockedValue { $0.contains { $0.contains("initial_state") } } }, "the second session opened")
+
+        waiting.cancel()
+        #expect(await eventually(timeout: .seconds(5)) { waitingEnded.withLockedValue { $0 } }, "the cancelled attempt ended")
+        try await Task.sleep(for: .milliseconds(300))
+        #expect(!sessionEnded.withLockedValue { $0.ended }, "the open session goes on")
+        frames.yield(.text(FrameCoder().text(ClientMessage(.ping, id: "still-there"))))
+        #expect(await eventually(timeout: .seconds(3)) { received.withLockedValue { $0.contains { $0.contains("pong") } } }, "and answers: \(received.withLockedValue { $0 })")
+        frames.yield(.close(.normal))
+        #expect(await eventually(timeout: .seconds(5)) { sessionEnded.withLockedValue { $0.ended } })
+        #expect(sessionEnded.withLockedValue { $0.code } == 1000, "closed the ordinary way")
     }
 
     @Test("an admin disconnect (4003) stops the client for good")
