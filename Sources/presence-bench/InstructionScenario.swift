@@ -182,14 +182,22 @@ struct InstructionCounter: Sendable {
     /// Moves the dumps of the stretches (`<label>-end`) into `folder`, named `<label>.callgrind`.
     func keepDumps(in folder: URL) throws {
         try FileManager.default.createDirectory(at: folder, withIntermediateDirectories: true)
-        let directory = output.deletingLastPathComponent()
-        for file in try FileManager.default.contentsOfDirectory(atPath: directory.path) where file.hasPrefix(output.lastPathComponent + ".") {
-            let source = directory.appendingPathComponent(file)
-            guard let trigger = Self.header(of: source).first(where: { $0.hasPrefix("desc: Trigger: dump ") && $0.hasSuffix("-end") }) else { continue }
+        for (source, header) in dumps() {
+            guard let trigger = header.first(where: { $0.hasPrefix("desc: Trigger: dump ") && $0.hasSuffix("-end") }) else { continue }
             let label = trigger.dropFirst("desc: Trigger: dump ".count).dropLast("-end".count)
             let target = folder.appendingPathComponent("\(label).callgrind")
             try? FileManager.default.removeItem(at: target)
             try FileManager.default.moveItem(at: source, to: target)
+        }
+    }
+
+    /// The dump files written so far (`<output>.<part>`), each with its header.
+    private func dumps() -> [(file: URL, header: [Substring])] {
+        let directory = output.deletingLastPathComponent()
+        let files = (try? FileManager.default.contentsOfDirectory(atPath: directory.path)) ?? []
+        return files.filter { $0.hasPrefix(output.lastPathComponent + ".") }.map { name in
+            let file = directory.appendingPathComponent(name)
+            return (file, Self.header(of: file))
         }
     }
 
@@ -201,14 +209,8 @@ struct InstructionCounter: Sendable {
     }
 
     private func totalOfDump(_ hint: String) -> Int? {
-        let directory = output.deletingLastPathComponent()
-        let files = (try? FileManager.default.contentsOfDirectory(atPath: directory.path)) ?? []
-        for file in files where file.hasPrefix(output.lastPathComponent + ".") {
-            // The header holds both: "desc: Trigger: dump <hint>", then "summary: <Ir>".
-            let header = Self.header(of: directory.appendingPathComponent(file))
-            guard header.contains(where: { $0 == "desc: Trigger: dump \(hint)" }) else { continue }
-            return header.first { $0.hasPrefix("summary: ") }.flatMap { Int($0.dropFirst("summary: ".count)) }
-        }
-        return nil
+        // The header holds both: "desc: Trigger: dump <hint>", then "summary: <Ir>".
+        guard let header = dumps().first(where: { $0.header.contains("desc: Trigger: dump \(hint)") })?.header else { return nil }
+        return header.first { $0.hasPrefix("summary: ") }.flatMap { Int($0.dropFirst("summary: ".count)) }
     }
 }

@@ -97,12 +97,19 @@ struct BenchmarkTests {
             && FileManager.default.isExecutableFile(atPath: "/usr/bin/vgdb"), "needs scripts/fetch-valgrind")
     )
     func instructions() throws {
-        let result = try run(["instructions", "--users", "2", "--watchers", "10", "--changes", "5", "--valgrind", Self.valgrind])
+        let profile = FileManager.default.temporaryDirectory.appendingPathComponent("instructions-\(UUID().uuidString)")
+        defer { try? FileManager.default.removeItem(at: profile) }
+        let result = try run(["instructions", "--users", "2", "--watchers", "10", "--changes", "5", "--valgrind", Self.valgrind, "--profile", profile.path])
         let series = result["series"] as? [String: [String: Double]] ?? [:]
         let instructions = { (name: String) in series[name]?["instructions"] ?? 0 }
         // Ten deliveries a change against one: the second series cannot cost less.
         #expect(instructions("solo") > 0 && instructions("idle") > 0 && instructions("star") > instructions("solo"), "\(series)")
         #expect((result["instructions_per_delivery"] as? Double)?.isFinite == true)
+        // Each stretch's dump kept for callgrind_annotate, its total the one printed.
+        let kept = Set((try? FileManager.default.contentsOfDirectory(atPath: profile.path)) ?? [])
+        #expect(kept == ["solo.callgrind", "star.callgrind", "idle.callgrind"], "\(kept)")
+        let soloDump = (try? String(contentsOf: profile.appendingPathComponent("solo.callgrind"), encoding: .utf8)) ?? ""
+        #expect(soloDump.split(separator: "\n").contains("summary: \(Int(instructions("solo")))"))
     }
 
     @Test("cost: commands per idle device and per change are counted")
