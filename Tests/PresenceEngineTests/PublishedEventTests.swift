@@ -75,7 +75,7 @@ struct PublishedEventTests {
         }
     }
 
-    @Test("what is not an event of its channel reads as nothing: another type, a missing field, a status or message type this node does not know, not JSON")
+    @Test("what is not an event of its channel reads as nothing: another type, a missing field, an empty id, a status or message type this node does not know, not JSON")
     func notEvents() async throws {
         try await EngineCluster.with { cluster in
             let engine = cluster.engine(node: "n1")
@@ -91,10 +91,16 @@ struct PublishedEventTests {
             }
             let receipt = #"{"type":"receipt","conversation_id":"c","epoch":"e","user_id":"u","delivered_seq":2,"read_seq":1}"#
             #expect(engine.decodeMessageEvent(Array(receipt.utf8)) != nil, "the control: a whole receipt")
+            let message = #"{"type":"message","conversation_id":"c","epoch":"e","seq":1,"id":"i","sender_id":"u","client_message_id":"k","message_type":"text","text":"t","image_url":"","created_at":1,"client_created_at":""}"#
+            #expect(engine.decodeMessageEvent(Array(message.utf8)) != nil, "the control: a whole message")
             for bad in [
                 receipt.replacingOccurrences(of: #""type":"receipt""#, with: #""type":"typing""#),
                 receipt.replacingOccurrences(of: #","read_seq":1"#, with: ""),
-                #"{"type":"message","conversation_id":"c","epoch":"e","seq":1,"id":"i","sender_id":"u","client_message_id":"k","message_type":"video","text":"t","image_url":"","created_at":1,"client_created_at":""}"#,
+                receipt.replacingOccurrences(of: #""user_id":"u""#, with: #""user_id":"""#),
+                message.replacingOccurrences(of: #""message_type":"text""#, with: #""message_type":"video""#),
+                message.replacingOccurrences(of: #""id":"i""#, with: #""id":"""#),
+                message.replacingOccurrences(of: #""sender_id":"u""#, with: #""sender_id":"""#),
+                message.replacingOccurrences(of: #""client_message_id":"k""#, with: #""client_message_id":"""#),
             ] {
                 #expect(engine.decodeMessageEvent(Array(bad.utf8)) == nil, "\(bad)")
             }

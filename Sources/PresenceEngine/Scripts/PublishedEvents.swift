@@ -57,8 +57,9 @@ enum PublishedMessageEvent: Decodable, Equatable {
     var event: MessageEvent? {
         switch self {
         case .message(let published): published.stored.map(MessageEvent.message)
-        case .receipt(let published): .receipt(conversationID: published.conversationID, epoch: published.epoch, userID: published.userID,
-                                               cursors: Cursors(deliveredSeq: published.deliveredSeq, readSeq: published.readSeq))
+        case .receipt(let published):
+            published.userID.isEmpty ? nil : .receipt(conversationID: published.conversationID, epoch: published.epoch, userID: published.userID,
+                                                      cursors: Cursors(deliveredSeq: published.deliveredSeq, readSeq: published.readSeq))
         }
     }
 }
@@ -100,9 +101,10 @@ struct PublishedMessage: Codable, Equatable {
         clientCreatedAt = message.clientCreatedAt.map { String($0) } ?? ""
     }
 
-    /// The message; `nil` for a type this node does not know.
+    /// The message; `nil` for a type this node does not know, or without its id, sender or
+    /// client id (the script always writes them).
     var stored: StoredMessage? {
-        guard let kind = MessageType(rawValue: messageType) else { return nil }
+        guard let kind = MessageType(rawValue: messageType), !id.isEmpty, !senderID.isEmpty, !clientMessageID.isEmpty else { return nil }
         return StoredMessage(conversationID: conversationID, epoch: epoch, seq: seq, id: id, senderID: senderID, clientMessageID: clientMessageID,
                              type: kind, text: text, imageURL: imageURL.isEmpty ? nil : imageURL, createdAt: createdAt,
                              clientCreatedAt: Int64(clientCreatedAt))
