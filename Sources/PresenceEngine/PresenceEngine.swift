@@ -175,7 +175,7 @@ public final class PresenceEngine: Sendable {
 
     /// Decodes an event published on a user's channel; `nil` for other message types.
     public func decodeEvent(_ payload: [UInt8]) -> PresenceEvent? {
-        (try? JSONDecoder().decode(PublishedPresence.self, from: Data(payload)))?.event
+        (PublishedPresence(direct: payload) ?? (try? JSONDecoder().decode(PublishedPresence.self, from: Data(payload))))?.event
     }
 
     // MARK: Helpers

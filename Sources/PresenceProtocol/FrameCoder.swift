@@ -5,6 +5,9 @@ import Foundation
 public struct FrameCoder: Sendable {
     /// How user and conversation ids are written.
     public let ids: PresenceIDFormat
+    /// Whether keys are written and read in the API's snake case by the coders' strategy (REST
+    /// bodies); frames name their keys so themselves.
+    private let snakeCaseKeys: Bool
     private let encoder: JSONEncoder
     private let decoder: JSONDecoder
 
@@ -12,6 +15,7 @@ public struct FrameCoder: Sendable {
     /// API's style (`leaseExpiresAt` as `lease_expires_at`).
     public init(ids: PresenceIDFormat = .string, snakeCaseKeys: Bool = false) {
         self.ids = ids
+        self.snakeCaseKeys = snakeCaseKeys
         encoder = JSONEncoder()
         encoder.outputFormatting = [.sortedKeys, .withoutEscapingSlashes]
         if snakeCaseKeys { encoder.keyEncodingStrategy = .convertToSnakeCase }
@@ -39,7 +43,15 @@ public struct FrameCoder: Sendable {
 
     /// The text of a server frame.
     public func text(_ frame: ServerFrame, id: String? = nil) -> String {
-        text(ServerMessage(frame, id: id))
+        String(decoding: bytes(frame, id: id), as: UTF8.self)
+    }
+
+    /// The JSON bytes of a server frame: the frames of the hot paths written directly, the
+    /// same bytes as `JSONEncoder`'s (see DirectFrames.swift), the rest through it.
+    public func bytes(_ frame: ServerFrame, id: String? = nil) -> [UInt8] {
+        let message = ServerMessage(frame, id: id)
+        if !snakeCaseKeys, let direct = message.directJSON(ids: ids) { return direct }
+        return Array(data(message))
     }
 
     /// A server frame from its text.
@@ -50,6 +62,7 @@ public struct FrameCoder: Sendable {
     /// A client frame as the gateway takes it (see ``ClientMessage/init(from:)``); anything
     /// that is not JSON is ``FrameError`` too.
     public func clientMessage(_ text: String) throws(FrameError) -> ClientMessage {
+        if !snakeCaseKeys, let message = ClientMessage.direct(text.utf8, ids: ids) { return message }
         do {
             return try decoder.decode(ClientMessage.self, from: Data(text.utf8))
         } catch let error as FrameError {

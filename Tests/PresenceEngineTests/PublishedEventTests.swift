@@ -48,6 +48,8 @@ struct PublishedEventTests {
                 let presence = try #require(await next(on: keys.userChannel("ann")))
                 #expect(Self.keys(presence) == Self.keys(PublishedPresence.CodingKeys.self), "presence: \(String(decoding: presence, as: UTF8.self))")
                 let event = try #require(engine.decodeEvent(presence))
+                let direct = try #require(PublishedPresence(direct: presence), "the script's presence event is read without JSONDecoder")
+                #expect(direct == (try JSONDecoder().decode(PublishedPresence.self, from: Data(presence))))
                 #expect(event.views.real.userID == "ann" && event.views.real.status == .online && event.changed)
 
                 #expect(try await engine.setTyping(user: "ann", conversation: "chat", isTyping: true))
@@ -105,5 +107,39 @@ struct PublishedEventTests {
                 #expect(engine.decodeMessageEvent(Array(bad.utf8)) == nil, "\(bad)")
             }
         }
+    }
+
+    @Test("a presence event read directly is what JSONDecoder reads, on seeded mutations of one")
+    func directPresenceMatchesDecoder() throws {
+        let seed: UInt64 = 0x5EED_0034
+        print("PublishedEventTests.directPresenceMatchesDecoder: seed \(seed), 4,000 mutations")
+        var state = seed
+        func next(_ bound: Int) -> Int {
+            state &+= 0x9E37_79B9_7F4A_7C15
+            var z = state
+            z = (z ^ (z >> 30)) &* 0xBF58_476D_1CE4_E5B9
+            z = (z ^ (z >> 27)) &* 0x94D0_49BB_1331_11EB
+            return Int((z ^ (z >> 31)) % UInt64(bound))
+        }
+        let whole = Array(#"{"type":"presence","user_id":"u-1","status":"away","last_seen":1764345600123,"public_status":"offline","public_last_seen":0,"changed":true,"public_changed":false,"at":1764345600124}"#.utf8)
+        #expect(PublishedPresence(direct: whole) == (try JSONDecoder().decode(PublishedPresence.self, from: Data(whole))))
+        let tokens = ["\"", "\\", "\\u00e9", "-", "0", "1.5", "1e3", "null", "true", "false", "[]", "{}", ",", ":", " ", "\"at\":1,", "\"x\":{\"y\":[1]},"]
+        var read = 0
+        for _ in 0..<4_000 {
+            var bytes = whole
+            for _ in 0..<(1 + next(2)) {
+                let at = next(bytes.count + 1)
+                switch next(3) {
+                case 0 where at < bytes.count: bytes.remove(at: at)
+                case 1 where at < bytes.count: bytes[at] = UInt8(next(256))
+                default: bytes.insert(contentsOf: tokens[next(tokens.count)].utf8, at: at)
+                }
+            }
+            guard let direct = PublishedPresence(direct: bytes) else { continue }
+            read += 1
+            #expect(direct == (try? JSONDecoder().decode(PublishedPresence.self, from: Data(bytes))), "\(String(decoding: bytes, as: UTF8.self))")
+        }
+        print("PublishedEventTests.directPresenceMatchesDecoder: \(read) mutated events read directly, each as JSONDecoder reads it")
+        #expect(read > 300, "the mutations reach the direct reading, not only its refusals")
     }
 }

@@ -1,4 +1,5 @@
 import Foundation
+import PresenceProtocol
 
 // The events published on a user's and a conversation's message channel, as their JSON objects.
 // The scripts write them with `cjson.encode` (`publishPresence` in ``ScriptLua/clock``; the send
@@ -26,6 +27,17 @@ struct PublishedPresence: Codable, Equatable {
     enum CodingKeys: String, CodingKey, CaseIterable {
         case type, userID = "user_id", status, lastSeen = "last_seen", publicStatus = "public_status",
              publicLastSeen = "public_last_seen", changed, publicChanged = "public_changed", at
+    }
+
+    /// The event from its JSON without Foundation's decoder (it is read once per change, on
+    /// every node watching); `nil` where the reading is not sure, for `JSONDecoder` to try.
+    init?(direct payload: [UInt8]) {
+        guard let json = JSONValue.parse(payload), json.isObject, let type = json["type"]?.string, let userID = json["user_id"]?.string,
+              let status = json["status"]?.string, let lastSeen = json["last_seen"]?.integer, let publicStatus = json["public_status"]?.string,
+              let publicLastSeen = json["public_last_seen"]?.integer, let changed = json["changed"]?.bool,
+              let publicChanged = json["public_changed"]?.bool, let at = json["at"]?.integer else { return nil }
+        (self.type, self.userID, self.status, self.lastSeen) = (type, userID, status, lastSeen)
+        (self.publicStatus, self.publicLastSeen, self.changed, self.publicChanged, self.at) = (publicStatus, publicLastSeen, changed, publicChanged, at)
     }
 
     /// The event's two views; `nil` for a status this node does not know.

@@ -335,7 +335,7 @@ final class SessionHub: Service, Sendable {
                 guard let update = event.update(for: session.userID) else { continue }
                 let remembered = session.rememberEvent(update) {
                     if let encoded, encoded.update == update { return encoded.frame }
-                    let frame = ByteBuffer(string: frames.text(.presenceUpdate(PresencePayload(update))))
+                    let frame = ByteBuffer(bytes: frames.bytes(.presenceUpdate(PresencePayload(update))))
                     encoded = (update, frame)
                     return frame
                 }
@@ -357,7 +357,7 @@ final class SessionHub: Service, Sendable {
     private func deliverConversation(_ conversation: String, payload: [UInt8]) async {
         let followers = state.withLockedValue { state in (state.followers[conversation] ?? []).compactMap { state.sessions[$0] } }
         if let typing = engine.decodeTyping(payload) {
-            let frame = ByteBuffer(string: frames.text(.typingUpdate(TypingUpdate(userID: typing.userID, conversationID: conversation, isTyping: typing.isTyping))))
+            let frame = ByteBuffer(bytes: frames.bytes(.typingUpdate(TypingUpdate(userID: typing.userID, conversationID: conversation, isTyping: typing.isTyping))))
             for session in followers where session.userID != typing.userID && !session.deviceStatus.saidOffline {
                 session.send(frame)
                 GatewayMetrics.delivered(latencyMilliseconds: engine.estimatedStoreNow() - typing.at)

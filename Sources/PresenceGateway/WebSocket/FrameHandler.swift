@@ -87,18 +87,18 @@ struct FrameHandler {
     private mutating func dispatch(_ frame: ClientFrame, id: String?) async throws {
         switch frame {
         case .ping:
-            session.send(gateway.frames.text(.pong, id: id))
+            session.send(.pong, id: id)
         case .status(let status):
             if let wait = statusBucket.take() { throw APIError.rateLimited("too many status changes", retryAfter: wait) }
             session.setDeviceStatus(status)
             _ = try await gateway.engine.setStatus(user: user.userID, device: session.deviceID, session: session.id, status: status)
-            session.send(gateway.frames.text(.ack, id: id))
+            session.send(.ack, id: id)
         case .subscribe(.conversation(let conversation)):
             if let wait = subscribeBucket.take() { throw APIError.rateLimited("too many subscribes", retryAfter: wait) }
             try await followConversation(conversation, id: id)
         case .unsubscribe(.conversation(let conversation)):
             await gateway.hub.unfollow(session, conversation)
-            session.send(gateway.frames.text(.ack, id: id))
+            session.send(.ack, id: id)
         case .subscribe(.users(let users)):
             try checkCount(users)
             if let wait = subscribeBucket.take() { throw APIError.rateLimited("too many subscribes", retryAfter: wait) }
@@ -120,14 +120,14 @@ struct FrameHandler {
             let members = users.filter { session.isMemberOfFollowed($0) }
             session.markQuiet(members)
             await gateway.hub.unwatch(session, users.filter { !members.contains($0) })
-            session.send(gateway.frames.text(.ack, id: id))
+            session.send(.ack, id: id)
         case .typing(let conversation, let isTyping):
             if let wait = typingBucket.take() { throw APIError.rateLimited("too many typing frames", retryAfter: wait) }
             // A device that said offline sends no typing.
             if !session.deviceStatus.saidOffline {
                 try await gateway.engine.setTyping(user: user.userID, conversation: conversation, isTyping: isTyping)
             }
-            session.send(gateway.frames.text(.ack, id: id))
+            session.send(.ack, id: id)
         case .send(let draft):
             let message = try Self.outgoing(draft)
             if let wait = gateway.messageLimiter.take(user.userID) { throw APIError.rateLimited("too many messages", retryAfter: wait) }
@@ -143,10 +143,10 @@ struct FrameHandler {
             await sync(positions, id: id)
         case .delivered(let conversation, let seq):
             _ = try await gateway.engine.moveCursor(.delivered, of: user.userID, in: conversation, to: seq)
-            session.send(gateway.frames.text(.ack, id: id))
+            session.send(.ack, id: id)
         case .read(let conversation, let seq):
             _ = try await gateway.engine.moveCursor(.read, of: user.userID, in: conversation, to: seq)
-            session.send(gateway.frames.text(.ack, id: id))
+            session.send(.ack, id: id)
         }
     }
 
@@ -187,7 +187,7 @@ struct FrameHandler {
                     more: answer.more, missing: missing, receipts: try await receipts(of: conversation)
                 )), id: id)
                 session.endSync(conversation, answer: (answer.messages, synced, answer.more)) { message in
-                    ByteBuffer(string: frames.text(.message(MessagePayload(message))))
+                    ByteBuffer(bytes: frames.bytes(.message(MessagePayload(message))))
                 }
             } catch {
                 session.endSync(conversation, answer: nil) { _ in ByteBuffer() }

@@ -97,6 +97,11 @@ final class Session: Sendable {
         send(ByteBuffer(string: text))
     }
 
+    /// Sends a frame, answering the client frame `id` if given.
+    func send(_ frame: ServerFrame, id: String? = nil) {
+        send(ByteBuffer(bytes: frames.bytes(frame, id: id)))
+    }
+
     /// Sends a frame's text, ready in a buffer: one buffer can go to every session with the
     /// same view (buffers are copy-on-write, and none of them writes to it).
     func send(_ frame: ByteBuffer) {
