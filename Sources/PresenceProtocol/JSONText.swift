@@ -1,3 +1,9 @@
+#if canImport(Glibc)
+import Glibc
+#elseif canImport(Darwin)
+import Darwin
+#endif
+
 // JSON read and written by hand for the frames a status change makes: a client's frame, the
 // event a script published, the update each watcher gets. Foundation's coders cost tens of
 // thousands of instructions for each of these small objects (see BENCHMARKS.md); these cost a
@@ -109,6 +115,7 @@ private struct JSONReader {
     private mutating func object(depth: Int) -> JSONValue? {
         index += 1
         var members: [(key: String, value: JSONValue)] = []
+        members.reserveCapacity(12)
         skipSpace()
         if index < bytes.count, bytes[index] == UInt8(ascii: "}") {
             index += 1
@@ -173,7 +180,7 @@ private struct JSONReader {
         }
         let digits = index - start
         guard digits > 0, digits == 1 || bytes[start] != UInt8(ascii: "0") else { return nil }
-        if index < bytes.count, [UInt8(ascii: "."), UInt8(ascii: "e"), UInt8(ascii: "E")].contains(bytes[index]) { return nil }
+        if index < bytes.count, bytes[index] == UInt8(ascii: ".") || bytes[index] | 0x20 == UInt8(ascii: "e") { return nil }
         if negative {
             guard magnitude > 0, magnitude <= UInt64(Int64.max) + 1 else { return nil }
             return magnitude == UInt64(Int64.max) + 1 ? Int64.min : -Int64(magnitude)
@@ -331,8 +338,32 @@ struct JSONWriter {
         if let number = ids.number(id) { integer(number) } else { string(id) }
     }
 
-    /// An API timestamp, or `null`.
+    /// An API timestamp (``PresenceTimestamp``'s text, written digit by digit), or `null`.
     mutating func timestamp(_ milliseconds: Int64?) {
-        if let milliseconds { string(PresenceTimestamp.iso8601(milliseconds)) } else { null() }
+        guard let milliseconds else { return null() }
+        var seconds = time_t(milliseconds / 1000)
+        var parts = tm()
+        gmtime_r(&seconds, &parts)
+        bytes.append(UInt8(ascii: "\""))
+        digits(Int(parts.tm_year) + 1900, 4); bytes.append(UInt8(ascii: "-"))
+        digits(Int(parts.tm_mon) + 1, 2); bytes.append(UInt8(ascii: "-"))
+        digits(Int(parts.tm_mday), 2); bytes.append(UInt8(ascii: "T"))
+        digits(Int(parts.tm_hour), 2); bytes.append(UInt8(ascii: ":"))
+        digits(Int(parts.tm_min), 2); bytes.append(UInt8(ascii: ":"))
+        digits(Int(parts.tm_sec), 2); bytes.append(UInt8(ascii: "."))
+        digits(Int(milliseconds % 1000), 3)
+        bytes.append(contentsOf: [UInt8(ascii: "Z"), UInt8(ascii: "\"")])
+    }
+
+    /// `value`'s decimal digits, zero-padded to at least `width`.
+    private mutating func digits(_ value: Int, _ width: Int) {
+        var divisor = 1
+        var count = 1
+        while value / divisor >= 10 { divisor *= 10; count += 1 }
+        for _ in count..<max(count, width) { bytes.append(UInt8(ascii: "0")) }
+        while divisor > 0 {
+            bytes.append(UInt8(ascii: "0") + UInt8(value / divisor % 10))
+            divisor /= 10
+        }
     }
 }
