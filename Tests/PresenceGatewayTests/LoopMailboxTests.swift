@@ -44,9 +44,9 @@ struct LoopMailboxTests {
         let mailbox = LoopMailbox(eventLoop: loop)
         let ann = try Self.connect(on: loop, mailbox: mailbox)
         let bob = try Self.connect(on: loop, mailbox: mailbox)
-        let frame = ByteBuffer(string: "shared")
+        let frame = TextFrame("shared")
         for index in 0..<3 {
-            ann.connection.send(ByteBuffer(string: "ann \(index)"))
+            ann.connection.send(TextFrame("ann \(index)"))
             bob.connection.send(frame)
         }
         #expect(try ann.harness.written().isEmpty, "nothing is written before the loop runs the batch")
@@ -56,7 +56,7 @@ struct LoopMailboxTests {
         #expect(ann.counter.flushes == 1, "three frames, one flush")
         #expect(bob.counter.flushes == 1)
         // The next burst is a batch of its own.
-        ann.connection.send(ByteBuffer(string: "later"))
+        ann.connection.send(TextFrame("later"))
         loop.run()
         #expect(try Self.texts(ann.harness.written()) == ["later"])
         #expect(ann.counter.flushes == 2)
@@ -67,9 +67,9 @@ struct LoopMailboxTests {
         let loop = EmbeddedEventLoop()
         let mailbox = LoopMailbox(eventLoop: loop)
         let ann = try Self.connect(on: loop, mailbox: mailbox)
-        ann.connection.send(ByteBuffer(string: "before"))
+        ann.connection.send(TextFrame("before"))
         ann.connection.close(CloseCode.replaced.rawValue, reason: "replaced")
-        ann.connection.send(ByteBuffer(string: "after"))
+        ann.connection.send(TextFrame("after"))
         loop.run()
         let frames = try ann.harness.written()
         #expect(frames.map(\.opcode) == [.text, .connectionClose])

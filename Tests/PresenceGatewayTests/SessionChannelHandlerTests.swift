@@ -218,7 +218,7 @@ struct SessionChannelHandlerTests {
     func serverCloses() throws {
         let answered = try Harness()
         answered.handler.close(4001, reason: "the token has expired")
-        answered.handler.send(ByteBuffer(string: "too late"))
+        answered.handler.send(TextFrame("too late"))
         let frames = try answered.written()
         #expect(frames.count == 1)
         #expect(Self.closeCode(frames.first) == 4001)
@@ -340,24 +340,48 @@ struct SessionChannelHandlerTests {
     @Test("a client that stops reading: writes pass while the channel is writable; past the budget while it is not, 1008")
     func slowReader() throws {
         let harness = try Harness()
-        for _ in 0..<50 { harness.handler.send(ByteBuffer(string: String(repeating: "x", count: 30))) }
+        for _ in 0..<50 { harness.handler.send(TextFrame(String(repeating: "x", count: 30))) }
         #expect(try harness.written().count == 50)
         harness.channel.isWritable = false
         harness.channel.pipeline.fireChannelWritabilityChanged()
-        for _ in 0..<3 { harness.handler.send(ByteBuffer(string: String(repeating: "x", count: 30))) }
+        for _ in 0..<3 { harness.handler.send(TextFrame(String(repeating: "x", count: 30))) }
         #expect(try harness.written().count == 3, "90 bytes are within the budget of 100")
-        harness.handler.send(ByteBuffer(string: String(repeating: "x", count: 30)))
+        harness.handler.send(TextFrame(String(repeating: "x", count: 30)))
         #expect(Self.closeCode(try harness.written().last) == 1008)
 
         let recovered = try Harness()
         recovered.channel.isWritable = false
         recovered.channel.pipeline.fireChannelWritabilityChanged()
-        for _ in 0..<3 { recovered.handler.send(ByteBuffer(string: String(repeating: "x", count: 30))) }
+        for _ in 0..<3 { recovered.handler.send(TextFrame(String(repeating: "x", count: 30))) }
         recovered.channel.isWritable = true
         recovered.channel.pipeline.fireChannelWritabilityChanged()
         recovered.channel.isWritable = false
         recovered.channel.pipeline.fireChannelWritabilityChanged()
-        for _ in 0..<3 { recovered.handler.send(ByteBuffer(string: String(repeating: "x", count: 30))) }
+        for _ in 0..<3 { recovered.handler.send(TextFrame(String(repeating: "x", count: 30))) }
         #expect(try recovered.written().allSatisfy { $0.opcode == .text }, "the budget starts again once the channel was writable")
+    }
+
+    @Test("a ready frame is written past NIO's encoder as its bytes, in order with the frames the encoder writes, at every length form")
+    func readyFramesPastTheEncoder() throws {
+        let harness = try Harness(before: WebSocketFrameEncoder())
+        let texts = ["a", String(repeating: "b", count: 125), String(repeating: "c", count: 126), String(repeating: "d", count: 65_535),
+                     String(repeating: "é", count: 40_000)]
+        harness.handler.send(TextFrame(texts[0]))
+        try harness.receive(.ping, "p")
+        for text in texts.dropFirst() { harness.handler.send(TextFrame(text)) }
+        var written = ByteBuffer()
+        while var part = try harness.channel.readOutbound(as: ByteBuffer.self) { written.writeBuffer(&part) }
+
+        // The same frames through NIO's encoder alone: the bytes a client must get.
+        let reference = EmbeddedChannel(handler: WebSocketFrameEncoder())
+        try reference.writeOutbound(WebSocketFrame(fin: true, opcode: .text, data: ByteBuffer(string: texts[0])))
+        try reference.writeOutbound(WebSocketFrame(fin: true, opcode: .pong, data: ByteBuffer(string: "p")))
+        for text in texts.dropFirst() { try reference.writeOutbound(WebSocketFrame(fin: true, opcode: .text, data: ByteBuffer(string: text))) }
+        var expected = ByteBuffer()
+        while var part = try reference.readOutbound(as: ByteBuffer.self) { expected.writeBuffer(&part) }
+        #expect(written.readableBytes == expected.readableBytes)
+        #expect(written == expected, "the text frames and the pong between them, byte for byte as the encoder writes them")
+        #expect(TextFrame(texts[3]).headerLength == 4 && TextFrame(texts[4]).headerLength == 10 && TextFrame(texts[0]).headerLength == 2)
+        #expect(String(buffer: TextFrame(texts[4]).payload) == texts[4])
     }
 }

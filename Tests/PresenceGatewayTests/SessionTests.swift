@@ -20,14 +20,14 @@ struct SessionTests {
         let first = session.beginRead(["ann"])
         let second = session.beginRead(["ann"])
         // An event while both are under way, then the first read ends with what it read.
-        #expect(!session.rememberEvent(presence(.online)) { ByteBuffer(string: "online") }.tell, "held back while reads are under way")
+        #expect(!session.rememberEvent(presence(.online)) { TextFrame("online") }.tell, "held back while reads are under way")
         #expect(session.endRead(["ann"], first, snapshot: [presence(.online)]) == ["ann"], "the event crossed the first read")
         // The second read is still under way: a newer event must not be applied under it...
-        #expect(!session.rememberEvent(presence(.away)) { ByteBuffer(string: "away") }.tell, "still held back: the second read has not ended")
+        #expect(!session.rememberEvent(presence(.away)) { TextFrame("away") }.tell, "still held back: the second read has not ended")
         // ...and the second read, older than that event, is marked to be done again.
         #expect(session.endRead(["ann"], second, snapshot: [presence(.online)]) == ["ann"])
         // With no read under way, events go straight through.
-        #expect(session.rememberEvent(presence(.away)) { ByteBuffer(string: "away") }.tell)
+        #expect(session.rememberEvent(presence(.away)) { TextFrame("away") }.tell)
         #expect(session.lastTold("ann") == .away)
         let third = session.beginRead(["ann"])
         #expect(session.endRead(["ann"], third, snapshot: [presence(.away)]).isEmpty, "no event crossed it")

@@ -141,7 +141,7 @@ final class MessageRoutes: Sendable {
         case .receipt(_, _, let user, let cursors):
             let sessions = state.withLockedValue { state in state.routes[conversation].map { Array($0.sessions.values) } ?? [] }
             guard !sessions.isEmpty else { return }
-            let frame = ByteBuffer(bytes: frames.bytes(.receipt(ReceiptPayload(
+            let frame = TextFrame(frames.bytes(.receipt(ReceiptPayload(
                 conversationID: conversation, userID: user, deliveredSeq: cursors.deliveredSeq, readSeq: cursors.readSeq
             ))))
             for session in sessions { session.send(frame) }
@@ -173,7 +173,7 @@ final class MessageRoutes: Sendable {
     }
 
     private func deliver(_ message: StoredMessage, in route: Route) {
-        let frame = ByteBuffer(bytes: frames.bytes(.message(MessagePayload(message))))
+        let frame = TextFrame(frames.bytes(.message(MessagePayload(message))))
         for session in route.sessions.values { session.deliverLive(message, frame: frame) }
         GatewayMetrics.messageDelivered(sessions: route.sessions.count, latencyMilliseconds: engine.estimatedStoreNow() - message.createdAt)
     }

@@ -330,12 +330,12 @@ final class SessionHub: Service, Sendable {
             let watchers = state.withLockedValue { state in (state.watchers[user] ?? []).compactMap { state.sessions[$0] } }
             // Most watchers get the same view: encode it once into a frame's buffer, which every
             // such watcher's connection then writes, not once per watcher.
-            var encoded: (update: Presence, frame: ByteBuffer)?
+            var encoded: (update: Presence, frame: TextFrame)?
             for session in watchers {
                 guard let update = event.update(for: session.userID) else { continue }
                 let remembered = session.rememberEvent(update) {
                     if let encoded, encoded.update == update { return encoded.frame }
-                    let frame = ByteBuffer(bytes: frames.bytes(.presenceUpdate(PresencePayload(update))))
+                    let frame = TextFrame(frames.bytes(.presenceUpdate(PresencePayload(update))))
                     encoded = (update, frame)
                     return frame
                 }
@@ -357,7 +357,7 @@ final class SessionHub: Service, Sendable {
     private func deliverConversation(_ conversation: String, payload: [UInt8]) async {
         let followers = state.withLockedValue { state in (state.followers[conversation] ?? []).compactMap { state.sessions[$0] } }
         if let typing = engine.decodeTyping(payload) {
-            let frame = ByteBuffer(bytes: frames.bytes(.typingUpdate(TypingUpdate(userID: typing.userID, conversationID: conversation, isTyping: typing.isTyping))))
+            let frame = TextFrame(frames.bytes(.typingUpdate(TypingUpdate(userID: typing.userID, conversationID: conversation, isTyping: typing.isTyping))))
             for session in followers where session.userID != typing.userID && !session.deviceStatus.saidOffline {
                 session.send(frame)
                 GatewayMetrics.delivered(latencyMilliseconds: engine.estimatedStoreNow() - typing.at)

@@ -187,10 +187,10 @@ struct FrameHandler {
                     more: answer.more, missing: missing, receipts: try await receipts(of: conversation)
                 )), id: id)
                 session.endSync(conversation, answer: (answer.messages, synced, answer.more)) { message in
-                    ByteBuffer(bytes: frames.bytes(.message(MessagePayload(message))))
+                    TextFrame(frames.bytes(.message(MessagePayload(message))))
                 }
             } catch {
-                session.endSync(conversation, answer: nil) { _ in ByteBuffer() }
+                session.endSync(conversation, answer: nil) { _ in TextFrame([]) }
                 let apiError = APIError.from(error)
                 GatewayMetrics.errors(apiError.code.rawValue)
                 session.send(frames.text(.error(ErrorPayload(code: apiError.code, message: apiError.message, conversationID: conversation)), id: id))

@@ -210,7 +210,7 @@ final class SessionRun: Sendable {
             device = try Gateway.deviceID(request)
             status = try Gateway.openingStatus(request)
         } catch {
-            connection.send(ByteBuffer(bytes: frames.bytes(.error(error.payload))))
+            connection.send(TextFrame(frames.bytes(.error(error.payload))))
             refuse(connection, .policyViolation, reason: error.message)
             return openingEnded()
         }
@@ -247,7 +247,7 @@ final class SessionRun: Sendable {
         } catch {
             await routed
             let apiError = APIError.from(error)
-            connection.send(ByteBuffer(bytes: frames.bytes(.error(apiError.payload))))
+            connection.send(TextFrame(frames.bytes(.error(apiError.payload))))
             refuse(connection, apiError.code == .rateLimited ? .rateLimited : .internalError, reason: apiError.message)
             await gateway.hub.unregister(session)
             _ = try? await gateway.engine.disconnect(user: user.userID, device: device, session: session.id, clean: true)

@@ -11,7 +11,7 @@ import NIOCore
 /// after the frames sent before it.
 final class LoopMailbox: Sendable {
     enum Operation: Sendable {
-        case send(ByteBuffer)
+        case send(TextFrame)
         case close(code: UInt16, reason: String)
         case expire(at: NIODeadline)
     }
@@ -58,8 +58,8 @@ final class LoopMailbox: Sendable {
         var written: [SessionChannelHandler] = []
         for posted in batch {
             switch posted.operation {
-            case .send(let text):
-                if posted.handler.enqueue(text) { written.append(posted.handler) }
+            case .send(let frame):
+                if posted.handler.enqueue(frame) { written.append(posted.handler) }
             case .close(let code, let reason):
                 posted.handler.close(code, reason: reason)
             case .expire(let deadline):

@@ -18,7 +18,7 @@ extension Session {
         /// Conversation → `sync`s of it under way.
         var syncing: [String: Int] = [:]
         /// Live messages waiting, by conversation, with their frame.
-        var held: [String: [(message: StoredMessage, frame: ByteBuffer)]] = [:]
+        var held: [String: [(message: StoredMessage, frame: TextFrame)]] = [:]
         /// Conversations whose last `sync` said `more`: live messages are dropped (the client
         /// syncs on and reads them from the history), not sent past a gap.
         var behind: Set<String> = []
@@ -38,7 +38,7 @@ extension Session {
     }
 
     /// A live message: sent now, held, or dropped (already sent, or the conversation is behind).
-    func deliverLive(_ message: StoredMessage, frame: ByteBuffer) {
+    func deliverLive(_ message: StoredMessage, frame: TextFrame) {
         messageState.withLockedValue { state in
             let conversation = message.conversationID
             if state.isHolding(conversation) {
@@ -66,7 +66,7 @@ extension Session {
     /// Ends a `sync` of one conversation: sends its messages not sent yet, then `synced`, then
     /// the live messages held meanwhile, all in one step so that nothing comes in between. A
     /// failed sync passes `nil` and sends nothing of its own.
-    func endSync(_ conversation: String, answer: (messages: [StoredMessage], synced: String, more: Bool)?, encode: (StoredMessage) -> ByteBuffer) {
+    func endSync(_ conversation: String, answer: (messages: [StoredMessage], synced: String, more: Bool)?, encode: (StoredMessage) -> TextFrame) {
         messageState.withLockedValue { state in
             if let answer {
                 for message in answer.messages where state.take(message) { send(encode(message)) }
@@ -95,7 +95,7 @@ extension Session {
         }
     }
 
-    private static func releaseOpeningHold(_ state: inout MessageState, send: (ByteBuffer) -> Void) {
+    private static func releaseOpeningHold(_ state: inout MessageState, send: (TextFrame) -> Void) {
         state.openingHold = false
         for conversation in state.held.keys.sorted() where state.syncing[conversation] == nil {
             flush(conversation, &state, send: send)
@@ -104,7 +104,7 @@ extension Session {
 
     /// Sends the held live messages of `conversation` in seq order (an epoch change in the
     /// middle starts the order again), skipping what was sent.
-    private static func flush(_ conversation: String, _ state: inout MessageState, send: (ByteBuffer) -> Void) {
+    private static func flush(_ conversation: String, _ state: inout MessageState, send: (TextFrame) -> Void) {
         guard let held = state.held.removeValue(forKey: conversation), !state.behind.contains(conversation) else { return }
         for entry in held where state.take(entry.message) { send(entry.frame) }
     }

@@ -94,17 +94,17 @@ final class Session: Sendable {
 
     /// Sends a frame, unless the session is closing.
     func send(_ text: String) {
-        send(ByteBuffer(string: text))
+        send(TextFrame(text))
     }
 
     /// Sends a frame, answering the client frame `id` if given.
     func send(_ frame: ServerFrame, id: String? = nil) {
-        send(ByteBuffer(bytes: frames.bytes(frame, id: id)))
+        send(TextFrame(frames.bytes(frame, id: id)))
     }
 
-    /// Sends a frame's text, ready in a buffer: one buffer can go to every session with the
-    /// same view (buffers are copy-on-write, and none of them writes to it).
-    func send(_ frame: ByteBuffer) {
+    /// Sends a ready frame: one can go to every session with the same view (its buffer is
+    /// copy-on-write, and nothing writes to it).
+    func send(_ frame: TextFrame) {
         connection.send(frame)
         GatewayMetrics.frameSent()
     }
@@ -180,7 +180,7 @@ final class Session: Sendable {
     /// told, in one step so that no snapshot can be queued in between. Held back (neither
     /// remembered nor told) while a read of that user is under way, since the read's answer may
     /// be older than the event.
-    func rememberEvent(_ presence: Presence, frame: () -> ByteBuffer) -> Remembered {
+    func rememberEvent(_ presence: Presence, frame: () -> TextFrame) -> Remembered {
         state.withLockedValue { state -> Remembered in
             guard state.reading[presence.userID] == nil else {
                 state.reading[presence.userID]?.events += 1

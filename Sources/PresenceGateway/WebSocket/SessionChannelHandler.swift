@@ -54,6 +54,11 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
     private let limits: Limits
     private let events: Events
     private var context: ChannelHandlerContext?
+    /// The context of NIO's frame encoder, ahead of this handler: a ``TextFrame`` is written
+    /// from it, so that its bytes go to the socket as they are. Writes from there and from
+    /// this handler's context reach the socket in the order they were made (the encoder writes
+    /// what it encodes at once). Nil when there is no such encoder (then frames are encoded).
+    private var rawContext: ChannelHandlerContext?
     /// A message arriving in fragments: its first frame's opcode, the data so far and how many
     /// frames brought it.
     private var fragments: (opcode: WebSocketOpcode, data: ByteBuffer, count: Int)?
@@ -108,12 +113,14 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
 
     func handlerAdded(context: ChannelHandlerContext) {
         self.context = context
+        rawContext = try? context.pipeline.syncOperations.context(handlerType: WebSocketFrameEncoder.self)
         schedulePing()
     }
 
     func handlerRemoved(context: ChannelHandlerContext) {
         cancelTimers()
         self.context = nil
+        rawContext = nil
     }
 
     func channelInactive(context: ChannelHandlerContext) {
@@ -256,21 +263,29 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
 
     // MARK: Outbound
 
-    /// Writes a frame the session made (a ready text frame), and flushes.
+    /// Writes a frame (a pong, or one written to the channel), unless a close was sent.
     func write(context: ChannelHandlerContext, data: NIOAny, promise: EventLoopPromise<Void>?) {
         let frame = unwrapOutboundIn(data)
-        guard !closeSent else {
+        guard admits(frame.length, context) else {
             promise?.fail(ChannelError.outputClosed)
             return
         }
+        context.write(wrapOutboundOut(frame), promise: promise)
+    }
+
+    /// Whether `bytes` more may be written: not after a close, and not past the budget of
+    /// bytes written while the channel is not writable (past it the client is closed as too
+    /// slow a reader).
+    private func admits(_ bytes: Int, _ context: ChannelHandlerContext) -> Bool {
+        guard !closeSent else { return false }
         if !context.channel.isWritable {
-            unwritableBytes += frame.length
+            unwritableBytes += bytes
             if unwritableBytes > limits.unwritableBytes {
-                promise?.fail(ChannelError.outputClosed)
-                return close(CloseCode.policyViolation.rawValue, reason: "the client does not read fast enough")
+                close(CloseCode.policyViolation.rawValue, reason: "the client does not read fast enough")
+                return false
             }
         }
-        context.write(wrapOutboundOut(frame), promise: promise)
+        return true
     }
 
     private func write(_ frame: WebSocketFrame) {
@@ -278,15 +293,19 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
     }
 
     /// Sends a text message, unless the session is closing.
-    func send(_ text: ByteBuffer) {
-        if enqueue(text) { flush() }
+    func send(_ frame: TextFrame) {
+        if enqueue(frame) { flush() }
     }
 
     /// Writes a text message without flushing it, unless the session is closing. Returns true
     /// when this write is the first since the last ``flush()``: the caller owes one.
-    func enqueue(_ text: ByteBuffer) -> Bool {
-        guard !closeSent, let context else { return false }
-        write(context: context, data: wrapOutboundOut(WebSocketFrame(fin: true, opcode: .text, data: text)), promise: nil)
+    func enqueue(_ frame: TextFrame) -> Bool {
+        guard let context, admits(frame.bytes.readableBytes, context) else { return false }
+        if let rawContext {
+            rawContext.write(NIOAny(frame.bytes), promise: nil)
+        } else {
+            context.write(wrapOutboundOut(WebSocketFrame(fin: true, opcode: .text, data: frame.payload)), promise: nil)
+        }
         defer { unflushed = true }
         return !unflushed
     }
@@ -389,9 +408,9 @@ struct SessionConnection: Sendable {
 
     var eventLoop: any EventLoop { mailbox.eventLoop }
 
-    /// Sends one text message (a ready frame's payload; one buffer may go to many sessions).
-    func send(_ text: ByteBuffer) {
-        mailbox.post(.send(text), to: handler)
+    /// Sends one text message (a ready frame; one may go to many sessions).
+    func send(_ frame: TextFrame) {
+        mailbox.post(.send(frame), to: handler)
     }
 
     /// Closes with `code` (see ``SessionChannelHandler/close(_:reason:)``).
