@@ -193,15 +193,18 @@ private struct JSONReader {
     private mutating func string() -> String? {
         index += 1
         let start = index
+        var ascii = true
         while index < bytes.count {
             let byte = bytes[index]
             if byte == UInt8(ascii: "\"") {
-                let text = String(validating: UnsafeBufferPointer(rebasing: bytes[start..<index]), as: UTF8.self)
+                let raw = UnsafeBufferPointer(rebasing: bytes[start..<index])
                 index += 1
-                return text
+                // ASCII is valid UTF-8 as it is; only other bytes need the slower validation.
+                return ascii ? String(decoding: raw, as: UTF8.self) : String(validating: raw, as: UTF8.self)
             }
             if byte == UInt8(ascii: "\\") { return escapedString(from: start) }
             guard byte >= 0x20 else { return nil }
+            if byte >= 0x80 { ascii = false }
             index += 1
         }
         return nil
