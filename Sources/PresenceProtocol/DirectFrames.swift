@@ -7,8 +7,11 @@ extension ServerMessage {
     /// The frame's JSON text as ``FrameCoder`` writes it, or `nil` for a frame that only the
     /// Codable path writes (the snapshots: `initial_state` and `synced`).
     func directJSON(ids: PresenceIDFormat) -> [UInt8]? {
+        switch frame {
+        case .initialState, .synced: return nil
+        default: break
+        }
         var writer = JSONWriter()
-        var written = true
         writer.object { json in
             json.key("data")
             switch frame {
@@ -54,12 +57,12 @@ extension ServerMessage {
                     data.key("seq"); data.integer(ack.seq)
                 }
             case .initialState, .synced:
-                written = false
+                break  // left to the Codable path above
             }
             if let id { json.key("id"); json.string(id) }
             json.key("type"); json.string(frame.type)
         }
-        return written ? writer.bytes : nil
+        return writer.bytes
     }
 }
 
@@ -80,7 +83,7 @@ extension MessagePayload {
         json.key("created_at"); json.timestamp(createdAt)
         if let duplicate { json.key("duplicate"); json.bool(duplicate) }
         json.key("id"); json.string(id)
-        if let imageURL { json.key("image_url"); json.string(imageURL) } else { json.key("image_url"); json.null() }
+        json.key("image_url"); if let imageURL { json.string(imageURL) } else { json.null() }
         json.key("sender_id"); json.id(senderID, ids)
         json.key("seq"); json.integer(seq)
         json.key("text"); json.string(text)

@@ -1,9 +1,3 @@
-#if canImport(Glibc)
-import Glibc
-#elseif canImport(Darwin)
-import Darwin
-#endif
-
 // JSON read and written by hand for the frames a status change makes: a client's frame, the
 // event a script published, the update each watcher gets. Foundation's coders cost tens of
 // thousands of instructions for each of these small objects (see BENCHMARKS.md); these cost a
@@ -284,6 +278,7 @@ private struct JSONReader {
 /// `.withoutEscapingSlashes`; the callers write each object's keys in sorted order.
 struct JSONWriter {
     private(set) var bytes: [UInt8] = []
+    private static let hex = Array("0123456789abcdef".utf8)
 
     init(capacity: Int = 128) {
         bytes.reserveCapacity(capacity)
@@ -316,8 +311,7 @@ struct JSONWriter {
             case 0x0D: bytes.append(contentsOf: [UInt8(ascii: "\\"), UInt8(ascii: "r")])
             case 0x09: bytes.append(contentsOf: [UInt8(ascii: "\\"), UInt8(ascii: "t")])
             case 0..<0x20:
-                let hex = Array("0123456789abcdef".utf8)
-                bytes.append(contentsOf: [UInt8(ascii: "\\"), UInt8(ascii: "u"), UInt8(ascii: "0"), UInt8(ascii: "0"), hex[Int(byte >> 4)], hex[Int(byte & 0xF)]])
+                bytes.append(contentsOf: [UInt8(ascii: "\\"), UInt8(ascii: "u"), UInt8(ascii: "0"), UInt8(ascii: "0"), Self.hex[Int(byte >> 4)], Self.hex[Int(byte & 0xF)]])
             default: bytes.append(byte)
             }
         }
@@ -341,32 +335,11 @@ struct JSONWriter {
         if let number = ids.number(id) { integer(number) } else { string(id) }
     }
 
-    /// An API timestamp (``PresenceTimestamp``'s text, written digit by digit), or `null`.
+    /// An API timestamp, or `null`.
     mutating func timestamp(_ milliseconds: Int64?) {
         guard let milliseconds else { return null() }
-        var seconds = time_t(milliseconds / 1000)
-        var parts = tm()
-        gmtime_r(&seconds, &parts)
         bytes.append(UInt8(ascii: "\""))
-        digits(Int(parts.tm_year) + 1900, 4); bytes.append(UInt8(ascii: "-"))
-        digits(Int(parts.tm_mon) + 1, 2); bytes.append(UInt8(ascii: "-"))
-        digits(Int(parts.tm_mday), 2); bytes.append(UInt8(ascii: "T"))
-        digits(Int(parts.tm_hour), 2); bytes.append(UInt8(ascii: ":"))
-        digits(Int(parts.tm_min), 2); bytes.append(UInt8(ascii: ":"))
-        digits(Int(parts.tm_sec), 2); bytes.append(UInt8(ascii: "."))
-        digits(Int(milliseconds % 1000), 3)
-        bytes.append(contentsOf: [UInt8(ascii: "Z"), UInt8(ascii: "\"")])
-    }
-
-    /// `value`'s decimal digits, zero-padded to at least `width`.
-    private mutating func digits(_ value: Int, _ width: Int) {
-        var divisor = 1
-        var count = 1
-        while value / divisor >= 10 { divisor *= 10; count += 1 }
-        for _ in count..<max(count, width) { bytes.append(UInt8(ascii: "0")) }
-        while divisor > 0 {
-            bytes.append(UInt8(ascii: "0") + UInt8(value / divisor % 10))
-            divisor /= 10
-        }
+        PresenceTimestamp.write(milliseconds, into: &bytes)
+        bytes.append(UInt8(ascii: "\""))
     }
 }

@@ -9,15 +9,35 @@ import Darwin
 public enum PresenceTimestamp {
     /// The text for milliseconds since 1970.
     public static func iso8601(_ milliseconds: Int64) -> String {
+        var bytes: [UInt8] = []
+        write(milliseconds, into: &bytes)
+        return String(decoding: bytes, as: UTF8.self)
+    }
+
+    /// Appends the text for milliseconds since 1970 to `bytes`, digit by digit (frames write
+    /// it so, with no string made in between).
+    static func write(_ milliseconds: Int64, into bytes: inout [UInt8]) {
         var seconds = time_t(milliseconds / 1000)
         var parts = tm()
         gmtime_r(&seconds, &parts)
-        func pad(_ value: Int32, _ width: Int) -> String {
-            let text = String(value)
-            return String(repeating: "0", count: max(0, width - text.count)) + text
+        func digits(_ value: Int, _ width: Int, then separator: Unicode.Scalar) {
+            var divisor = 1
+            var count = 1
+            while value / divisor >= 10 { divisor *= 10; count += 1 }
+            for _ in count..<max(count, width) { bytes.append(UInt8(ascii: "0")) }
+            while divisor > 0 {
+                bytes.append(UInt8(ascii: "0") + UInt8(value / divisor % 10))
+                divisor /= 10
+            }
+            bytes.append(UInt8(ascii: separator))
         }
-        return "\(pad(parts.tm_year + 1900, 4))-\(pad(parts.tm_mon + 1, 2))-\(pad(parts.tm_mday, 2))T"
-            + "\(pad(parts.tm_hour, 2)):\(pad(parts.tm_min, 2)):\(pad(parts.tm_sec, 2)).\(pad(Int32(milliseconds % 1000), 3))Z"
+        digits(Int(parts.tm_year) + 1900, 4, then: "-")
+        digits(Int(parts.tm_mon) + 1, 2, then: "-")
+        digits(Int(parts.tm_mday), 2, then: "T")
+        digits(Int(parts.tm_hour), 2, then: ":")
+        digits(Int(parts.tm_min), 2, then: ":")
+        digits(Int(parts.tm_sec), 2, then: ".")
+        digits(Int(milliseconds % 1000), 3, then: "Z")
     }
 
     /// Milliseconds since 1970 for `2026-11-21T12:00:00.123Z`; the fraction may be left out or

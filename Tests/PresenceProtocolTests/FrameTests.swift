@@ -154,6 +154,8 @@ struct FrameTests {
         for milliseconds: Int64 in [0, 1_795_262_400_123, 1_795_262_405_007, 253_402_300_799_999] {
             #expect(PresenceTimestamp.milliseconds(PresenceTimestamp.iso8601(milliseconds)) == milliseconds)
         }
+        #expect(PresenceTimestamp.iso8601(1_795_262_405_007) == "2026-11-21T12:00:05.007Z")
+        #expect(PresenceTimestamp.iso8601(0) == "1970-01-01T00:00:00.000Z")
         #expect(PresenceTimestamp.milliseconds("2026-11-21T12:00:00Z") == 1_795_262_400_000)
         #expect(PresenceTimestamp.milliseconds("2026-11-21T12:00:00.5Z") == 1_795_262_400_500)
         #expect(PresenceTimestamp.milliseconds("2026-11-21T12:00:00.123456Z") == 1_795_262_400_123)
