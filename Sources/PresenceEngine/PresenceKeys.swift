@@ -97,26 +97,41 @@ public struct PresenceKeys: Sendable {
 
     /// The user of a key or channel named `prefix:{u:ID}:suffix`.
     public func user(fromKey key: String, suffix: String) -> String? {
-        let head = "\(prefix):{u:"
-        let tail = "}:\(suffix)"
-        guard key.hasPrefix(head), key.hasSuffix(tail), key.count > head.count + tail.count else { return nil }
-        return String(key.dropFirst(head.count).dropLast(tail.count))
+        id(in: key, tag: "u", suffix: suffix)
     }
 
     /// The conversation of a channel made by ``conversationChannel(_:)``.
     public func conversation(fromChannel channel: String) -> String? {
-        let head = "\(prefix):{c:"
-        let tail = "}:events"
-        guard channel.hasPrefix(head), channel.hasSuffix(tail), channel.count > head.count + tail.count else { return nil }
-        return String(channel.dropFirst(head.count).dropLast(tail.count))
+        id(in: channel, tag: "c", suffix: "events")
     }
 
     /// The conversation of a channel made by ``messageChannel(_:)``.
     public func conversation(fromMessageChannel channel: String) -> String? {
-        let head = "\(prefix):{c:"
-        let tail = "}:messages"
-        guard channel.hasPrefix(head), channel.hasSuffix(tail), channel.count > head.count + tail.count else { return nil }
-        return String(channel.dropFirst(head.count).dropLast(tail.count))
+        id(in: channel, tag: "c", suffix: "messages")
+    }
+
+    /// The non-empty `ID` of a name `prefix:{tag:ID}:suffix`. Compared as UTF-8 bytes, as the
+    /// name was made, not as characters: every message's channel is read here, and no id can
+    /// join a character of the name to its own (a combining mark first would, with the `:`).
+    private func id(in name: String, tag: String, suffix: String) -> String? {
+        let bytes = name.utf8
+        let tailCount = 2 + suffix.utf8.count
+        guard bytes.count > prefix.utf8.count + 3 + tag.utf8.count + tailCount else { return nil }
+        func skip(_ part: String.UTF8View, from index: inout String.UTF8View.Index) -> Bool {
+            for byte in part {
+                guard bytes[index] == byte else { return false }
+                bytes.formIndex(after: &index)
+            }
+            return true
+        }
+        var start = bytes.startIndex
+        guard skip(prefix.utf8, from: &start), skip(":{".utf8, from: &start), skip(tag.utf8, from: &start), skip(":".utf8, from: &start) else {
+            return nil
+        }
+        let end = bytes.index(bytes.endIndex, offsetBy: -tailCount)
+        var at = end
+        guard skip("}:".utf8, from: &at), skip(suffix.utf8, from: &at) else { return nil }
+        return String(decoding: bytes[start..<end], as: UTF8.self)
     }
 
     /// The member of `deadlines` / `nodeDevices` for a device.

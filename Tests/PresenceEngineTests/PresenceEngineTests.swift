@@ -119,6 +119,29 @@ struct PresenceEngineTests {
         #expect(keys.deadlines(ofUser: "alice") == keys.deadlines(ofUser: "alice"))
     }
 
+    @Test("the id is read back from every channel name made for it, and nothing from a name of another shape")
+    func idsFromNames() {
+        let keys = PresenceKeys(prefix: "presence")
+        // The API's ids are ASCII, but names are read as bytes whatever the id: a combining mark
+        // first joins the `:` before it into one character, and braces, colons and astral
+        // characters must not confuse the reading.
+        for id in ["alice", "\u{301}bob", "a}:events", "x:{u:y", "👩‍👩‍👧", "é", "0"] {
+            #expect(keys.user(fromKey: keys.userChannel(id), suffix: "events") == id, "user \(id)")
+            #expect(keys.user(fromKey: keys.devices(id), suffix: "devices") == id, "devices of \(id)")
+            #expect(keys.conversation(fromChannel: keys.conversationChannel(id)) == id, "conversation \(id)")
+            #expect(keys.conversation(fromMessageChannel: keys.messageChannel(id)) == id, "messages of \(id)")
+            #expect(keys.conversation(fromChannel: keys.userChannel(id)) == nil, "a user's channel is no conversation's")
+            #expect(keys.user(fromKey: keys.conversationChannel(id), suffix: "events") == nil, "a conversation's channel is no user's")
+            #expect(keys.conversation(fromChannel: keys.messageChannel(id)) == nil)
+            #expect(keys.conversation(fromMessageChannel: keys.conversationChannel(id)) == nil)
+            #expect(PresenceKeys(prefix: "other").user(fromKey: keys.userChannel(id), suffix: "events") == nil, "another prefix")
+        }
+        for name in ["presence:{u:}:events", "presence:{u:alice}:event", "presence:{u:alice}events", "presence{u:alice}:events",
+                     "presence:{u:alice", "presence", "", "presence:control", keys.nodeChannel("n1"), "Presence:{u:alice}:events"] {
+            #expect(keys.user(fromKey: name, suffix: "events") == nil, "\(name)")
+        }
+    }
+
     @Test("a device an older node indexed in the single deadline set of the layout before buckets is still reaped")
     func legacyDeadlines() async throws {
         try await EngineCluster.with { cluster in
