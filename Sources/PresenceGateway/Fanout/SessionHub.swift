@@ -17,15 +17,18 @@ final class SessionHub: Service, Sendable {
     /// Conversation messages to members' sessions (MessageRoutes.swift).
     let messages: MessageRoutes
     private let state = NIOLockedValueBox(HubState())
+    /// This node's control channels, named once: every message's channel is compared with them.
+    private let controlChannels: (node: String, broadcast: String)
 
     private struct HubState {
         var sessions: [String: Session] = [:]
         /// User → ids of that user's own sessions.
         var own: [String: Set<String>] = [:]
-        /// User → ids of the sessions watching them.
-        var watchers: [String: Set<String>] = [:]
-        /// Conversation → ids of the sessions subscribed to it.
-        var followers: [String: Set<String>] = [:]
+        /// User → the sessions watching them, by id: a delivery goes through them without
+        /// looking each up again.
+        var watchers: [String: [String: Session]] = [:]
+        /// Conversation → the sessions subscribed to it, by id.
+        var followers: [String: [String: Session]] = [:]
         /// Session id → the conversations it is subscribed to (the same pairs, by session).
         var following: [String: Set<String>] = [:]
         /// Set once the node is shutting down: no new sessions, not ready.
@@ -55,6 +58,7 @@ final class SessionHub: Service, Sendable {
         self.subscriber = subscriber
         self.frames = frames
         self.logger = logger
+        controlChannels = (engine.keys.nodeChannel(engine.configuration.nodeID), engine.keys.broadcastChannel)
         messages = MessageRoutes(engine: engine, subscriber: subscriber, frames: frames, logger: logger)
     }
 
@@ -158,7 +162,7 @@ final class SessionHub: Service, Sendable {
         let added = state.withLockedValue { state -> [String] in
             guard state.sessions[session.id] != nil else { return [] }
             let added = session.addWatched(candidates)
-            for user in added { state.watchers[user, default: []].insert(session.id) }
+            for user in added { state.watchers[user, default: [:]][session.id] = session }
             return added
         }
         if added.count < candidates.count {
@@ -179,9 +183,9 @@ final class SessionHub: Service, Sendable {
         try? await subscriber.release(removed.map { engine.keys.userChannel($0) })
     }
 
-    private static func drop(_ id: String, from user: String, in index: inout [String: Set<String>]) {
-        index[user]?.remove(id)
-        if index[user]?.isEmpty == true { index[user] = nil }
+    private static func drop(_ id: String, from key: String, in index: inout [String: [String: Session]]) {
+        index[key]?[id] = nil
+        if index[key]?.isEmpty == true { index[key] = nil }
     }
 
     /// Subscribes this node to a conversation's channel for `session`, before anything of the
@@ -194,7 +198,7 @@ final class SessionHub: Service, Sendable {
         try? await subscriber.retain([channel])
         let kept = state.withLockedValue { state -> Bool in
             guard state.sessions[session.id] != nil, state.following[session.id, default: []].insert(conversation).inserted else { return false }
-            state.followers[conversation, default: []].insert(session.id)
+            state.followers[conversation, default: [:]][session.id] = session
             return true
         }
         if !kept { try? await subscriber.release([channel]) }
@@ -236,13 +240,13 @@ final class SessionHub: Service, Sendable {
     /// The sessions on this node watching `user`, other than the user's own.
     func watchers(of user: String) -> [Session] {
         state.withLockedValue { state in
-            (state.watchers[user] ?? []).compactMap { state.sessions[$0] }.filter { $0.userID != user }
+            (state.watchers[user]?.values).map { $0.filter { $0.userID != user } } ?? []
         }
     }
 
     /// The sessions following `conversation` on this node.
     func followers(of conversation: String) -> [Session] {
-        state.withLockedValue { state in (state.followers[conversation] ?? []).compactMap { state.sessions[$0] } }
+        state.withLockedValue { state in (state.followers[conversation]?.values).map(Array.init) ?? [] }
     }
 
     /// Every session, for shutdown.
@@ -253,8 +257,14 @@ final class SessionHub: Service, Sendable {
     /// Consumes the subscriber's events until it stops.
     func run() async throws {
         // Sharded pub/sub has no channel for every node: node messages come on the node's own.
-        let control = engine.redis.pubSub == .classic ? [engine.keys.broadcastChannel] : []
-        try? await subscriber.retain([engine.keys.nodeChannel(engine.configuration.nodeID)] + control)
+        let control = engine.redis.pubSub == .classic ? [controlChannels.broadcast] : []
+        // Presence events and typing are delivered on the subscriber connection's loop as they
+        // arrive, not through `events` and this task: one hop between threads fewer per event.
+        subscriber.handleMessages { [weak self] channel, payload in
+            self?.deliverNow(channel: channel, payload: payload) ?? false
+        }
+        defer { subscriber.handleMessages(nil) }
+        try? await subscriber.retain([controlChannels.node] + control)
         let upkeep = Task { await self.followUpkeep() }
         let catchUpRunner = Task { await self.runCatchUps() }
         let membershipRunner = Task { await self.runMembershipWork() }
@@ -266,7 +276,7 @@ final class SessionHub: Service, Sendable {
         for await event in subscriber.events.cancelOnGracefulShutdown() {
             switch event {
             case .message(let channel, let payload):
-                await deliver(channel: channel, payload: payload)
+                deliver(channel: channel, payload: payload)
             case .subscribed(reconnect: true):
                 logger.info("pub/sub reconnected; re-reading the presence every session watches")
                 engine.requestAudit()
@@ -312,58 +322,75 @@ final class SessionHub: Service, Sendable {
         }
     }
 
-    private func deliver(channel: String, payload: [UInt8]) async {
-        if channel == engine.keys.nodeChannel(engine.configuration.nodeID) || channel == engine.keys.broadcastChannel {
+    private func deliver(channel: String, payload: [UInt8]) {
+        if channel == controlChannels.node || channel == controlChannels.broadcast {
             handleControl(payload)
             return
         }
+        if deliverNow(channel: channel, payload: payload) { return }
         if let conversation = engine.keys.conversation(fromChannel: channel) {
-            await deliverConversation(conversation, payload: payload)
+            if engine.decodeMembership(payload) != nil { queueMembership(conversation: conversation) }
             return
         }
         if let conversation = engine.keys.conversation(fromMessageChannel: channel) {
             messages.receive(conversation, payload: payload)
             return
         }
-        guard let user = userOf(channel: channel) else { return }
-        if let event = engine.decodeEvent(payload) {
-            let watchers = state.withLockedValue { state in (state.watchers[user] ?? []).compactMap { state.sessions[$0] } }
-            // Most watchers get the same view: encode it once into a frame's buffer, which every
-            // such watcher's connection then writes, not once per watcher.
-            var encoded: (update: Presence, frame: TextFrame)?
-            for session in watchers {
-                guard let update = event.update(for: session.userID) else { continue }
-                let remembered = session.rememberEvent(update) {
-                    if let encoded, encoded.update == update { return encoded.frame }
-                    let frame = TextFrame(frames.bytes(.presenceUpdate(PresencePayload(update))))
-                    encoded = (update, frame)
-                    return frame
-                }
-                if remembered.tell {
-                    GatewayMetrics.delivered(latencyMilliseconds: engine.estimatedStoreNow() - event.at)
-                }
-                if remembered.statusChanged { session.sendGroupCounts(involving: user) }
+        guard let user = userOf(channel: channel), let membership = engine.decodeMembership(payload) else { return }
+        queueMembership(user: user)
+        // A large group's change comes only on the added and removed users' channels: those
+        // watching a removed user here may have seen them through that group alone.
+        if membership.large, membership.removed.contains(user) { queueDeparture(user) }
+    }
+
+    /// Delivers a presence event or a typing indicator where it arrived (on the subscriber
+    /// connection's event loop, see ``run()``), with no task in between; returns false for
+    /// anything else, which comes through the subscriber's events to ``deliver(channel:payload:)``.
+    /// Whatever it reaches takes a lock and returns: no wait holds the connection's loop.
+    func deliverNow(channel: String, payload: [UInt8]) -> Bool {
+        if let user = userOf(channel: channel) {
+            guard let event = engine.decodeEvent(payload) else { return false }
+            deliverPresence(event, about: user)
+            return true
+        }
+        if let conversation = engine.keys.conversation(fromChannel: channel) {
+            guard let typing = engine.decodeTyping(payload) else { return false }
+            deliverTyping(typing, in: conversation)
+            return true
+        }
+        return false
+    }
+
+    private func deliverPresence(_ event: PresenceEvent, about user: String) {
+        let watchers = state.withLockedValue { state in (state.watchers[user]?.values).map(Array.init) ?? [] }
+        // Most watchers get the same view: encode it once into a frame's buffer, which every
+        // such watcher's connection then writes, not once per watcher.
+        var encoded: (update: Presence, frame: TextFrame)?
+        var latency: Int64?
+        for session in watchers {
+            guard let update = event.update(for: session.userID) else { continue }
+            let remembered = session.rememberEvent(update) {
+                if let encoded, encoded.update == update { return encoded.frame }
+                let frame = TextFrame(frames.bytes(.presenceUpdate(PresencePayload(update))))
+                encoded = (update, frame)
+                return frame
             }
-        } else if let membership = engine.decodeMembership(payload) {
-            queueMembership(user: user)
-            // A large group's change comes only on the added and removed users' channels: those
-            // watching a removed user here may have seen them through that group alone.
-            if membership.large, membership.removed.contains(user) { queueDeparture(user) }
+            if remembered.tell {
+                if latency == nil { latency = engine.estimatedStoreNow() - event.at }
+                GatewayMetrics.delivered(latencyMilliseconds: latency ?? 0)
+            }
+            if remembered.statusChanged { session.sendGroupCounts(involving: user) }
         }
     }
 
     /// Typing goes to the conversation's subscribers (not the typer's own sessions, nor a
-    /// session whose device said offline); a membership change refreshes their counts.
-    private func deliverConversation(_ conversation: String, payload: [UInt8]) async {
-        let followers = state.withLockedValue { state in (state.followers[conversation] ?? []).compactMap { state.sessions[$0] } }
-        if let typing = engine.decodeTyping(payload) {
-            let frame = TextFrame(frames.bytes(.typingUpdate(TypingUpdate(userID: typing.userID, conversationID: conversation, isTyping: typing.isTyping))))
-            for session in followers where session.userID != typing.userID && !session.deviceStatus.saidOffline {
-                session.send(frame)
-                GatewayMetrics.delivered(latencyMilliseconds: engine.estimatedStoreNow() - typing.at)
-            }
-        } else if engine.decodeMembership(payload) != nil {
-            queueMembership(conversation: conversation)
+    /// session whose device said offline).
+    private func deliverTyping(_ typing: TypingEvent, in conversation: String) {
+        let frame = TextFrame(frames.bytes(.typingUpdate(TypingUpdate(userID: typing.userID, conversationID: conversation, isTyping: typing.isTyping))))
+        let latency = engine.estimatedStoreNow() - typing.at
+        for session in followers(of: conversation) where session.userID != typing.userID && !session.deviceStatus.saidOffline {
+            session.send(frame)
+            GatewayMetrics.delivered(latencyMilliseconds: latency)
         }
     }
 

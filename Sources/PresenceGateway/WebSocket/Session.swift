@@ -182,7 +182,10 @@ final class Session: Sendable {
     /// be older than the event.
     func rememberEvent(_ presence: Presence, frame: () -> TextFrame) -> Remembered {
         state.withLockedValue { state -> Remembered in
-            guard state.reading[presence.userID] == nil else {
+            // The sets consulted per event are looked up only when not empty: most sessions
+            // have no read under way, no quiet member and no conversation, and each lookup
+            // hashes the user id again.
+            if !state.reading.isEmpty, state.reading[presence.userID] != nil {
                 state.reading[presence.userID]?.events += 1
                 return Remembered(tell: false, statusChanged: false)
             }
@@ -234,20 +237,22 @@ final class Session: Sendable {
     }
 
     private static func remember(_ presence: Presence, in state: inout State) -> Remembered {
-        guard let entry = state.watched[presence.userID] else { return Remembered(tell: false, statusChanged: false) }
+        guard let index = state.watched.index(forKey: presence.userID) else { return Remembered(tell: false, statusChanged: false) }
+        let entry = state.watched.values[index]
         let old = entry?.status ?? .offline
         if let known = entry, known.status == presence.status, known.status != .offline || known.lastSeen == presence.lastSeen {
             return Remembered(tell: false, statusChanged: false)
         }
-        state.watched[presence.userID] = presence
+        state.watched.values[index] = presence
         let changed = old != presence.status
-        if changed {
+        if changed, !state.memberOf.isEmpty {
             for conversation in state.memberOf[presence.userID] ?? [] {
                 state.conversations[conversation]?.counts.count(old, -1)
                 state.conversations[conversation]?.counts.count(presence.status, +1)
             }
         }
-        return Remembered(tell: !state.quiet.contains(presence.userID), statusChanged: changed)
+        let quiet = !state.quiet.isEmpty && state.quiet.contains(presence.userID)
+        return Remembered(tell: !quiet, statusChanged: changed)
     }
 
     /// Starts following a conversation. Members of a large one are watched for its counts only
@@ -312,6 +317,7 @@ final class Session: Sendable {
     /// whose counts changed since last sent; with an `id`, sends them regardless (an answer).
     func sendGroupCounts(involving user: String? = nil, id: String? = nil) {
         let texts: [String] = state.withLockedValue { state in
+            guard !state.conversations.isEmpty else { return [] }
             let conversations = user.map { state.memberOf[$0].map(Array.init) ?? [] } ?? Array(state.conversations.keys)
             return Self.groupFrames(conversations, id: id, frames: frames, in: &state)
         }

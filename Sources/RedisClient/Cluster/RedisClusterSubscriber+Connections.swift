@@ -80,7 +80,7 @@ extension RedisClusterSubscriber {
         case .message:
             // A released channel's messages can still arrive until Redis has its SUNSUBSCRIBE.
             guard state.withLockedValue({ $0.references[push.channel] != nil }) else { return }
-            continuation.yield(.message(channel: push.channel, payload: push.payload))
+            outlet.deliver(channel: push.channel, payload: push.payload)
         case .shardUnsubscribed:
             let dropped: Int? = state.withLockedValue { state in
                 if let expected = state.unsubscribing[link]?[push.channel] {

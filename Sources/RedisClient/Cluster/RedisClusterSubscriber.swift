@@ -30,6 +30,7 @@ public final class RedisClusterSubscriber: RedisChannelSubscriber {
     /// Messages and connection changes, in order; finishes when `run()` returns.
     public let events: AsyncStream<RedisSubscriberEvent>
     let continuation: AsyncStream<RedisSubscriberEvent>.Continuation
+    let outlet: MessageOutlet
     let eventLoopGroup: any EventLoopGroup
     let logger: Logger
     let state = NIOLockedValueBox(State())
@@ -90,6 +91,7 @@ public final class RedisClusterSubscriber: RedisChannelSubscriber {
         self.eventLoopGroup = eventLoopGroup
         self.logger = logger
         (events, continuation) = AsyncStream.makeStream(of: RedisSubscriberEvent.self)
+        outlet = MessageOutlet(continuation)
         (work, workContinuation) = AsyncStream.makeStream(of: Link.self)
         (repairs, repairContinuation) = AsyncStream.makeStream(of: Void.self, bufferingPolicy: .bufferingNewest(1))
     }
@@ -346,6 +348,10 @@ public final class RedisClusterSubscriber: RedisChannelSubscriber {
     }
 
     /// Stops the subscriber and closes its connections; later changes throw.
+    public func handleMessages(_ handler: (@Sendable (_ channel: String, _ payload: [UInt8]) -> Bool)?) {
+        outlet.set(handler)
+    }
+
     public func shutdown() {
         let links = state.withLockedValue { state in
             state.shutdown = true
