@@ -310,10 +310,12 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
         return !unflushed
     }
 
-    /// Flushes what ``enqueue(_:)`` wrote.
+    /// Flushes what ``enqueue(_:)`` wrote, from the encoder's context where there is one: a
+    /// flush only passes the encoder, and every handler it passes costs each connection of a
+    /// fan-out.
     func flush() {
         unflushed = false
-        context?.flush()
+        (rawContext ?? context)?.flush()
     }
 
     /// Codes that fail the connection (RFC 6455 7.1.7): the client broke the protocol or a limit
