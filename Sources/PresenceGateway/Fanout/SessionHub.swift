@@ -347,7 +347,7 @@ final class SessionHub: Service, Sendable {
     /// connection's event loop, see ``run()``), with no task in between; returns false for
     /// anything else, which comes through the subscriber's events to ``deliver(channel:payload:)``.
     /// Whatever it reaches takes a lock and returns: no wait holds the connection's loop.
-    func deliverNow(channel: String, payload: [UInt8]) -> Bool {
+    private func deliverNow(channel: String, payload: [UInt8]) -> Bool {
         if let user = userOf(channel: channel) {
             guard let event = engine.decodeEvent(payload) else { return false }
             deliverPresence(event, about: user)
@@ -361,12 +361,14 @@ final class SessionHub: Service, Sendable {
         return false
     }
 
+    /// A presence event to the sessions here watching `user`: each is told what it may see of
+    /// it, unless it knows already.
     private func deliverPresence(_ event: PresenceEvent, about user: String) {
         let watchers = state.withLockedValue { state in (state.watchers[user]?.values).map(Array.init) ?? [] }
         // Most watchers get the same view: encode it once into a frame's buffer, which every
         // such watcher's connection then writes, not once per watcher.
         var encoded: (update: Presence, frame: TextFrame)?
-        var latency: Int64?
+        var told = 0
         for session in watchers {
             guard let update = event.update(for: session.userID) else { continue }
             let remembered = session.rememberEvent(update) {
@@ -375,23 +377,22 @@ final class SessionHub: Service, Sendable {
                 encoded = (update, frame)
                 return frame
             }
-            if remembered.tell {
-                if latency == nil { latency = engine.estimatedStoreNow() - event.at }
-                GatewayMetrics.delivered(latencyMilliseconds: latency ?? 0)
-            }
+            if remembered.tell { told += 1 }
             if remembered.statusChanged { session.sendGroupCounts(involving: user) }
         }
+        if told > 0 { GatewayMetrics.delivered(told, latencyMilliseconds: engine.estimatedStoreNow() - event.at) }
     }
 
     /// Typing goes to the conversation's subscribers (not the typer's own sessions, nor a
     /// session whose device said offline).
     private func deliverTyping(_ typing: TypingEvent, in conversation: String) {
         let frame = TextFrame(frames.bytes(.typingUpdate(TypingUpdate(userID: typing.userID, conversationID: conversation, isTyping: typing.isTyping))))
-        let latency = engine.estimatedStoreNow() - typing.at
+        var told = 0
         for session in followers(of: conversation) where session.userID != typing.userID && !session.deviceStatus.saidOffline {
             session.send(frame)
-            GatewayMetrics.delivered(latencyMilliseconds: latency)
+            told += 1
         }
+        if told > 0 { GatewayMetrics.delivered(told, latencyMilliseconds: engine.estimatedStoreNow() - typing.at) }
     }
 
     private func userOf(channel: String) -> String? {

@@ -17,7 +17,8 @@ enum GatewayMetrics {
 
     private static let sessionGauge = Gauge(label: "presence_sessions")
     private static let framesSent = Counter(label: "presence_frames_sent_total")
-    private static let deliveries = Metrics.Timer(label: "presence_delivery_latency_seconds")
+    /// Recorded once per event for all the watchers it reached here, not through swift-metrics.
+    private static let deliveries = LatencyHistogram(name: "presence_delivery_latency_seconds")
     private static let transitions = Counter(label: "presence_transitions_total")
 
     private static let connectionGauge = Gauge(label: "presence_connections")
@@ -50,8 +51,9 @@ enum GatewayMetrics {
 
     static func frameSent() { framesSent.increment() }
     static func transition() { transitions.increment() }
-    static func delivered(latencyMilliseconds: Int64) {
-        deliveries.recordNanoseconds(max(0, latencyMilliseconds) * 1_000_000)
+    /// `count` sessions were handed one event, `latencyMilliseconds` after Redis stored it.
+    static func delivered(_ count: Int, latencyMilliseconds: Int64) {
+        deliveries.record(milliseconds: latencyMilliseconds, count: count)
     }
     private static let messagesSent = Counter(label: "presence_messages_sent_total")
     private static let messagesDelivered = Counter(label: "presence_messages_delivered_total")
@@ -73,6 +75,7 @@ enum GatewayMetrics {
     static func render() -> String {
         var buffer: [UInt8] = []
         registry.emit(into: &buffer)
+        deliveries.emit(into: &buffer)
         return String(decoding: buffer, as: UTF8.self)
     }
 }

@@ -347,11 +347,11 @@ public final class RedisClusterSubscriber: RedisChannelSubscriber {
         continuation.finish()
     }
 
-    /// Stops the subscriber and closes its connections; later changes throw.
     public func handleMessages(_ handler: (@Sendable (_ channel: String, _ payload: [UInt8]) -> Bool)?) {
         outlet.set(handler)
     }
 
+    /// Stops the subscriber and closes its connections; later changes throw.
     public func shutdown() {
         let links = state.withLockedValue { state in
             state.shutdown = true
