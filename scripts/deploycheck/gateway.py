@@ -71,14 +71,16 @@ def variable_rules(settings):
 
 
 def metric_names(tree):
-    """Every metric name a swift-metrics Counter, Gauge, Timer... is created with in Sources/. The
-    Prometheus backend exports timers and recorders as histograms: _bucket, _count and _sum."""
-    created = r'\b(Counter|FloatingPointCounter|Gauge|Meter|Timer|Recorder)\(\s*label:\s*"([^"]+)"'
+    """Every metric name a swift-metrics Counter, Gauge, Timer... is created with in Sources/, and
+    every LatencyHistogram's (the gateway's own, written beside the registry). The Prometheus
+    backend exports timers and recorders as histograms: _bucket, _count and _sum."""
+    created = r'\b(Counter|FloatingPointCounter|Gauge|Meter|Timer|Recorder|LatencyHistogram)\(\s*(?:label|name):\s*"([^"]+)"'
+    histograms = ("Timer", "Recorder", "LatencyHistogram")
     names = set()
     for path in glob.glob(os.path.join(tree.root, "Sources/**/*.swift"), recursive=True):
         with open(path, encoding="utf-8") as f:
             for kind, name in re.findall(created, f.read()):
-                suffixes = ("", "_bucket", "_count", "_sum") if kind in ("Timer", "Recorder") else ("",)
+                suffixes = ("", "_bucket", "_count", "_sum") if kind in histograms else ("",)
                 names |= {name + s for s in suffixes}
     return names
 

@@ -15,7 +15,8 @@ guard ["redis", "rediss"].contains(scheme) || scheme == "redis+sentinel" else { 
 METRICS_SOURCE = """\
 let errors = Counter(label: "presence_errors_total", dimensions: [("code", code)])
 let delivery = Timer(
-    label: "presence_delivery_latency_seconds")
+    label: "presence_message_delivery_latency_seconds")
+let deliveries = LatencyHistogram(name: "presence_delivery_latency_seconds")
 """
 
 
@@ -49,6 +50,8 @@ class ReadSourcesTests(TreeCase):
         self.assertEqual(tree.facts.variables["PRESENCE_VISIBILITY"], {"conversations", "open"})
         self.assertEqual(tree.facts.lease_ttl(), 10)
         self.assertIn("presence_delivery_latency_seconds_bucket", tree.facts.metrics)
+        self.assertIn("presence_delivery_latency_seconds_sum", tree.facts.metrics)
+        self.assertIn("presence_message_delivery_latency_seconds_count", tree.facts.metrics)
         self.assertIn("presence_errors_total", tree.facts.metrics)
 
     def test_schema_without_a_checked_setting_fails(self):
