@@ -3,10 +3,11 @@ import Foundation
 import NIOConcurrencyHelpers
 import PresenceProtocol
 
-/// The instructions one node executes per status change and per delivery, counted by valgrind's
-/// callgrind over a fixed scenario. CPU time on a shared machine moves by tens of percent from
-/// one run to the next and this VM has no hardware counters; an instruction count of the same
-/// scenario moves by little, so a 5 % change of the code shows.
+/// The instructions one node executes per status change and per delivery, and per message sent
+/// and per delivered message, counted by valgrind's callgrind over a fixed scenario. CPU time on
+/// a shared machine moves by tens of percent from one run to the next and this VM has no hardware
+/// counters; an instruction count of the same scenario moves by little, so a 5 % change of the
+/// code shows.
 struct InstructionScenario: AsyncParsableCommand {
     static let configuration = CommandConfiguration(
         commandName: "instructions",
@@ -18,6 +19,8 @@ struct InstructionScenario: AsyncParsableCommand {
         before and after each series, and over an idle stretch to take out what timers cost
         meanwhile; a change's instructions (its frame, its script's reply, the event heard back)
         and a delivery's (one more watcher) come apart by the difference of the two series.
+        Messages the same way: --users conversations of two members (a sender and a reader),
+        then --users of a sender and --watchers readers, each sender sending --changes messages.
         Slow: under callgrind the node runs tens of times slower than natively.
         """
     )
@@ -57,7 +60,11 @@ struct InstructionScenario: AsyncParsableCommand {
         try FileManager.default.setAttributes([.posixPermissions: 0o755], ofItemAtPath: wrapper.path)
 
         progress("instructions: starting a node under callgrind")
-        let nodes = try await NodeProcesses(count: 1, redisURL: options.common.redisURL, binary: wrapper.path, readyWithin: .seconds(300))
+        // The node's audit (every three lease lives: 30 s by default) reads all of its devices at
+        // once, tens of millions of instructions under callgrind, and would land in one series
+        // and not in another: with a 60 s lease it comes at the start and not again for 180 s.
+        let nodes = try await NodeProcesses(count: 1, redisURL: options.common.redisURL, binary: wrapper.path,
+                                            environment: ["PRESENCE_LEASE_TTL": "60"], readyWithin: .seconds(300))
         defer { nodes.stop() }
         endProgress()
         let counter = InstructionCounter(
@@ -110,13 +117,21 @@ struct InstructionScenario: AsyncParsableCommand {
         let solo = try await counter.measure("solo") { try await series("solo", changers[..<users], watchers: 1) }
         let star = try await counter.measure("star") { try await series("star", changers[users...], watchers: watchers) }
         // Timers (pings, lease renewals, upkeep) run during the series too: their rate, taken
-        // over a stretch with no change as long as the longer series, is taken out of both.
+        // over a stretch with nothing sent as long as the longer series, is taken out of both.
         let idle = try await counter.measure("idle") { try await Task.sleep(for: max(solo.duration, star.duration)) }
         let idleRate = Double(idle.instructions) / seconds(idle.duration)
-        let net = { (window: InstructionCounter.Window) in Double(window.instructions) - idleRate * seconds(window.duration) }
+        // The members' sessions of the message series add timers of their own: their series
+        // get an idle stretch of their own, after them.
+        let messages = try await messageSeries(fleet: fleet, nodes: nodes, counter: counter)
+        let membersIdle = try await counter.measure("members-idle") { try await Task.sleep(for: max(messages.pair.duration, messages.room.duration)) }
+        let membersIdleRate = Double(membersIdle.instructions) / seconds(membersIdle.duration)
+        let net = { (window: InstructionCounter.Window, rate: Double) in Double(window.instructions) - rate * seconds(window.duration) }
         let count = Double(changes * users)
-        let perDelivery = (net(star) - net(solo)) / (count * Double(watchers - 1))
-        let perChange = net(solo) / count - perDelivery
+        let perDelivery = (net(star, idleRate) - net(solo, idleRate)) / (count * Double(watchers - 1))
+        let perChange = net(solo, idleRate) / count - perDelivery
+        // A pair's message reaches two sessions (the sender's own and the reader's).
+        let perMessageDelivery = (net(messages.room, membersIdleRate) - net(messages.pair, membersIdleRate)) / (count * Double(watchers - 1))
+        let perSend = net(messages.pair, membersIdleRate) / count - 2 * perMessageDelivery
         await fleet.shutdown()
         if let profile { try counter.keepDumps(in: URL(fileURLWithPath: profile)) }
         let millions = { (value: Double) in String(format: "%.1f M", value / 1e6) }
@@ -125,13 +140,22 @@ struct InstructionScenario: AsyncParsableCommand {
             ("per delivery (one more watcher)", String(format: "%.0f", perDelivery)),
             ("series, 1 watcher each", "\(millions(Double(solo.instructions))) in \(String(format: "%.1f", seconds(solo.duration))) s"),
             ("series, \(watchers) watchers each", "\(millions(Double(star.instructions))) in \(String(format: "%.1f", seconds(star.duration))) s"),
+            ("per message sent (its two deliveries taken out)", String(format: "%.0f", perSend)),
+            ("per delivered message (one more member)", String(format: "%.0f", perMessageDelivery)),
+            ("messages, conversations of 2", "\(millions(Double(messages.pair.instructions))) in \(String(format: "%.1f", seconds(messages.pair.duration))) s"),
+            ("messages, conversations of \(watchers + 1)", "\(millions(Double(messages.room.instructions))) in \(String(format: "%.1f", seconds(messages.room.duration))) s"),
             ("idle (timers)", String(format: "%.0f a second", idleRate)),
+            ("idle with the members' sessions", String(format: "%.0f a second", membersIdleRate)),
         ], json: ["scenario": "instructions", "users": users, "watchers": watchers, "changes": changes,
                   "instructions_per_change": perChange, "instructions_per_delivery": perDelivery,
-                  "idle_instructions_per_second": idleRate,
+                  "instructions_per_message_sent": perSend, "instructions_per_message_delivery": perMessageDelivery,
+                  "idle_instructions_per_second": idleRate, "members_idle_instructions_per_second": membersIdleRate,
                   "series": ["solo": ["instructions": solo.instructions, "seconds": seconds(solo.duration)],
                              "star": ["instructions": star.instructions, "seconds": seconds(star.duration)],
-                             "idle": ["instructions": idle.instructions, "seconds": seconds(idle.duration)]]], to: options.json)
+                             "pair": ["instructions": messages.pair.instructions, "seconds": seconds(messages.pair.duration)],
+                             "room": ["instructions": messages.room.instructions, "seconds": seconds(messages.room.duration)],
+                             "idle": ["instructions": idle.instructions, "seconds": seconds(idle.duration)],
+                             "members-idle": ["instructions": membersIdle.instructions, "seconds": seconds(membersIdle.duration)]]], to: options.json)
     }
 }
 

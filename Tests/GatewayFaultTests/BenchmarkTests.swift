@@ -102,12 +102,16 @@ struct BenchmarkTests {
         let result = try run(["instructions", "--users", "2", "--watchers", "10", "--changes", "5", "--valgrind", Self.valgrind, "--profile", profile.path])
         let series = result["series"] as? [String: [String: Double]] ?? [:]
         let instructions = { (name: String) in series[name]?["instructions"] ?? 0 }
-        // Ten deliveries a change against one: the second series cannot cost less.
+        // Ten deliveries a change against one: the second series cannot cost less; nor can a
+        // message to eleven members' sessions cost less than one to two.
         #expect(instructions("solo") > 0 && instructions("idle") > 0 && instructions("star") > instructions("solo"), "\(series)")
-        #expect((result["instructions_per_delivery"] as? Double)?.isFinite == true)
+        #expect(instructions("members-idle") > 0 && instructions("room") > instructions("pair"), "\(series)")
+        for name in ["instructions_per_delivery", "instructions_per_message_sent", "instructions_per_message_delivery"] {
+            #expect((result[name] as? Double)?.isFinite == true, "\(name)")
+        }
         // Each stretch's dump kept for callgrind_annotate, its total the one printed.
         let kept = Set((try? FileManager.default.contentsOfDirectory(atPath: profile.path)) ?? [])
-        #expect(kept == ["solo.callgrind", "star.callgrind", "idle.callgrind"], "\(kept)")
+        #expect(kept == ["solo.callgrind", "star.callgrind", "idle.callgrind", "pair.callgrind", "room.callgrind", "members-idle.callgrind"], "\(kept)")
         let soloDump = (try? String(contentsOf: profile.appendingPathComponent("solo.callgrind"), encoding: .utf8)) ?? ""
         #expect(soloDump.split(separator: "\n").contains("summary: \(Int(instructions("solo")))"))
     }
