@@ -220,6 +220,6 @@ extension PresenceEngine {
 
     /// Decodes a message or receipt published on a message channel; `nil` for anything else.
     public func decodeMessageEvent(_ payload: [UInt8]) -> MessageEvent? {
-        (try? JSONDecoder().decode(PublishedMessageEvent.self, from: Data(payload)))?.event
+        (PublishedMessageEvent(direct: payload) ?? (try? JSONDecoder().decode(PublishedMessageEvent.self, from: Data(payload))))?.event
     }
 }

@@ -1,7 +1,7 @@
 // The frames of the hot paths, read and written without Foundation's coders (see
-// JSONText.swift): a change's `status` or `typing` frame and its answer, and every update a
-// watcher or a member gets. Each gives the same result as the Codable path, byte for byte where
-// it writes (`JSONTextTests`); anything else goes through the Codable path.
+// JSONText.swift): a change's `status` or `typing` frame and its answer, a message's `send`, and
+// every update a watcher or a member gets. Each gives the same result as the Codable path, byte
+// for byte where it writes (`JSONTextTests`); anything else goes through the Codable path.
 
 extension ServerMessage {
     /// The frame's JSON text as ``FrameCoder`` writes it, or `nil` for a frame that only the
@@ -92,8 +92,8 @@ extension MessagePayload {
 }
 
 extension ClientMessage {
-    /// The frames a session sends most (`ping`, `status`, `typing`, `delivered`, `read`) read
-    /// directly; `nil` for any other frame and for anything this reading is not sure of (an
+    /// The frames a session sends most (`ping`, `status`, `typing`, `send`, `delivered`, `read`)
+    /// read directly; `nil` for any other frame and for anything this reading is not sure of (an
     /// error among them), which ``FrameCoder`` then reads through `Codable` for its result and
     /// its words.
     static func direct(_ bytes: some Collection<UInt8>, ids: PresenceIDFormat) -> ClientMessage? {
@@ -124,11 +124,41 @@ extension ClientMessage {
         case "typing":
             guard let conversation = conversation(), let isTyping = data?["is_typing"]?.bool else { return nil }
             return ClientMessage(.typing(conversationID: conversation, isTyping: isTyping), id: id)
+        case "send":
+            guard let conversation = conversation(), let draft = data.flatMap({ MessageDraft(direct: $0, conversation: conversation) }) else { return nil }
+            return ClientMessage(.send(draft), id: id)
         case "delivered", "read":
             guard let conversation = conversation(), let seq = seq() else { return nil }
             return ClientMessage(type == "read" ? .read(conversationID: conversation, seq: seq) : .delivered(conversationID: conversation, seq: seq), id: id)
         default:
             return nil
+        }
+    }
+}
+
+extension MessageDraft {
+    /// A `send` frame's `data` as ``ClientMessage/init(from:)`` reads it; `nil` where that
+    /// reading would refuse it (it then says why).
+    fileprivate init?(direct data: JSONValue, conversation: String) {
+        guard let clientID = data["client_message_id"]?.string, let text = data["text"]?.string else { return nil }
+        self.init(conversationID: conversation, clientMessageID: clientID, text: text)
+        // Each optional field: absent and null alike leave it unset.
+        switch data["type"] {
+        case nil, .null?: break
+        case .string(let type)? where type == "text" || type == "image": self.type = type
+        default: return nil
+        }
+        switch data["image_url"] {
+        case nil, .null?: break
+        case .string(let url)?: imageURL = url
+        default: return nil
+        }
+        switch data["client_created_at"] {
+        case nil, .null?: break
+        case .string(let moment)?:
+            guard let milliseconds = PresenceTimestamp.milliseconds(moment), milliseconds >= 0 else { return nil }
+            clientCreatedAt = milliseconds
+        default: return nil
         }
     }
 }

@@ -63,6 +63,8 @@ struct PublishedEventTests {
                 let message = try #require(await next(on: keys.messageChannel("chat")))
                 #expect(Self.keys(message) == Self.keys(PublishedMessage.CodingKeys.self), "message: \(String(decoding: message, as: UTF8.self))")
                 #expect(engine.decodeMessageEvent(message) == .message(sent), "the script's event reads as the stored message")
+                let directMessage = try #require(PublishedMessageEvent(direct: message), "the script's message event is read without JSONDecoder")
+                #expect(directMessage == (try JSONDecoder().decode(PublishedMessageEvent.self, from: Data(message))))
                 // A send with replicas publishes from Swift: the same keys, the same message.
                 let replicated = PresenceEngine.messageEvent(sent)
                 #expect(Self.keys(replicated) == Self.keys(message))
@@ -71,6 +73,8 @@ struct PublishedEventTests {
                 _ = try await engine.moveCursor(.read, of: "bo", in: "chat", to: sent.seq)
                 let receipt = try #require(await next(on: keys.messageChannel("chat")))
                 #expect(Self.keys(receipt) == Self.keys(PublishedReceipt.CodingKeys.self), "receipt: \(String(decoding: receipt, as: UTF8.self))")
+                let directReceipt = try #require(PublishedMessageEvent(direct: receipt), "the script's receipt is read without JSONDecoder")
+                #expect(directReceipt == (try JSONDecoder().decode(PublishedMessageEvent.self, from: Data(receipt))))
                 #expect(engine.decodeMessageEvent(receipt) == .receipt(conversationID: "chat", epoch: sent.epoch, userID: "bo",
                                                                       cursors: Cursors(deliveredSeq: sent.seq, readSeq: sent.seq)))
             }
@@ -109,10 +113,9 @@ struct PublishedEventTests {
         }
     }
 
-    @Test("a presence event read directly is what JSONDecoder reads, on seeded mutations of one")
-    func directPresenceMatchesDecoder() throws {
-        let seed: UInt64 = 0x5EED_0034
-        print("PublishedEventTests.directPresenceMatchesDecoder: seed \(seed), 4,000 mutations")
+    /// Seeded mutations of `whole` (a byte dropped or replaced, a token put in), each read by
+    /// `direct`; returns how many it read, after checking each against `decoder`.
+    static func mutations<Value: Equatable>(of whole: String, seed: UInt64, direct: ([UInt8]) -> Value?, decoder: ([UInt8]) -> Value?) -> Int {
         var state = seed
         func next(_ bound: Int) -> Int {
             state &+= 0x9E37_79B9_7F4A_7C15
@@ -121,12 +124,11 @@ struct PublishedEventTests {
             z = (z ^ (z >> 27)) &* 0x94D0_49BB_1331_11EB
             return Int((z ^ (z >> 31)) % UInt64(bound))
         }
-        let whole = Array(#"{"type":"presence","user_id":"u-1","status":"away","last_seen":1764345600123,"public_status":"offline","public_last_seen":0,"changed":true,"public_changed":false,"at":1764345600124}"#.utf8)
-        #expect(PublishedPresence(direct: whole) == (try JSONDecoder().decode(PublishedPresence.self, from: Data(whole))))
-        let tokens = ["\"", "\\", "\\u00e9", "-", "0", "1.5", "1e3", "null", "true", "false", "[]", "{}", ",", ":", " ", "\"at\":1,", "\"x\":{\"y\":[1]},"]
+        let tokens = ["\"", "\\", "\\u00e9", "-", "0", "1.5", "1e3", "null", "true", "false", "[]", "{}", ",", ":", " ", "\"at\":1,", "\"x\":{\"y\":[1]},",
+                      "\"type\":\"receipt\",", "\"seq\":2,", "\\/"]
         var read = 0
         for _ in 0..<4_000 {
-            var bytes = whole
+            var bytes = Array(whole.utf8)
             for _ in 0..<(1 + next(2)) {
                 let at = next(bytes.count + 1)
                 switch next(3) {
@@ -135,11 +137,38 @@ struct PublishedEventTests {
                 default: bytes.insert(contentsOf: tokens[next(tokens.count)].utf8, at: at)
                 }
             }
-            guard let direct = PublishedPresence(direct: bytes) else { continue }
+            guard let value = direct(bytes) else { continue }
             read += 1
-            #expect(direct == (try? JSONDecoder().decode(PublishedPresence.self, from: Data(bytes))), "\(String(decoding: bytes, as: UTF8.self))")
+            #expect(value == decoder(bytes), "\(String(decoding: bytes, as: UTF8.self))")
         }
+        return read
+    }
+
+    @Test("a presence event read directly is what JSONDecoder reads, on seeded mutations of one")
+    func directPresenceMatchesDecoder() throws {
+        let seed: UInt64 = 0x5EED_0034
+        print("PublishedEventTests.directPresenceMatchesDecoder: seed \(seed), 4,000 mutations")
+        let whole = #"{"type":"presence","user_id":"u-1","status":"away","last_seen":1764345600123,"public_status":"offline","public_last_seen":0,"changed":true,"public_changed":false,"at":1764345600124}"#
+        #expect(PublishedPresence(direct: Array(whole.utf8)) == (try JSONDecoder().decode(PublishedPresence.self, from: Data(whole.utf8))))
+        let read = Self.mutations(of: whole, seed: seed, direct: { PublishedPresence(direct: $0) },
+                                  decoder: { try? JSONDecoder().decode(PublishedPresence.self, from: Data($0)) })
         print("PublishedEventTests.directPresenceMatchesDecoder: \(read) mutated events read directly, each as JSONDecoder reads it")
         #expect(read > 300, "the mutations reach the direct reading, not only its refusals")
+    }
+
+    @Test("a message or a receipt read directly is what JSONDecoder reads, on seeded mutations of each")
+    func directMessageEventsMatchDecoder() throws {
+        let seed: UInt64 = 0x5EED_0035
+        print("PublishedEventTests.directMessageEventsMatchDecoder: seed \(seed), 4,000 mutations of each")
+        let message = #"{"type":"message","conversation_id":"c-1","epoch":"e7","seq":12,"id":"m-9","sender_id":"u-1","client_message_id":"k\/1","message_type":"text","text":"h\u00e9llo \"you\"\n","image_url":"","created_at":1764345600123,"client_created_at":"1764345600000"}"#
+        let receipt = #"{"type":"receipt","conversation_id":"c-1","epoch":"e7","user_id":"u-2","delivered_seq":12,"read_seq":11}"#
+        for (kind, whole) in [("message", message), ("receipt", receipt)] {
+            let direct = try #require(PublishedMessageEvent(direct: Array(whole.utf8)))
+            #expect(direct == (try JSONDecoder().decode(PublishedMessageEvent.self, from: Data(whole.utf8))))
+            let read = Self.mutations(of: whole, seed: seed, direct: { PublishedMessageEvent(direct: $0) },
+                                      decoder: { try? JSONDecoder().decode(PublishedMessageEvent.self, from: Data($0)) })
+            print("PublishedEventTests.directMessageEventsMatchDecoder: \(read) mutated \(kind)s read directly, each as JSONDecoder reads it")
+            #expect(read > 100, "the mutations reach the direct reading, not only its refusals")
+        }
     }
 }

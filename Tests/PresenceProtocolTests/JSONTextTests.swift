@@ -111,7 +111,10 @@ struct JSONTextTests {
         case 3: .delivered(conversationID: conversation, seq: Int64.random(in: 0...Int64.max, using: &random))
         case 4: .read(conversationID: conversation, seq: Int64.random(in: 0...9, using: &random))
         case 5: .subscribe(.users([conversation, id(&random)]))
-        case 6: .send(MessageDraft(conversationID: conversation, clientMessageID: text(&random), text: text(&random)))
+        case 6:
+            .send(MessageDraft(conversationID: conversation, clientMessageID: text(&random), text: text(&random),
+                               type: Bool.random(using: &random) ? "text" : "image", imageURL: Bool.random(using: &random) ? text(&random) : nil,
+                               clientCreatedAt: Bool.random(using: &random) ? moment(&random) : nil))
         default: .sync([SyncPosition(conversationID: conversation, afterSeq: 3)])
         }
         return ClientMessage(frame, id: Bool.random(using: &random) ? text(&random) : nil)
@@ -122,7 +125,8 @@ struct JSONTextTests {
     static func mutate(_ text: String, _ random: inout Seeded) -> [UInt8] {
         var bytes = Array(text.utf8)
         let tokens = ["\"", "\\", "\\u", "\\ud83d", "\\ude00", "\\u00e9", "-", "-0", "0", "01", "1.0", "1e3", "9223372036854775808", "-9223372036854775808",
-                      "null", "true", "[]", "{}", ",", ":", " ", "\u{0}", "\u{FEFF}", "\"status\":\"away\"", "\"type\":\"ping\"", "\"data\":{}", "\"id\":1"]
+                      "null", "true", "[]", "{}", ",", ":", " ", "\u{0}", "\u{FEFF}", "\"status\":\"away\"", "\"type\":\"ping\"", "\"data\":{}", "\"id\":1",
+                      "\"type\":\"video\",", "\"image_url\":null,", "\"client_created_at\":\"2026-11-21T12:00:00.123Z\",", "1969-12-31T23:59:59Z"]
         for _ in 0..<Int.random(in: 1...3, using: &random) {
             let at = Int.random(in: 0...bytes.count, using: &random)
             switch Int.random(in: 0..<4, using: &random) {
@@ -151,7 +155,7 @@ struct JSONTextTests {
                 let text = String(decoding: try writer.encode(message), as: UTF8.self)
                 let direct = ClientMessage.direct(text.utf8, ids: format)
                 switch message.frame {
-                case .ping, .status, .typing, .delivered, .read:
+                case .ping, .status, .typing, .send, .delivered, .read:
                     hot += 1
                     #expect(direct == message, "round \(round): a whole \(message.frame.type) frame is read directly: \(text)")
                 default:

@@ -65,6 +65,24 @@ enum PublishedMessageEvent: Decodable, Equatable {
         }
     }
 
+    /// The event from its JSON without Foundation's decoder (a message is read once per send,
+    /// on every node with a member's session); `nil` where the reading is not sure, for
+    /// `JSONDecoder` to try.
+    init?(direct payload: [UInt8]) {
+        guard let json = JSONValue.parse(payload), json.isObject else { return nil }
+        switch json["type"]?.string {
+        case "message"?:
+            guard let message = PublishedMessage(direct: json) else { return nil }
+            self = .message(message)
+        case "receipt"?:
+            guard let conversation = json["conversation_id"]?.string, let epoch = json["epoch"]?.string, let user = json["user_id"]?.string,
+                  let delivered = json["delivered_seq"]?.integer, let read = json["read_seq"]?.integer else { return nil }
+            self = .receipt(PublishedReceipt(conversationID: conversation, epoch: epoch, userID: user, deliveredSeq: delivered, readSeq: read))
+        default:
+            return nil
+        }
+    }
+
     /// What the engine's callers get.
     var event: MessageEvent? {
         switch self {
@@ -111,6 +129,16 @@ struct PublishedMessage: Codable, Equatable {
         imageURL = message.imageURL ?? ""
         createdAt = message.createdAt
         clientCreatedAt = message.clientCreatedAt.map { String($0) } ?? ""
+    }
+
+    /// ``PublishedMessageEvent/init(direct:)``'s reading of a message event's object.
+    fileprivate init?(direct json: JSONValue) {
+        guard let conversation = json["conversation_id"]?.string, let epoch = json["epoch"]?.string, let seq = json["seq"]?.integer,
+              let id = json["id"]?.string, let sender = json["sender_id"]?.string, let clientID = json["client_message_id"]?.string,
+              let messageType = json["message_type"]?.string, let text = json["text"]?.string, let imageURL = json["image_url"]?.string,
+              let createdAt = json["created_at"]?.integer, let clientCreatedAt = json["client_created_at"]?.string else { return nil }
+        (conversationID, self.epoch, self.seq, self.id, senderID, clientMessageID) = (conversation, epoch, seq, id, sender, clientID)
+        (self.messageType, self.text, self.imageURL, self.createdAt, self.clientCreatedAt) = (messageType, text, imageURL, createdAt, clientCreatedAt)
     }
 
     /// The message; `nil` for a type this node does not know, or without its id, sender or
