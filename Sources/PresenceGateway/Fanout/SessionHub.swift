@@ -258,8 +258,9 @@ final class SessionHub: Service, Sendable {
     func run() async throws {
         // Sharded pub/sub has no channel for every node: node messages come on the node's own.
         let control = engine.redis.pubSub == .classic ? [controlChannels.broadcast] : []
-        // Presence events and typing are delivered on the subscriber connection's loop as they
-        // arrive, not through `events` and this task: one hop between threads fewer per event.
+        // Presence events, typing, messages and receipts are delivered on the subscriber
+        // connection's loop as they arrive, not through `events` and this task: one hop between
+        // threads fewer per event. A channel's messages all take the same way, in order.
         subscriber.handleMessages { [weak self] channel, payload in
             self?.deliverNow(channel: channel, payload: payload) ?? false
         }
@@ -332,10 +333,6 @@ final class SessionHub: Service, Sendable {
             if engine.decodeMembership(payload) != nil { queueMembership(conversation: conversation) }
             return
         }
-        if let conversation = engine.keys.conversation(fromMessageChannel: channel) {
-            messages.receive(conversation, payload: payload)
-            return
-        }
         guard let user = userOf(channel: channel), let membership = engine.decodeMembership(payload) else { return }
         queueMembership(user: user)
         // A large group's change comes only on the added and removed users' channels: those
@@ -343,11 +340,16 @@ final class SessionHub: Service, Sendable {
         if membership.large, membership.removed.contains(user) { queueDeparture(user) }
     }
 
-    /// Delivers a presence event or a typing indicator where it arrived (on the subscriber
-    /// connection's event loop, see ``run()``), with no task in between; returns false for
-    /// anything else, which comes through the subscriber's events to ``deliver(channel:payload:)``.
-    /// Whatever it reaches takes a lock and returns: no wait holds the connection's loop.
+    /// Delivers a presence event, a typing indicator, a message or a receipt where it arrived
+    /// (on the subscriber connection's event loop, see ``run()``), with no task in between;
+    /// returns false for anything else, which comes through the subscriber's events to
+    /// ``deliver(channel:payload:)``. Whatever it reaches takes a lock and returns: no wait holds
+    /// the connection's loop (a message past a gap starts a read of the history in a task).
     private func deliverNow(channel: String, payload: [UInt8]) -> Bool {
+        if let conversation = engine.keys.conversation(fromMessageChannel: channel) {
+            messages.receive(conversation, payload: payload)
+            return true
+        }
         if let user = userOf(channel: channel) {
             guard let event = engine.decodeEvent(payload) else { return false }
             deliverPresence(event, about: user)
