@@ -118,6 +118,32 @@ struct MessageSessionTests {
         }
     }
 
+    @Test("a live message nothing can be owed before passes the opening hold: a new history's seq 1 and the next; one after history not sent waits for the sync")
+    func openingHoldPassesWhatNothingPrecedes() async throws {
+        try await withGateway { port, _ in
+            try await ConversationTests.setUp(port, ["alice", "bob", "carol"])
+            let aliceToken = try await token("alice")
+            @Sendable func restSend(_ number: Int) async throws {
+                let body = MessageRESTTests.body(["client_message_id": "m\(number)", "text": "#\(number)"])
+                #expect(try await call(port, "POST", "/api/conversations/room/messages", token: aliceToken, body: body).status == 201)
+            }
+            // Bob's session is in its opening hold (no sync) when the history's first two arrive.
+            let bob = try await Self.open(port, "bob", device: "phone")
+            let sent = ContinuousClock.now
+            for number in 1...2 { try await restSend(number) }
+            #expect(Self.seqs(await Self.messages(bob, count: 2, timeout: .milliseconds(1500))) == [1, 2])
+            #expect(ContinuousClock.now - sent < SessionHub.messageOpeningHold, "not held for the opening")
+            // Carol opens after them: 3 may owe her 1 and 2, so it waits for her sync.
+            let carol = try await Self.open(port, "carol", device: "tablet")
+            try await restSend(3)
+            #expect(Self.seqs(await Self.messages(bob, count: 1)) == [3])
+            #expect(await Self.messages(carol, count: 1, timeout: .milliseconds(500)).isEmpty, "held until her sync")
+            carol.send("sync", ["positions": [["conversation_id": "room", "after_seq": 0]]], id: "s")
+            #expect(Self.seqs(await Self.messages(carol, count: 3)) == [1, 2, 3])
+            #expect(await Self.messages(carol, count: 1, timeout: .milliseconds(500)).isEmpty, "nothing twice")
+        }
+    }
+
     @Test("sync gives exactly what was missed, then synced, then the live messages that came meanwhile (held), without repeat or gap")
     func syncThenLive() async throws {
         try await withGateway { port, gateway in

@@ -6,8 +6,9 @@ import PresenceProtocol
 /// A session's side of message delivery (docs/API.md, "Messages"): per conversation, the highest seq
 /// sent, so that no seq is sent twice or out of order; live messages held while a `sync` of the
 /// conversation is under way (and for a moment after the session opens, so that a client that
-/// syncs at once gets what it missed before what is new); conversations whose `sync` was cut at
-/// its cap, which get no live messages until the client has synced to the end.
+/// syncs at once gets what it missed before what is new, unless nothing before the message can
+/// be owed); conversations whose `sync` was cut at its cap, which get no live messages until the
+/// client has synced to the end.
 extension Session {
     struct MessageState {
         /// Conversation → the epoch and seq last sent.
@@ -29,6 +30,18 @@ extension Session {
             openingHold || syncing[conversation, default: 0] > 0
         }
 
+        /// Whether `message` may pass the opening hold: nothing of its conversation is held or
+        /// being synced, and it is the first of its history's life or this session was sent the
+        /// seq just before it. No `sync` can then owe the client anything before it, so holding
+        /// it would only make it late (a client that never syncs waited the whole hold).
+        func owesNothingBefore(_ message: StoredMessage) -> Bool {
+            let conversation = message.conversationID
+            guard syncing[conversation] == nil, held[conversation] == nil else { return false }
+            if message.seq == 1 { return true }
+            guard let last = sent[conversation] else { return false }
+            return last.epoch == message.epoch && last.seq == message.seq - 1
+        }
+
         /// Whether `message` is after what was sent of its conversation; records it sent.
         mutating func take(_ message: StoredMessage) -> Bool {
             if let last = sent[message.conversationID], last.epoch == message.epoch, message.seq <= last.seq { return false }
@@ -41,7 +54,7 @@ extension Session {
     func deliverLive(_ message: StoredMessage, frame: TextFrame) {
         messageState.withLockedValue { state in
             let conversation = message.conversationID
-            if state.isHolding(conversation) {
+            if state.isHolding(conversation), !state.owesNothingBefore(message) {
                 state.held[conversation, default: []].append((message, frame))
             } else if !state.behind.contains(conversation), state.take(message) {
                 send(frame)
