@@ -61,10 +61,11 @@ struct InstructionScenario: AsyncParsableCommand {
 
         progress("instructions: starting a node under callgrind")
         // The node's audit (every three lease lives: 30 s by default) reads all of its devices at
-        // once, tens of millions of instructions under callgrind, and would land in one series
-        // and not in another: with a 60 s lease it comes at the start and not again for 180 s.
+        // once, and its lease renewal (every third of a life) refreshes every user's keys: each
+        // millions of instructions under callgrind, landing in one series and not in another.
+        // With an hour's lease both come at the start and not again during the run.
         let nodes = try await NodeProcesses(count: 1, redisURL: options.common.redisURL, binary: wrapper.path,
-                                            environment: ["PRESENCE_LEASE_TTL": "60"], readyWithin: .seconds(300))
+                                            environment: ["PRESENCE_LEASE_TTL": "3600"], readyWithin: .seconds(300))
         defer { nodes.stop() }
         endProgress()
         let counter = InstructionCounter(
