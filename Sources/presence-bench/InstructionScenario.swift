@@ -133,6 +133,9 @@ struct InstructionScenario: AsyncParsableCommand {
         // A pair's message reaches two sessions (the sender's own and the reader's).
         let perMessageDelivery = (net(messages.room, membersIdleRate) - net(messages.pair, membersIdleRate)) / (count * Double(watchers - 1))
         let perSend = net(messages.pair, membersIdleRate) / count - 2 * perMessageDelivery
+        // Each series' own figure per message is steadier than the split above (BENCHMARKS).
+        let perPairMessage = net(messages.pair, membersIdleRate) / count
+        let perRoomMessage = net(messages.room, membersIdleRate) / count
         await fleet.shutdown()
         if let profile { try counter.keepDumps(in: URL(fileURLWithPath: profile)) }
         let millions = { (value: Double) in String(format: "%.1f M", value / 1e6) }
@@ -143,6 +146,8 @@ struct InstructionScenario: AsyncParsableCommand {
             ("series, \(watchers) watchers each", "\(millions(Double(star.instructions))) in \(String(format: "%.1f", seconds(star.duration))) s"),
             ("per message sent (its two deliveries taken out)", String(format: "%.0f", perSend)),
             ("per delivered message (one more member)", String(format: "%.0f", perMessageDelivery)),
+            ("a message to 2 sessions (the series' own)", String(format: "%.0f", perPairMessage)),
+            ("a message to \(watchers + 1) sessions (the series' own)", String(format: "%.0f", perRoomMessage)),
             ("messages, conversations of 2", "\(millions(Double(messages.pair.instructions))) in \(String(format: "%.1f", seconds(messages.pair.duration))) s"),
             ("messages, conversations of \(watchers + 1)", "\(millions(Double(messages.room.instructions))) in \(String(format: "%.1f", seconds(messages.room.duration))) s"),
             ("idle (timers)", String(format: "%.0f a second", idleRate)),
@@ -150,6 +155,7 @@ struct InstructionScenario: AsyncParsableCommand {
         ], json: ["scenario": "instructions", "users": users, "watchers": watchers, "changes": changes,
                   "instructions_per_change": perChange, "instructions_per_delivery": perDelivery,
                   "instructions_per_message_sent": perSend, "instructions_per_message_delivery": perMessageDelivery,
+                  "instructions_per_message_to_2": perPairMessage, "instructions_per_message_to_\(watchers + 1)": perRoomMessage,
                   "idle_instructions_per_second": idleRate, "members_idle_instructions_per_second": membersIdleRate,
                   "series": ["solo": ["instructions": solo.instructions, "seconds": seconds(solo.duration)],
                              "star": ["instructions": star.instructions, "seconds": seconds(star.duration)],
