@@ -172,8 +172,9 @@ bench: deps
 	  $$b engine --devices 10000 --idle-seconds 60; \
 	  $$b latency --rate 1000 --duration 20'
 
-# The node's instructions per status change, per delivery, per message sent and per delivered
-# message under callgrind (exact, where CPU time is noisy); valgrind 3.24 is unpacked into .tools/valgrind, Debian's vgdb talks to it.
+# The node's instructions per status change, per delivery and per message under callgrind
+# (exact, where CPU time is noisy); valgrind 3.24 is unpacked into .tools/valgrind, Debian's
+# vgdb talks to it.
 instructions: deps
 	scripts/fetch-valgrind
 	$(SWIFT) build -c release --product presence-gateway
