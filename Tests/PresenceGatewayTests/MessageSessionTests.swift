@@ -27,6 +27,13 @@ struct MessageSessionTests {
 
     static func seqs(_ frames: [Frame]) -> [Int] { frames.compactMap { $0.data["seq"] as? Int } }
 
+    /// Message `#number` (client id `m<number>`) sent to conversation `room` over REST with
+    /// `token`, expected stored (201).
+    static func restSend(_ port: Int, _ token: String, _ number: Int) async throws {
+        let body = MessageRESTTests.body(["client_message_id": "m\(number)", "text": "#\(number)"])
+        #expect(try await call(port, "POST", "/api/conversations/room/messages", token: token, body: body).status == 201)
+    }
+
     /// An open session that got its `initial_state` and whose opening hold is over (or `sync`ed).
     static func open(_ port: Int, _ user: String, device: String) async throws -> TestSocket {
         let socket = TestSocket(port: port, token: try await token(user), device: device)
@@ -123,19 +130,15 @@ struct MessageSessionTests {
         try await withGateway { port, _ in
             try await ConversationTests.setUp(port, ["alice", "bob", "carol"])
             let aliceToken = try await token("alice")
-            @Sendable func restSend(_ number: Int) async throws {
-                let body = MessageRESTTests.body(["client_message_id": "m\(number)", "text": "#\(number)"])
-                #expect(try await call(port, "POST", "/api/conversations/room/messages", token: aliceToken, body: body).status == 201)
-            }
             // Bob's session is in its opening hold (no sync) when the history's first two arrive.
             let bob = try await Self.open(port, "bob", device: "phone")
             let sent = ContinuousClock.now
-            for number in 1...2 { try await restSend(number) }
+            for number in 1...2 { try await Self.restSend(port, aliceToken, number) }
             #expect(Self.seqs(await Self.messages(bob, count: 2, timeout: .milliseconds(1500))) == [1, 2])
             #expect(ContinuousClock.now - sent < SessionHub.messageOpeningHold, "not held for the opening")
             // Carol opens after them: 3 may owe her 1 and 2, so it waits for her sync.
             let carol = try await Self.open(port, "carol", device: "tablet")
-            try await restSend(3)
+            try await Self.restSend(port, aliceToken, 3)
             #expect(Self.seqs(await Self.messages(bob, count: 1)) == [3])
             #expect(await Self.messages(carol, count: 1, timeout: .milliseconds(500)).isEmpty, "held until her sync")
             carol.send("sync", ["positions": [["conversation_id": "room", "after_seq": 0]]], id: "s")
@@ -150,20 +153,16 @@ struct MessageSessionTests {
             try await ConversationTests.setUp(port, ["alice", "bob"])
             let alice = try await Self.open(port, "alice", device: "laptop")
             let aliceToken = try await token("alice")
-            @Sendable func restSend(_ number: Int) async throws {
-                let body = MessageRESTTests.body(["client_message_id": "m\(number)", "text": "#\(number)"])
-                #expect(try await call(port, "POST", "/api/conversations/room/messages", token: aliceToken, body: body).status == 201)
-            }
-            for number in 1...5 { try await restSend(number) }
+            for number in 1...5 { try await Self.restSend(port, aliceToken, number) }
             let epoch = try #require(await Self.messages(alice, count: 5).last?.data["id"] as? String).split(separator: "-").first.map(String.init)
             // Bob comes back with 1 and 2. Alice's 6 and 7 reach this node while his session is
             // opening (before its sync), her 8 and 9 while the sync runs (before its read).
             let bob = try await Self.open(port, "bob", device: "phone")
-            for number in 6...7 { try await restSend(number) }
+            for number in 6...7 { try await Self.restSend(port, aliceToken, number) }
             #expect(Self.seqs(await Self.messages(alice, count: 2)) == [6, 7])
             gateway.hub.beforeSyncRead.withLockedValue { probe in
                 probe = { _ in
-                    for number in 8...9 { try? await restSend(number) }
+                    for number in 8...9 { try? await Self.restSend(port, aliceToken, number) }
                     _ = await Self.messages(alice, count: 2)
                 }
             }
@@ -184,7 +183,7 @@ struct MessageSessionTests {
             let answer = try #require(synced)
             #expect(answer.id == "s1" && answer.data["complete"] as? Bool == true && answer.data["more"] as? Bool == false)
             #expect((answer.data["missing"] as? [Any])?.isEmpty == true && answer.data["epoch"] as? String == epoch)
-            try await restSend(10)
+            try await Self.restSend(port, aliceToken, 10)
             #expect(Self.seqs(await Self.messages(bob, count: 1)) == [10])
             #expect(await Self.messages(bob, count: 1, timeout: .milliseconds(500)).isEmpty)
 
