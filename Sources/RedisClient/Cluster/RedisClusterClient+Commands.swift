@@ -241,11 +241,8 @@ extension RedisClusterClient {
                 let delay = Self.retryBackoff.delay(attempt: attempt)
                 attempt += 1
                 guard ContinuousClock.now + delay < deadline else { return (.failure(Self.unserved(failure)), node) }
-                do {
-                    try await Task.sleep(for: delay)
-                } catch {
-                    return (.failure(failure), node)
-                }
+                await pause(delay, orUntilConnected: failure.code == .unavailable ? node : nil)
+                guard !Task.isCancelled else { return (.failure(failure), node) }
                 if !pinned { target = .slotOwner }
             }
         }

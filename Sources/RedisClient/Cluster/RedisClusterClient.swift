@@ -13,7 +13,8 @@ import ServiceLifecycle
 ///
 /// A command follows `MOVED` and `ASK` redirections (at most ``maximumRedirections``), and is
 /// sent again after `TRYAGAIN`, `CLUSTERDOWN`, `LOADING` or when its node cannot be reached, with
-/// a backoff of 50 ms doubling to 400 ms, until ``RedisConfiguration/waitForConnection`` plus
+/// a backoff of 50 ms doubling to 400 ms (cut short when the unreachable node's connection
+/// opens), until ``RedisConfiguration/waitForConnection`` plus
 /// ``RedisConfiguration/commandTimeout`` have passed since it was sent; then the last error is
 /// thrown. A command whose connection broke after it was written is never sent again (it may
 /// have run): its ``RedisError/Code/connectionClosed`` error is thrown at once.
@@ -377,6 +378,34 @@ public final class RedisClusterClient: Service, Sendable {
             throw error
         } catch {
             throw RedisError(.unavailable, "waiting for the Redis cluster failed", underlying: error)
+        }
+    }
+
+    /// Waits `delay` before a command is sent again, or less when `address` is given and a
+    /// connection to it opens (or an attempt under way fails) sooner: a command whose node was
+    /// out of reach goes out the moment the node is back, not at the end of its backoff (a lease
+    /// renewal asleep in a 400 ms backoff when the network came back could land after its lease
+    /// ran out). Never starts a connection itself.
+    func pause(_ delay: Duration, orUntilConnected address: ClusterNodeAddress?) async {
+        guard let address else {
+            try? await Task.sleep(for: delay)
+            return
+        }
+        _ = try? await wait(timeout: delay) { (state, id, continuation: CheckedContinuation<RedisConnection, any Error>) in
+            if let connection = state.nodes[address]?.connection, connection.isActive {
+                continuation.resume(returning: connection)
+                return false
+            }
+            if state.shutdown {
+                continuation.resume(throwing: RedisError(.unavailable, "the Redis cluster client is shut down"))
+                return false
+            }
+            var node = state.nodes[address] ?? Node()
+            node.waiters[id] = continuation
+            state.nodes[address] = node
+            return true
+        } expire: { state, id in
+            (state.nodes[address]?.waiters.removeValue(forKey: id), RedisError(.unavailable, "the pause before sending again ended"))
         }
     }
 
