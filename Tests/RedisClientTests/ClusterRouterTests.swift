@@ -1,4 +1,6 @@
 import Foundation
+import Logging
+import NIOConcurrencyHelpers
 import RedisTestSupport
 import Testing
 
@@ -206,6 +208,36 @@ struct HashSlotTests {
             #expect(error.message.contains("127.0.0.1:\(port.port)"))
         }
         #expect(ContinuousClock.now - started < .seconds(2))
+    }
+
+    @Test("with its one primary refusing connections, commands being retried keep to their backoff: no storm of connects")
+    func refusedPrimaryNoStorm() async throws {
+        let port = try RefusingPort()
+        let log = LogCounter()
+        let router = try RedisClusterClient(
+            seeds: [("127.0.0.1", port.port)], configuration: RedisConfiguration(waitForConnection: .milliseconds(10)),
+            logger: Logger(label: "storm") { _ in LogCounter.Handler(counter: log) }
+        )
+        // Every slot on the refusing node, as if it had answered before it went down.
+        router.install(try ClusterSlotMap.parse(shards: .array([Self.shard([0, 16_383], [Self.node(port.port, role: "master")])]), tls: false, fallbackHost: "127.0.0.1"))
+        let started = ContinuousClock.now
+        try await withThrowingTaskGroup(of: Void.self) { group in
+            group.addTask { try await router.run() }
+            defer { router.shutdown() }
+            await withTaskGroup(of: Void.self) { commands in
+                for index in 0..<20 {
+                    commands.addTask {
+                        _ = try? await RedisCommandDeadline.$current.withValue(.now + .milliseconds(1500)) { try await router.send("GET", RedisArgument("k\(index)")) }
+                    }
+                }
+            }
+        }
+        // Each command tries again after up to 50, 100, 200, 400, 400... ms, never less than half:
+        // at most 10 tries in 1.5 s, each of which may start a connect (97-117 in all, seen).
+        // Pauses that a failed connect ended woke each other into over 500.
+        let connects = log.count("cannot connect to a Redis cluster node")
+        print("refusedPrimaryNoStorm: \(connects) refused connects in \(ContinuousClock.now - started) for 20 commands")
+        #expect(connects > 0 && connects <= 20 * 10, "\(connects) connects")
     }
 
     @Test("a task's RedisCommandDeadline cuts a command's retries short; without one it waits the client's budget")
@@ -657,4 +689,26 @@ private final class EventLog: @unchecked Sendable {
     private var events: [RedisConnectionEvent] = []
     func append(_ event: RedisConnectionEvent) { lock.withLock { events.append(event) } }
     var all: [RedisConnectionEvent] { lock.withLock { events } }
+}
+
+/// Counts a logger's messages by their text: for tests that bound how often something happens.
+final class LogCounter: Sendable {
+    private let counts = NIOLockedValueBox<[String: Int]>([:])
+
+    func count(_ message: String) -> Int { counts.withLockedValue { $0[message] ?? 0 } }
+
+    struct Handler: LogHandler {
+        let counter: LogCounter
+        var logLevel: Logger.Level = .trace
+        var metadata: Logger.Metadata = [:]
+
+        subscript(metadataKey key: String) -> Logger.Metadata.Value? {
+            get { metadata[key] }
+            set { metadata[key] = newValue }
+        }
+
+        func log(level: Logger.Level, message: Logger.Message, metadata: Logger.Metadata?, source: String, file: String, function: String, line: UInt) {
+            counter.counts.withLockedValue { $0[message.description, default: 0] += 1 }
+        }
+    }
 }

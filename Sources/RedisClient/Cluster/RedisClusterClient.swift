@@ -382,31 +382,38 @@ public final class RedisClusterClient: Service, Sendable {
     }
 
     /// Waits `delay` before a command is sent again, or less when `address` is given and a
-    /// connection to it opens (or an attempt under way fails) sooner: a command whose node was
-    /// out of reach goes out the moment the node is back, not at the end of its backoff (a lease
-    /// renewal asleep in a 400 ms backoff when the network came back could land after its lease
-    /// ran out). Never starts a connection itself.
+    /// connection to it opens sooner: a command whose node was out of reach goes out the moment
+    /// the node is back, not at the end of its backoff (a lease renewal asleep in a 400 ms
+    /// backoff when the network came back could land after its lease ran out). A failed attempt
+    /// to connect does not end the pause: where connects fail at once (a node refusing them),
+    /// commands woken by each other's failures would retry in a busy loop. Never starts a
+    /// connection itself.
     func pause(_ delay: Duration, orUntilConnected address: ClusterNodeAddress?) async {
-        guard let address else {
-            try? await Task.sleep(for: delay)
-            return
-        }
-        _ = try? await wait(timeout: delay) { (state, id, continuation: CheckedContinuation<RedisConnection, any Error>) in
-            if let connection = state.nodes[address]?.connection, connection.isActive {
-                continuation.resume(returning: connection)
-                return false
+        let end = ContinuousClock.now + delay
+        if let address {
+            do {
+                _ = try await wait(timeout: delay) { (state, id, continuation: CheckedContinuation<RedisConnection, any Error>) in
+                    if let connection = state.nodes[address]?.connection, connection.isActive {
+                        continuation.resume(returning: connection)
+                        return false
+                    }
+                    if state.shutdown {
+                        continuation.resume(throwing: RedisError(.unavailable, "the Redis cluster client is shut down"))
+                        return false
+                    }
+                    var node = state.nodes[address] ?? Node()
+                    node.waiters[id] = continuation
+                    state.nodes[address] = node
+                    return true
+                } expire: { state, id in
+                    (state.nodes[address]?.waiters.removeValue(forKey: id), RedisError(.unavailable, "the pause before sending again ended"))
+                }
+                return
+            } catch {
+                // The pause ran out, or an attempt to connect failed: sleep out the rest.
             }
-            if state.shutdown {
-                continuation.resume(throwing: RedisError(.unavailable, "the Redis cluster client is shut down"))
-                return false
-            }
-            var node = state.nodes[address] ?? Node()
-            node.waiters[id] = continuation
-            state.nodes[address] = node
-            return true
-        } expire: { state, id in
-            (state.nodes[address]?.waiters.removeValue(forKey: id), RedisError(.unavailable, "the pause before sending again ended"))
         }
+        try? await Task.sleep(until: end)
     }
 
     /// Returns once a slot map is known, waiting at most until `deadline` or
