@@ -219,7 +219,7 @@ let package = Package(
         .testTarget(
             name: "RedisClientTests",
             dependencies: [
-                "RedisClient", "RedisTestSupport",
+                "CMallocTrim", "RedisClient", "RedisTestSupport",
                 .product(name: "NIOCore", package: "swift-nio"),
                 .product(name: "NIOEmbedded", package: "swift-nio"),
                 .product(name: "NIOPosix", package: "swift-nio"),

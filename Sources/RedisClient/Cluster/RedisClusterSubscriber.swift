@@ -331,7 +331,9 @@ public final class RedisClusterSubscriber: RedisChannelSubscriber {
             throw RedisError(.unavailable, "this Redis cluster subscriber is already running")
         }
         await withGracefulShutdownHandler {
-            await withTaskGroup(of: Void.self) { group in
+            // Discarding, so that each connection's finished watch is given back at once (see
+            // ``RedisClusterClient/run()``).
+            await withDiscardingTaskGroup { group in
                 group.addTask { await self.repairWhenAsked() }
                 // Ends at shutdown, or when this task is cancelled.
                 for await link in self.work {
