@@ -197,6 +197,10 @@ extension RedisClusterClient {
         while true {
             let failure: RedisError
             var node: ClusterNodeAddress?
+            // Whether the attempt found no open connection to its node: only such a command's
+            // pause ends when one opens. One that failed on an open connection (`READONLY` from
+            // a demoted primary) waits its backoff out, for the slot map to move.
+            var unconnected = false
             if let first = earlier {
                 earlier = nil
                 (failure, node) = first
@@ -204,11 +208,13 @@ extension RedisClusterClient {
                 do throws(RedisError) {
                     let address = try await self.address(for: target, slot: slot, until: deadline)
                     node = address
+                    unconnected = true
                     let connection = try await connection(to: address, until: deadline)
+                    unconnected = !connection.isActive
                     if case .asking = target {
                         return (.success(try await Self.sendAsking(command, on: connection, node: address)), address)
                     }
-                    guard connection.isActive else {
+                    guard !unconnected else {
                         throw RedisError(.unavailable, "the connection to Redis cluster node \(address) closed before the command was sent")
                     }
                     return (.success(try await connection.send(command)), address)
@@ -241,7 +247,7 @@ extension RedisClusterClient {
                 let delay = Self.retryBackoff.delay(attempt: attempt)
                 attempt += 1
                 guard ContinuousClock.now + delay < deadline else { return (.failure(Self.unserved(failure)), node) }
-                await pause(delay, orUntilConnected: failure.code == .unavailable ? node : nil)
+                await pause(delay, orUntilConnected: unconnected ? node : nil)
                 guard !Task.isCancelled else { return (.failure(failure), node) }
                 if !pinned { target = .slotOwner }
             }
