@@ -219,7 +219,7 @@ let package = Package(
         .testTarget(
             name: "RedisClientTests",
             dependencies: [
-                "CMallocTrim", "RedisClient", "RedisTestSupport",
+                "RedisClient", "RedisTestSupport",
                 .product(name: "NIOCore", package: "swift-nio"),
                 .product(name: "NIOEmbedded", package: "swift-nio"),
                 .product(name: "NIOPosix", package: "swift-nio"),
@@ -261,7 +261,7 @@ let package = Package(
         // machine, so `make test` runs them after the others, one at a time.
         .testTarget(
             name: "GatewayFaultTests",
-            dependencies: liveClientTestDependencies,
+            dependencies: liveClientTestDependencies + ["CMallocTrim"],
             swiftSettings: swiftSettings
         ),
         .testTarget(

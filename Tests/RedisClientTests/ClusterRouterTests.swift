@@ -1,7 +1,5 @@
-import CMallocTrim
 import Foundation
 import Logging
-import NIOConcurrencyHelpers
 import RedisTestSupport
 import Testing
 
@@ -239,38 +237,6 @@ struct HashSlotTests {
         let connects = log.count("cannot connect to a Redis cluster node")
         print("refusedPrimaryNoStorm: \(connects) refused connects in \(ContinuousClock.now - started) for 20 commands")
         #expect(connects > 0 && connects <= 20 * 10, "\(connects) connects")
-    }
-
-    @Test("connects that fail for as long as the client runs give back what each took: the heap stays flat")
-    func failedConnectsLeaveNothing() async throws {
-        let port = try RefusingPort()
-        let log = LogCounter()
-        let router = try RedisClusterClient(
-            seeds: [("127.0.0.1", port.port)], configuration: RedisConfiguration(),
-            logger: Logger(label: "leak") { _ in LogCounter.Handler(counter: log) }
-        )
-        router.install(try ClusterSlotMap.parse(shards: .array([Self.shard([0, 16_383], [Self.node(port.port, role: "master")])]), tls: false, fallbackHost: "127.0.0.1"))
-        let node = try #require(router.primaries.first)
-        let refused = "cannot connect to a Redis cluster node"
-        try await withThrowingTaskGroup(of: Void.self) { group in
-            group.addTask { try await router.run() }
-            defer { router.shutdown() }
-            /// Asks for a connection to the refusing node until `count` more were refused.
-            func refuse(_ count: Int) async {
-                let target = log.count(refused) + count
-                while log.count(refused) < target {
-                    router.requestConnection(to: node)
-                    await Task.yield()
-                }
-            }
-            await refuse(1_000)
-            let before = presence_malloc_in_use_bytes()
-            await refuse(5_000)
-            let grown = Int(presence_malloc_in_use_bytes()) - Int(before)
-            print("failedConnectsLeaveNothing: the heap in use grew \(grown) bytes over 5,000 refused connects")
-            // Each refused connect's finished task was kept: 74 MB over 10,000 (0.96 MB since).
-            #expect(grown < 8_000_000, "\(grown) bytes")
-        }
     }
 
     @Test("a task's RedisCommandDeadline cuts a command's retries short; without one it waits the client's budget")
@@ -722,26 +688,4 @@ private final class EventLog: @unchecked Sendable {
     private var events: [RedisConnectionEvent] = []
     func append(_ event: RedisConnectionEvent) { lock.withLock { events.append(event) } }
     var all: [RedisConnectionEvent] { lock.withLock { events } }
-}
-
-/// Counts a logger's messages by their text: for tests that bound how often something happens.
-final class LogCounter: Sendable {
-    private let counts = NIOLockedValueBox<[String: Int]>([:])
-
-    func count(_ message: String) -> Int { counts.withLockedValue { $0[message] ?? 0 } }
-
-    struct Handler: LogHandler {
-        let counter: LogCounter
-        var logLevel: Logger.Level = .trace
-        var metadata: Logger.Metadata = [:]
-
-        subscript(metadataKey key: String) -> Logger.Metadata.Value? {
-            get { metadata[key] }
-            set { metadata[key] = newValue }
-        }
-
-        func log(level: Logger.Level, message: Logger.Message, metadata: Logger.Metadata?, source: String, file: String, function: String, line: UInt) {
-            counter.counts.withLockedValue { $0[message.description, default: 0] += 1 }
-        }
-    }
 }
