@@ -23,8 +23,8 @@ public final class LogCounter: Sendable {
             set { metadata[key] = newValue }
         }
 
-        public func log(level: Logger.Level, message: Logger.Message, metadata: Logger.Metadata?, source: String, file: String, function: String, line: UInt) {
-            counter.counts.withLockedValue { $0[message.description, default: 0] += 1 }
+        public func log(event: LogEvent) {
+            counter.counts.withLockedValue { $0[event.message.description, default: 0] += 1 }
         }
     }
 }
