@@ -1,5 +1,7 @@
 import Foundation
 import NIOConcurrencyHelpers
+import NIOCore
+import NIOPosix
 import Testing
 
 @testable import PresenceGateway
@@ -72,5 +74,34 @@ struct WorkGateTests {
         #expect(recorder.finished == 10)
         #expect(Array(recorder.started[3...]) == Array(3..<10), "waiting pieces start in the order they came")
         #expect(gate.load.waiting == 0)
+    }
+
+    @Test("each piece runs on the executor it names, across its awaits, even one that waited behind another loop's")
+    func executors() async throws {
+        let group = MultiThreadedEventLoopGroup(numberOfThreads: 2)
+        let loops = Array(group.makeIterator())
+        let executors = loops.map { EventLoopTaskExecutor(eventLoop: $0) }
+        // One slot: the pieces run one after the other in the first piece's task.
+        let gate = WorkGate(limit: 1)
+        let placed: [Int?] = [0, 1, 0, nil, 1]
+        // For each piece, the loops it ran on before and after an await (nil: on neither).
+        let seen = NIOLockedValueBox([Int: [Int?]]())
+        let release = NIOLockedValueBox(false)
+        @Sendable func onLoop() -> Int? { loops.firstIndex { $0.inEventLoop } }
+        for (index, loop) in placed.enumerated() {
+            gate.start(on: loop.map { executors[$0] }) {
+                let before = onLoop()
+                while !release.withLockedValue({ $0 }) { try? await Task.sleep(for: .milliseconds(2)) }
+                let after = onLoop()
+                seen.withLockedValue { $0[index] = [before, after] }
+            }
+        }
+        try await Self.waitUntil { gate.load.waiting == placed.count - 1 }
+        release.withLockedValue { $0 = true }
+        try await Self.waitUntil { seen.withLockedValue { $0.count } == placed.count }
+        for (index, loop) in placed.enumerated() {
+            #expect(seen.withLockedValue { $0[index] } == [loop, loop], "piece \(index)")
+        }
+        try await group.shutdownGracefully()
     }
 }

@@ -11,8 +11,16 @@ import NIOCore
 /// frees, and a finishing task runs the next waiting piece itself rather than starting another.
 /// A piece must never wait for another piece of the same gate (none does: each awaits Redis, the
 /// hub or the engine only).
+///
+/// A piece may name the executor it runs on (a session's piece, its connection's event loop);
+/// one task runs pieces of several sessions in turn, each on its own executor.
 final class WorkGate: Sendable {
     typealias Work = @Sendable () async -> Void
+
+    private struct Piece: Sendable {
+        let executor: (any TaskExecutor)?
+        let work: Work
+    }
 
     /// Pieces that may run at once.
     let limit: Int
@@ -20,7 +28,7 @@ final class WorkGate: Sendable {
 
     private struct State {
         var running = 0
-        var waiting = CircularBuffer<Work>()
+        var waiting = CircularBuffer<Piece>()
     }
 
     init(limit: Int) {
@@ -32,22 +40,25 @@ final class WorkGate: Sendable {
     /// Pieces running now, and waiting.
     var load: (running: Int, waiting: Int) { state.withLockedValue { ($0.running, $0.waiting.count) } }
 
-    /// Runs `work` in a task now if a slot is free, else once one is.
-    func start(_ work: @escaping Work) {
+    /// Runs `work` in a task now if a slot is free, else once one is; on `executor` if given,
+    /// else on the concurrency runtime's pool.
+    func start(on executor: (any TaskExecutor)? = nil, _ work: @escaping Work) {
+        let piece = Piece(executor: executor, work: work)
         let runsNow = state.withLockedValue { state -> Bool in
             guard state.running < limit else {
-                state.waiting.append(work)
+                state.waiting.append(piece)
                 return false
             }
             state.running += 1
             return true
         }
         guard runsNow else { return }
-        Task {
-            var next: Work? = work
+        Task(executorPreference: executor) {
+            var next: Piece? = piece
             while let piece = next {
-                await piece()
-                next = state.withLockedValue { state in
+                // `nil` would keep the task's preference, the executor of the piece before.
+                await withTaskExecutorPreference(piece.executor ?? globalConcurrentExecutor) { await piece.work() }
+                next = self.state.withLockedValue { state in
                     if let following = state.waiting.popFirst() { return following }
                     state.running -= 1
                     return nil

@@ -133,18 +133,21 @@ final class SessionRun: Sendable {
         ))
     }
 
+    /// The loop of the session's connection, where its work runs (none before the upgrade).
+    private var executor: EventLoopTaskExecutor? { state.withLockedValue { $0.connection?.executor } }
+
     /// Runs what the lifecycle asked for.
     private func run(_ action: SessionLifecycle<Open>.Action) {
         switch action {
         case .none, .handle:
             break
         case .startHandling, .handleAgain:
-            gateway.sessionWork.start { await self.handleMessages() }
+            gateway.sessionWork.start(on: executor) { await self.handleMessages() }
         case .overflow:
             GatewayMetrics.refused("queue_overflow")
             state.withLockedValue { $0.connection }?.close(CloseCode.rateLimited.rawValue, reason: "too many messages waiting to be handled")
         case .finish(let open, let ending):
-            gateway.sessionEnds.start { await self.finish(open, ending) }
+            gateway.sessionEnds.start(on: executor) { await self.finish(open, ending) }
         }
     }
 
@@ -162,7 +165,7 @@ final class SessionRun: Sendable {
             openingEnded()
             return
         }
-        gateway.sessionWork.start { await self.opening(connection) }
+        gateway.sessionWork.start(on: connection.executor) { await self.opening(connection) }
     }
 
     /// A message from the client, on its connection's loop. The frame rate is taken here, not

@@ -30,10 +30,13 @@ final class LoopMailbox: Sendable {
     }
 
     let eventLoop: any EventLoop
+    /// Runs the work of this loop's sessions on the loop.
+    let executor: EventLoopTaskExecutor
     private let pending = NIOLockedValueBox(Pending())
 
     init(eventLoop: any EventLoop) {
         self.eventLoop = eventLoop
+        executor = EventLoopTaskExecutor(eventLoop: eventLoop)
     }
 
     /// Queues `operation` for `handler`, which must belong to this loop's channels; the first

@@ -410,6 +410,9 @@ struct SessionConnection: Sendable {
 
     var eventLoop: any EventLoop { mailbox.eventLoop }
 
+    /// Runs the session's work on its connection's loop.
+    var executor: EventLoopTaskExecutor { mailbox.executor }
+
     /// Sends one text message (a ready frame; one may go to many sessions).
     func send(_ frame: TextFrame) {
         mailbox.post(.send(frame), to: handler)
