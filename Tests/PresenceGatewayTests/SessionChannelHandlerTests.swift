@@ -384,4 +384,52 @@ struct SessionChannelHandlerTests {
         #expect(TextFrame(texts[3]).headerLength == 4 && TextFrame(texts[4]).headerLength == 10 && TextFrame(texts[0]).headerLength == 2)
         #expect(String(buffer: TextFrame(texts[4]).payload) == texts[4])
     }
+
+    /// The handler's timers and write callbacks hold it strongly: once its connection has ended,
+    /// nothing of it may be left on the loop. The loop outlives the channel here, as a node's
+    /// loops do: a timer left scheduled on it would keep the handler (and its session) for as
+    /// long as the timer runs, an hour for a token's expiry.
+    @Test("once the connection ends, in any phase, nothing on its event loop keeps the handler")
+    func handlerFreedAtEnd() throws {
+        let loop = EmbeddedEventLoop()
+        // Each ends the connection in another phase, with the token's expiry an hour away.
+        let endings: [(String, (Harness) throws -> Void)] = [
+            ("dropped while open", { harness in
+                _ = harness.channel.close()
+            }),
+            ("dropped while a ping waits for its pong", { harness in
+                harness.advance(.seconds(10))
+                _ = harness.channel.close()
+            }),
+            ("the pong timeout ends it", { harness in
+                harness.advance(.seconds(15))
+            }),
+            ("the server closes and the client answers", { harness in
+                harness.handler.close(4001, reason: "bye")
+                try harness.receiveClose(4001)
+            }),
+            ("the server closes and the close timeout ends it", { harness in
+                harness.handler.close(1000, reason: "bye")
+                harness.advance(.seconds(10))
+            }),
+            ("the server fails the client", { harness in
+                harness.handler.close(1008, reason: "too slow")
+            }),
+            ("the client closes first", { harness in
+                try harness.receiveClose(1000)
+            }),
+        ]
+        for (name, end) in endings {
+            weak var freed: SessionChannelHandler?
+            try {
+                let harness = try Harness(loop: loop)
+                freed = harness.handler
+                harness.handler.expire(at: loop.now + .hours(1))
+                try end(harness)
+                #expect(!harness.channel.isActive, "\(name): the connection ended")
+            }()
+            loop.run()
+            #expect(freed == nil, "\(name): the handler outlived its connection")
+        }
+    }
 }

@@ -7,6 +7,11 @@ import PresenceProtocol
 /// client that stops reading, and runs the session's timers (ping, token expiry, close
 /// watchdog) as tasks scheduled on the loop.
 ///
+/// Its timers and write callbacks hold it strongly, not weakly: each either runs or is cancelled
+/// when the handler leaves the pipeline (none is scheduled after), so none outlives the
+/// connection. A weak reference would give every handler a side table and put every retain of
+/// it (several per delivery) on the runtime's slow path.
+///
 /// It sits behind NIO's WebSocket frame decoder, encoder and protocol error handler (the
 /// upgrader installs them): frame-level errors, such as a frame over the size limit or a
 /// fragmented control frame, are answered there. What it reports goes to ``Events``, on the loop.
@@ -159,8 +164,8 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
         phase.timer?.cancel()
         phase = .closing(nil)
         guard !dropping else { return }
-        phase = .closing(context.eventLoop.assumeIsolated().scheduleTask(in: limits.closeTimeout) { [weak self] in
-            self?.context?.close(promise: nil)
+        phase = .closing(context.eventLoop.assumeIsolated().scheduleTask(in: limits.closeTimeout) {
+            self.context?.close(promise: nil)
         })
     }
 
@@ -247,8 +252,8 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
         startClosing(context)
         var answer = ByteBuffer()
         answer.writeInteger(code ?? CloseCode.normal.rawValue)
-        context.writeAndFlush(wrapOutboundOut(WebSocketFrame(fin: true, opcode: .connectionClose, data: answer))).assumeIsolated().whenComplete { [weak self] _ in
-            self?.context?.close(promise: nil)
+        context.writeAndFlush(wrapOutboundOut(WebSocketFrame(fin: true, opcode: .connectionClose, data: answer))).assumeIsolated().whenComplete { _ in
+            self.context?.close(promise: nil)
         }
     }
 
@@ -351,20 +356,20 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
             context.close(promise: nil)
             return
         }
-        written.assumeIsolated().whenComplete { [weak self] _ in self?.context?.close(promise: nil) }
+        written.assumeIsolated().whenComplete { _ in self.context?.close(promise: nil) }
     }
 
     /// Closes the session with 4001 at `deadline` (when its token expires).
     func expire(at deadline: NIODeadline) {
         guard let context else { return }
         expiry?.cancel()
-        expiry = context.eventLoop.assumeIsolated().scheduleTask(deadline: deadline) { [weak self] in
-            self?.close(CloseCode.unauthorized.rawValue, reason: "the token has expired")
+        expiry = context.eventLoop.assumeIsolated().scheduleTask(deadline: deadline) {
+            self.close(CloseCode.unauthorized.rawValue, reason: "the token has expired")
         }
     }
 
     private func schedulePing() {
-        pinger = context?.eventLoop.assumeIsolated().scheduleTask(in: limits.pingInterval) { [weak self] in self?.ping() }
+        pinger = context?.eventLoop.assumeIsolated().scheduleTask(in: limits.pingInterval) { self.ping() }
     }
 
     /// The client sent something: the ping under way is answered, and the next one is due a
@@ -381,11 +386,11 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
         guard case .open = phase, let context else { return }
         // Heard from within the interval: no ping needed yet.
         if let lastHeard, context.eventLoop.now < lastHeard + limits.pingInterval {
-            pinger = context.eventLoop.assumeIsolated().scheduleTask(deadline: lastHeard + limits.pingInterval) { [weak self] in self?.ping() }
+            pinger = context.eventLoop.assumeIsolated().scheduleTask(deadline: lastHeard + limits.pingInterval) { self.ping() }
             return
         }
-        phase = .awaitingPong(context.eventLoop.assumeIsolated().scheduleTask(in: limits.pongTimeout) { [weak self] in
-            guard let self, case .awaitingPong = self.phase else { return }
+        phase = .awaitingPong(context.eventLoop.assumeIsolated().scheduleTask(in: limits.pongTimeout) {
+            guard case .awaitingPong = self.phase else { return }
             self.close(CloseCode.goingAway.rawValue, reason: "Ping timeout")
             self.context?.close(promise: nil)
         })
