@@ -25,9 +25,15 @@ struct UpgradeTests {
 
         deinit { close(fd) }
 
-        func send(_ text: String) {
-            let bytes = Array(text.utf8)
-            _ = bytes.withUnsafeBytes { write(fd, $0.baseAddress, $0.count) }
+        func send(_ text: String) { send(Array(text.utf8)) }
+
+        func send(_ bytes: [UInt8]) {
+            var sent = 0
+            while sent < bytes.count {
+                let count = bytes[sent...].withUnsafeBytes { write(fd, $0.baseAddress, $0.count) }
+                guard count > 0 else { return }
+                sent += count
+            }
         }
 
         /// What arrives until `done` says it is enough or `seconds` pass, and whether the server
@@ -74,6 +80,50 @@ struct UpgradeTests {
             #expect(refused.text.hasPrefix("HTTP/1.1 503"), "\(refused.text.prefix(80))")
             #expect(refused.text.lowercased().contains("connection: close"))
             #expect(refused.closed, "the connection ends after the 503")
+        }
+    }
+
+    /// A client's text frame as a client sends it: masked, its length in the form its size needs.
+    static func maskedText(_ text: String) -> [UInt8] {
+        let payload = Array(text.utf8)
+        var frame: [UInt8] = [0x81]
+        switch payload.count {
+        case ..<126: frame.append(0x80 | UInt8(payload.count))
+        case ..<65_536: frame += [0x80 | 126, UInt8(payload.count >> 8), UInt8(payload.count & 0xFF)]
+        default: frame += [0x80 | 127] + (0..<8).reversed().map { UInt8((payload.count >> ($0 * 8)) & 0xFF) }
+        }
+        let mask: [UInt8] = [0x37, 0xFA, 0x21, 0x3D]
+        frame += mask
+        frame += payload.enumerated().map { $0.element ^ mask[$0.offset % 4] }
+        return frame
+    }
+
+    /// A connection's reads start at 512 bytes (``GatewayServerChannel/receiveBuffers``) and
+    /// double each time one fills its buffer; the upgrade's request is handed to the opening
+    /// alone. Both must still carry what is large: a head of several reads with the token in a
+    /// header, and a frame of several hundred.
+    @Test("an upgrade whose head is 12 KB (the token in its Authorization header) opens a session, and a 100 KB frame is answered: a connection's reads start small and grow")
+    func largeReads() async throws {
+        try await withNodes(1) { ports in
+            let connection = try Connection(port: ports[0])
+            let cookie = String(repeating: "c", count: 12_000)
+            connection.send(
+                "GET /api/presence/subscribe?device_id=web HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                    + "Authorization: Bearer \(try await token("alice"))\r\nCookie: session=\(cookie)\r\n"
+                    + "Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+                    + "Sec-WebSocket-Version: 13\r\n\r\n"
+            )
+            let opened = await connection.read(for: 5) { $0.contains("initial_state") }
+            #expect(opened.text.hasPrefix("HTTP/1.1 101"), "\(opened.text.prefix(80))")
+            #expect(opened.text.contains("initial_state"), "the session opened with the token of the header")
+
+            let padding = String(repeating: " ", count: 100_000)
+            connection.send(Self.maskedText("{\"type\":\"ping\",\"id\":\"large\"\(padding)}"))
+            connection.send(Self.maskedText("{\"type\":\"ping\",\"id\":\"small\"}"))
+            let answered = await connection.read(for: 5) { $0.contains("\"small\"") }
+            #expect(answered.text.contains("\"id\":\"large\""), "the large frame was answered: \(answered.text.prefix(200))")
+            #expect(answered.text.contains("\"id\":\"small\""), "and the small one after it")
+            #expect(!answered.closed)
         }
     }
 

@@ -14,18 +14,16 @@ struct FrameHandler {
     let gateway: Gateway
     let session: Session
     let user: AuthenticatedUser
-    let logger: Logger
     private var badFrames = 0
     private var rateLimitedFrames = 0
     private var statusBucket: TokenBucket
     private var subscribeBucket: TokenBucket
     private var typingBucket: TokenBucket
 
-    init(gateway: Gateway, session: Session, user: AuthenticatedUser, logger: Logger) {
+    init(gateway: Gateway, session: Session, user: AuthenticatedUser) {
         self.gateway = gateway
         self.session = session
         self.user = user
-        self.logger = logger
         let configuration = gateway.configuration
         statusBucket = TokenBucket(rate: configuration.statusRate, burst: configuration.statusRate * 2)
         subscribeBucket = TokenBucket(rate: configuration.subscribeRate, burst: configuration.subscribeRate * 2)

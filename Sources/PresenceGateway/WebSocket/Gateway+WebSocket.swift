@@ -69,7 +69,7 @@ struct SessionStarter: Sendable {
     func start(on channel: any Channel, head: HTTPRequestHead) throws {
         let request = Request(head: try HTTPRequest(head, secure: false, splitCookie: false), body: .init(buffer: ByteBuffer()))
         let configuration = gateway.configuration
-        let run = SessionRun(gateway: gateway, request: request)
+        let run = SessionRun(gateway: gateway)
         let handler = SessionChannelHandler(
             limits: .init(
                 maxMessageSize: configuration.maxFrameSize,
@@ -85,7 +85,7 @@ struct SessionStarter: Sendable {
             )
         )
         try channel.pipeline.syncOperations.addHandler(handler)
-        run.open(SessionConnection(handler, mailbox: gateway.mailboxes.mailbox(for: channel.eventLoop)))
+        run.open(SessionConnection(handler, mailbox: gateway.mailboxes.mailbox(for: channel.eventLoop)), request: request)
     }
 }
 
@@ -93,7 +93,6 @@ struct SessionStarter: Sendable {
 /// its messages, handled in order by one short-lived task at a time, and its end.
 final class SessionRun: Sendable {
     private let gateway: Gateway
-    private let request: Request
     private let state: NIOLockedValueBox<State>
 
     private struct State {
@@ -115,12 +114,10 @@ final class SessionRun: Sendable {
         let session: Session
         let user: AuthenticatedUser
         let frames: FrameHandlerBox
-        let logger: Logger
     }
 
-    init(gateway: Gateway, request: Request) {
+    init(gateway: Gateway) {
         self.gateway = gateway
-        self.request = request
         let configuration = gateway.configuration
         let limits = SessionLifecycle<Open>.Limits(
             messages: Self.queueLimit.messages, bytes: Self.queueLimit.bytes,
@@ -152,7 +149,9 @@ final class SessionRun: Sendable {
     }
 
     /// Starts opening the session on `connection` (counted from here against the node's limit).
-    func open(_ connection: SessionConnection) {
+    /// The upgrade's request is held by the opening alone: kept for the session's life, its
+    /// headers and URI were some 1.5 KB of every idle session.
+    func open(_ connection: SessionConnection, request: Request) {
         // Counted before the token is checked: a flood of bad tokens holds connections too.
         let admitted = gateway.hub.admit(limit: gateway.configuration.maxSessions)
         state.withLockedValue { state in
@@ -165,7 +164,7 @@ final class SessionRun: Sendable {
             openingEnded()
             return
         }
-        gateway.sessionWork.start(on: connection.executor) { await self.opening(connection) }
+        gateway.sessionWork.start(on: connection.executor) { await self.opening(connection, request) }
     }
 
     /// A message from the client, on its connection's loop. The frame rate is taken here, not
@@ -201,7 +200,7 @@ final class SessionRun: Sendable {
         }
     }
 
-    private func opening(_ connection: SessionConnection) async {
+    private func opening(_ connection: SessionConnection, _ request: Request) async {
         let frames = gateway.frames
         guard let user = try? await gateway.authenticateUpgrade(request) else {
             refuse(connection, .unauthorized, reason: "unauthorized")
@@ -227,9 +226,6 @@ final class SessionRun: Sendable {
         // it is written then (it would show online for a moment, then offline).
         guard !clientGone else { return openingEnded() }
         let session = Session(userID: user.userID, deviceID: device, frames: frames, connection: connection)
-        var logger = gateway.logger
-        logger[metadataKey: "presence.user_id"] = "\(user.userID)"
-        logger[metadataKey: "presence.device_id"] = "\(device)"
         session.setDeviceStatus(status)
         await gateway.hub.register(session)
         guard !clientGone else {
@@ -259,9 +255,16 @@ final class SessionRun: Sendable {
         // Clamped: a far-future `exp` must not overflow the conversion to nanoseconds.
         let expiry = min(max(0, user.expiresAt.timeIntervalSinceNow), 366 * 86_400)
         connection.expire(at: .now() + .milliseconds(Int64(expiry * 1000)))
-        logger.info("session opened")
-        let handler = FrameHandlerBox(FrameHandler(gateway: gateway, session: session, user: user, logger: logger))
-        openingEnded(Open(session: session, user: user, frames: handler, logger: logger))
+        gateway.logger.info("session opened", metadata: Self.metadata(of: session))
+        let handler = FrameHandlerBox(FrameHandler(gateway: gateway, session: session, user: user))
+        openingEnded(Open(session: session, user: user, frames: handler))
+    }
+
+    /// What each line logged about a session says of it. Made for each line rather than kept in
+    /// a logger of the session's: the metadata dictionary and the log handler's rendering of it
+    /// were some 700 bytes of every idle session.
+    private static func metadata(of session: Session) -> Logger.Metadata {
+        ["presence.user_id": "\(session.userID)", "presence.device_id": "\(session.deviceID)"]
     }
 
     private func sendInitialState(to session: Session, user: String) async throws {
@@ -308,9 +311,10 @@ final class SessionRun: Sendable {
             let clean = ending.clientCode == CloseCode.normal.rawValue && ending.serverCode == nil
                 || session.deviceStatus.saidOffline || serverClose == .disconnectedByAdmin
             _ = try? await gateway.engine.disconnect(user: open.user.userID, device: session.deviceID, session: session.id, clean: clean)
-            open.logger.info("session closed", metadata: [
-                "presence.clean": "\(clean)", "presence.close_code": "\(ending.clientCode ?? ending.serverCode ?? 0)",
-            ])
+            var metadata = Self.metadata(of: session)
+            metadata["presence.clean"] = "\(clean)"
+            metadata["presence.close_code"] = "\(ending.clientCode ?? ending.serverCode ?? 0)"
+            gateway.logger.info("session closed", metadata: metadata)
         }
         if admitted { gateway.hub.leave() }
         // The handler's events hold this run, and the run (through its session and its

@@ -57,10 +57,18 @@ struct GatewayServerChannel: ServerChildChannel, HTTPChannelHandler {
     /// Ends a connection that carried an upgrade as a later request.
     struct UpgradeOnReusedConnection: Error {}
 
+    /// How a connection's reads are sized. The channel keeps its last read buffer for the next
+    /// read, for its whole life: NIO's default first size, 2 KiB, was the largest single part of
+    /// an idle session. A session's frames, pings and pongs are mostly a few hundred bytes; a
+    /// read that fills its buffer doubles the next (up to 64 KiB), so a large body or frame costs
+    /// a few more reads, not more.
+    static let receiveBuffers = AdaptiveRecvByteBufferAllocator(minimum: 64, initial: 512, maximum: 65536)
+
     func setup(channel: any Channel, logger: Logger) -> EventLoopFuture<Value> {
         GatewayMetrics.connections(1)
         channel.closeFuture.whenComplete { _ in GatewayMetrics.connections(-1) }
         return channel.eventLoop.makeCompletedFuture {
+            try channel.syncOptions?.setOption(ChannelOptions.recvAllocator, value: Self.receiveBuffers)
             let upgrader = NIOTypedWebSocketServerUpgrader<Negotiated>(
                 maxFrameSize: sessions.maxFrameSize,
                 shouldUpgrade: { channel, head in
