@@ -32,4 +32,24 @@ struct SessionTests {
         let third = session.beginRead(["ann"])
         #expect(session.endRead(["ann"], third, snapshot: [presence(.away)]).isEmpty, "no event crossed it")
     }
+
+    /// A dictionary emptied keeps its storage: every idle session held room for the users its
+    /// opening had read (some 600 bytes for ten).
+    @Test("once no read is under way, the session keeps no storage for reads")
+    func readsGiveBackStorage() throws {
+        let channel = EmbeddedChannel()
+        let handler = SessionChannelHandler(limits: SessionChannelHandlerTests.limits, events: .init(text: { _ in }, binary: {}, ended: { _ in }))
+        try channel.pipeline.syncOperations.addHandler(handler)
+        let connection = SessionConnection(handler, mailbox: LoopMailbox(eventLoop: channel.embeddedEventLoop))
+        let session = Session(userID: "bob", deviceID: "phone", frames: FrameCoder(ids: .string), connection: connection)
+        let users = (0..<50).map { "user-\($0)" }
+        _ = session.addWatched(users)
+        let all = session.beginRead(users)
+        let some = session.beginRead(Array(users.prefix(5)))
+        #expect(session.readingCapacity >= 50)
+        _ = session.endRead(users, all, snapshot: [])
+        #expect(session.readingCapacity > 0, "five users are still being read")
+        _ = session.endRead(Array(users.prefix(5)), some, snapshot: [])
+        #expect(session.readingCapacity == 0, "room for \(session.readingCapacity) users kept")
+    }
 }

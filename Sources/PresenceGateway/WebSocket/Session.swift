@@ -211,6 +211,10 @@ final class Session: Sendable {
         state.withLockedValue { $0.reading[user]?.events ?? 0 }
     }
 
+    /// How many users the storage for reads under way has room for (tests check that it is
+    /// given back once none is).
+    var readingCapacity: Int { state.withLockedValue { $0.reading.capacity } }
+
     /// Ends the read of `users`: remembers `snapshot` (what was read) and queues the frames
     /// `frames` makes from what each entry changed, in one step, so that no event about them can
     /// be queued before the snapshot. Returns the users an event arrived for during the read (or
@@ -229,6 +233,9 @@ final class Session: Sendable {
                 state.reading[user] = reading.count > 0 ? reading : nil
                 return reading.events > before
             }
+            // A dictionary keeps its storage when emptied: the reads of a session's opening left
+            // one sized for every user it watched (some 600 bytes for ten), for good.
+            if state.reading.isEmpty { state.reading = [:] }
             let remembered = snapshot.map { Self.remember($0, in: &state) }
             let answer = answering.map { Self.groupFrames([$0.conversation], id: $0.id, frames: self.frames, in: &state) } ?? []
             for frame in answer + frames(remembered) { send(frame) }
