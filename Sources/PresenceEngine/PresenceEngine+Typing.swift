@@ -47,8 +47,7 @@ extension PresenceEngine {
         // A start from a user who may not be shown typing is taken as a stop: checked the same
         // way (a non-member is refused), and ending a state that raced the change.
         var starting = false
-        if isTyping { starting = try await mayShowTyping(user) }
-        if starting { try await indexTyping(conversation, user: user) }
+        if isTyping { starting = try await mayStartTyping(user, in: conversation) }
         switch try await evaluate(SetTyping(conversation: conversation, user: user, isTyping: starting, checked: true)) {
         case .notMember: throw PresenceError(.forbidden, "you are not a member of this conversation")
         case .quiet: return false
@@ -62,16 +61,29 @@ extension PresenceEngine {
 
     /// Whether `user` may be shown typing: online or away, and not hidden.
     private func mayShowTyping(_ user: String) async throws(PresenceError) -> Bool {
-        let state = try await run { try await self.redis.execute(HMGET(key: keys.state(user), fields: ["status", "hidden"])) }
-        guard let status = state[0], status != PresenceStatus.offline.rawValue else { return false }
-        return state[1] != "1"
+        Self.mayShowTyping(try await run { try await self.redis.execute(self.typingCheck(user)) })
     }
 
-    /// Indexes a typing state in its conversation's bucket before a start writes it (see
-    /// ``indexDeadline(of:devices:after:)``).
-    private func indexTyping(_ conversation: String, user: String) async throws(PresenceError) {
+    /// ``mayShowTyping(_:)`` before a start, in one round trip with the start's entry in its
+    /// conversation's deadline bucket, which must be there before the start is written (see
+    /// ``indexDeadline(of:devices:after:)``). A start then refused leaves an entry that the
+    /// reaper finds with nothing to end, and drops.
+    private func mayStartTyping(_ user: String, in conversation: String) async throws(PresenceError) -> Bool {
         let entry = (score: indexScore(after: configuration.typingTTL), member: "\(conversation)|\(user)")
-        try await run { try await self.redis.execute(ZADD(key: self.keys.typingDeadlines(ofConversation: conversation), entries: [entry])) }
+        let index = ZADD(key: keys.typingDeadlines(ofConversation: conversation), entries: [entry])
+        let state = try await run { () async throws -> [String?] in
+            let (state, indexed) = try await self.redis.pipeline(self.typingCheck(user), index)
+            _ = try indexed.get()
+            return try state.get()
+        }
+        return Self.mayShowTyping(state)
+    }
+
+    private func typingCheck(_ user: String) -> HMGET { HMGET(key: keys.state(user), fields: ["status", "hidden"]) }
+
+    private static func mayShowTyping(_ state: [String?]) -> Bool {
+        guard let status = state[0], status != PresenceStatus.offline.rawValue else { return false }
+        return state[1] != "1"
     }
 
     /// Ends every typing state of `user`, as when they go offline.
