@@ -8,13 +8,18 @@ import Testing
 
 @Suite("A session's view of what it watches")
 struct SessionTests {
-    @Test("overlapping reads of one user: events wait for the last one, and each read an event crossed is done again")
-    func overlappingReads() throws {
+    /// Bob's session on an embedded channel, whose loop nobody runs: what it sends stays queued.
+    static func session() throws -> Session {
         let channel = EmbeddedChannel()
         let handler = SessionChannelHandler(limits: SessionChannelHandlerTests.limits, events: .init(text: { _ in }, binary: {}, ended: { _ in }))
         try channel.pipeline.syncOperations.addHandler(handler)
         let connection = SessionConnection(handler, mailbox: LoopMailbox(eventLoop: channel.embeddedEventLoop))
-        let session = Session(userID: "bob", deviceID: "phone", frames: FrameCoder(ids: .string), connection: connection)
+        return Session(userID: "bob", deviceID: "phone", frames: FrameCoder(ids: .string), connection: connection)
+    }
+
+    @Test("overlapping reads of one user: events wait for the last one, and each read an event crossed is done again")
+    func overlappingReads() throws {
+        let session = try Self.session()
         _ = session.addWatched(["ann"])
         func presence(_ status: PresenceStatus) -> Presence { Presence(userID: "ann", status: status, lastSeen: nil) }
         let first = session.beginRead(["ann"])
@@ -37,11 +42,7 @@ struct SessionTests {
     /// opening had read (some 600 bytes for ten).
     @Test("once no read is under way, the session keeps no storage for reads")
     func readsGiveBackStorage() throws {
-        let channel = EmbeddedChannel()
-        let handler = SessionChannelHandler(limits: SessionChannelHandlerTests.limits, events: .init(text: { _ in }, binary: {}, ended: { _ in }))
-        try channel.pipeline.syncOperations.addHandler(handler)
-        let connection = SessionConnection(handler, mailbox: LoopMailbox(eventLoop: channel.embeddedEventLoop))
-        let session = Session(userID: "bob", deviceID: "phone", frames: FrameCoder(ids: .string), connection: connection)
+        let session = try Self.session()
         let users = (0..<50).map { "user-\($0)" }
         _ = session.addWatched(users)
         let all = session.beginRead(users)
