@@ -101,7 +101,7 @@ struct UpgradeTests {
     /// A connection's reads start at 512 bytes (``GatewayServerChannel/receiveBuffers``) and
     /// double each time one fills its buffer; the upgrade's request is handed to the opening
     /// alone. Both must still carry what is large: a head of several reads with the token in a
-    /// header, and a frame of several hundred.
+    /// header, and a frame larger than the largest read (64 KiB).
     @Test("an upgrade whose head is 12 KB (the token in its Authorization header) opens a session, and a 100 KB frame is answered: a connection's reads start small and grow")
     func largeReads() async throws {
         try await withNodes(1) { ports in
