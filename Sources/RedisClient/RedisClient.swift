@@ -16,7 +16,16 @@ public enum RedisConnectionEvent: Sendable, Equatable {
     case refused
 }
 
-/// A Redis client that keeps one pipelined connection open and reconnects with backoff.
+/// A Redis client that keeps a pipelined connection open per event loop of its group and
+/// reconnects with backoff.
+///
+/// A command sent from one of the group's event loops (a session's work runs on its
+/// connection's loop) goes out on that loop's connection, and its reply completes there: no
+/// thread wakes for it. Commands from anywhere else take the first connection. The connections
+/// are one unit: the first is made (through Sentinel when configured), the others to the same
+/// server; when any of them closes, all are closed and made again, and observers hear one
+/// ``RedisConnectionEvent/disconnected`` and one ``RedisConnectionEvent/connected(reconnect:)``.
+/// A loop whose connection could not be made sends on the first one until the next reconnect.
 ///
 /// Run it as a `Service` (or inside ``withClient(configuration:eventLoopGroup:logger:_:)``).
 /// Commands sent while it is (re)connecting wait at most
@@ -32,6 +41,8 @@ public final class RedisClient: Service, Sendable {
 
     private struct State {
         var connection: RedisConnection?
+        /// The connections of the other event loops, made beside `connection`.
+        var loopConnections: [RedisConnection] = []
         var waiters: [Int: CheckedContinuation<RedisConnection, any Error>] = [:]
         var nextWaiterID = 0
         var lastError: RedisError?
@@ -109,7 +120,8 @@ public final class RedisClient: Service, Sendable {
                     attempt = 0
                     let event = RedisConnectionEvent.connected(reconnect: everConnected)
                     everConnected = true
-                    install(connection)
+                    let loopConnections = await connectLoops(beside: connection)
+                    install(connection, loopConnections: loopConnections)
                     logger.info("connected to Redis", metadata: ["redis.url": "\(configuration.redactedURL)", "redis.server": "\(connection.address)"])
                     observers.notify(event)
                     await withTaskCancellationHandler {
@@ -117,7 +129,11 @@ public final class RedisClient: Service, Sendable {
                     } onCancel: {
                         Task { await connection.close() }
                     }
-                    state.withLockedValue { $0.connection = nil }
+                    state.withLockedValue {
+                        $0.connection = nil
+                        $0.loopConnections = []
+                    }
+                    for loopConnection in loopConnections { await loopConnection.close() }
                     guard !Task.isCancelled, !state.withLockedValue({ $0.shutdown }) else { break }
                     logger.warning("lost the connection to Redis; reconnecting", metadata: ["redis.url": "\(configuration.redactedURL)"])
                     observers.notify(.disconnected)
@@ -151,13 +167,44 @@ public final class RedisClient: Service, Sendable {
         return try await ConnectRace().run(interval: interval, limit: 10, attempt)
     }
 
-    /// Stops reconnecting and closes the connection; waiting and later commands fail.
+    /// A connection to `first`'s server on each other event loop of the group, each closing
+    /// `first` when it closes (so that all are made again together). A loop whose connection
+    /// fails gets none: its commands take `first`.
+    private func connectLoops(beside first: RedisConnection) async -> [RedisConnection] {
+        let others = eventLoopGroup.makeIterator().filter { $0 !== first.channel.eventLoop }
+        guard !others.isEmpty else { return [] }
+        let configuration = first.configuration
+        let logger = self.logger
+        let made = await withTaskGroup(of: RedisConnection?.self) { group in
+            for loop in others {
+                group.addTask {
+                    do {
+                        return try await RedisConnection.connect(configuration: configuration, eventLoopGroup: loop, logger: logger)
+                    } catch {
+                        logger.warning("cannot open an event loop's own connection to Redis; its commands take the first one", metadata: ["redis.server": "\(first.address)", "error": "\(error)"])
+                        return nil
+                    }
+                }
+            }
+            var made: [RedisConnection] = []
+            for await connection in group {
+                if let connection { made.append(connection) }
+            }
+            return made
+        }
+        for connection in made {
+            connection.channel.closeFuture.whenComplete { _ in first.channel.close(promise: nil) }
+        }
+        return made
+    }
+
+    /// Stops reconnecting and closes the connections; waiting and later commands fail.
     public func shutdown() {
-        let (connection, waiters) = state.withLockedValue { state in
+        let (connection, loopConnections, waiters) = state.withLockedValue { state in
             state.shutdown = true
             let waiters = state.waiters
             state.waiters = [:]
-            return (state.connection, waiters)
+            return (state.connection, state.loopConnections, waiters)
         }
         for waiter in waiters.values {
             waiter.resume(throwing: RedisError(.unavailable, "the Redis client is shut down"))
@@ -165,11 +212,15 @@ public final class RedisClient: Service, Sendable {
         if let connection {
             Task { await connection.close() }
         }
+        for loopConnection in loopConnections {
+            Task { await loopConnection.close() }
+        }
     }
 
-    private func install(_ connection: RedisConnection) {
+    private func install(_ connection: RedisConnection, loopConnections: [RedisConnection]) {
         let waiters = state.withLockedValue { state in
             state.connection = connection
+            state.loopConnections = loopConnections
             state.lastError = nil
             let waiters = state.waiters
             state.waiters = [:]
@@ -179,11 +230,17 @@ public final class RedisClient: Service, Sendable {
     }
 
 
-    /// The open connection, or one that opens within ``RedisConfiguration/waitForConnection``.
+    /// The open connection of the calling event loop, else the first one, or the first one
+    /// once it opens within ``RedisConfiguration/waitForConnection``.
     func connection() async throws(RedisError) -> RedisConnection {
         enum Lookup { case ready(RedisConnection), failed(RedisError), wait }
         let lookup: Lookup = state.withLockedValue { state in
-            if let connection = state.connection, connection.isActive { return .ready(connection) }
+            if let connection = state.connection, connection.isActive {
+                for loopConnection in state.loopConnections where loopConnection.channel.eventLoop.inEventLoop {
+                    return .ready(loopConnection.isActive ? loopConnection : connection)
+                }
+                return .ready(connection)
+            }
             if state.shutdown { return .failed(RedisError(.unavailable, "the Redis client is shut down")) }
             return .wait
         }
@@ -236,6 +293,32 @@ public final class RedisClient: Service, Sendable {
     @discardableResult
     public func send(_ arguments: RedisArgument...) async throws(RedisError) -> RESPValue {
         try await send(arguments)
+    }
+
+    /// `WAIT replicas timeout` on every open connection at once (a write may have gone out on any
+    /// of them): the fewest replicas any of them counts. A connection that wrote nothing
+    /// answers at once with every replica.
+    func waitForReplicasOnEveryConnection(_ replicas: Int, timeoutMilliseconds: Int) async throws(RedisError) -> Int {
+        let first = try await connection()
+        let all = [first] + state.withLockedValue { state in state.loopConnections.filter { $0.isActive } }
+        let command: [RedisArgument] = ["WAIT", RedisArgument(replicas), RedisArgument(timeoutMilliseconds)]
+        let counts = await withTaskGroup(of: Result<Int, RedisError>.self) { group in
+            for connection in all {
+                group.addTask {
+                    do throws(RedisError) {
+                        return .success(try await connection.send(command).int ?? 0)
+                    } catch {
+                        return .failure(error)
+                    }
+                }
+            }
+            var counts: [Result<Int, RedisError>] = []
+            for await count in group { counts.append(count) }
+            return counts
+        }
+        var fewest = Int.max
+        for count in counts { fewest = min(fewest, try count.get()) }
+        return fewest
     }
 
     /// Sends several commands in one write; each result is that command's reply or error.

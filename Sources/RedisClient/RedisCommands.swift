@@ -36,9 +36,10 @@ public protocol RedisCommands: AnyObject, Sendable, Service {
     /// as SCAN may return it twice; on a cluster whose primaries change meanwhile, keys of a
     /// moved slot may be missed or repeated.
     func scanPage(cursor: String, matching pattern: String, count: Int) async throws(RedisError) -> (cursor: String, keys: [String])
-    /// `WAIT replicas timeout` on the connection that wrote `key` (the one server's, or on a
-    /// cluster the connection to the primary of the key's slot): how many replicas have every
-    /// write sent on that connection so far, waiting up to `timeoutMilliseconds` for `replicas`.
+    /// `WAIT replicas timeout` on the connections that may have written `key` (on one server
+    /// each event loop's, the fewest count of them; on a cluster the connection to the primary of
+    /// the key's slot): how many replicas have every write sent on them so far, waiting up to
+    /// `timeoutMilliseconds` for `replicas`.
     func waitForReplicas(_ replicas: Int, timeoutMilliseconds: Int, afterWriting key: String) async throws(RedisError) -> Int
     /// How messages reach subscribers: classic pub/sub on one server, sharded on a cluster.
     var pubSub: RedisPubSub { get }
@@ -144,7 +145,7 @@ extension RedisClient: RedisCommands {
     public var isAvailable: Bool { isConnected }
 
     public func waitForReplicas(_ replicas: Int, timeoutMilliseconds: Int, afterWriting key: String) async throws(RedisError) -> Int {
-        try await send("WAIT", RedisArgument(replicas), RedisArgument(timeoutMilliseconds)).int ?? 0
+        try await waitForReplicasOnEveryConnection(replicas, timeoutMilliseconds: timeoutMilliseconds)
     }
 
     public var pubSub: RedisPubSub { configuration.pubSub }

@@ -1,0 +1,129 @@
+import Foundation
+import NIOConcurrencyHelpers
+import NIOCore
+import NIOPosix
+import RedisTestSupport
+import Testing
+
+@testable import RedisClient
+
+/// A task executor on one event loop, as a gateway session's work runs.
+private final class OnLoop: TaskExecutor {
+    let loop: any EventLoop
+
+    init(_ loop: any EventLoop) {
+        self.loop = loop
+    }
+
+    func enqueue(_ job: consuming ExecutorJob) {
+        let job = UnownedJob(job)
+        loop.execute { job.runSynchronously(on: self.asUnownedTaskExecutor()) }
+    }
+
+    /// Runs `body` in a task on the loop and returns its result.
+    func run<T: Sendable>(_ body: @escaping @Sendable () async throws -> T) async throws -> T {
+        try await Task(executorPreference: self) {
+            precondition(self.loop.inEventLoop, "the task runs on its loop")
+            return try await body()
+        }.value
+    }
+}
+
+@Suite("A Redis connection per event loop")
+struct LoopConnectionTests {
+    let logger = TestRedis.logger()
+
+    /// `CLIENT ID` as the connection a command from each loop takes answers it.
+    private func ids(_ client: RedisClient, loops: [OnLoop]) async throws -> [Int] {
+        var ids: [Int] = []
+        for loop in loops {
+            ids.append(try await loop.run { try await client.send("CLIENT", "ID").int ?? -1 })
+        }
+        return ids
+    }
+
+    private func connections(named name: String, admin: RedisClient) async throws -> Int {
+        let list = try await admin.send("CLIENT", "LIST", "TYPE", "normal").string ?? ""
+        return list.split(separator: "\n").filter { $0.contains("name=\(name) ") }.count
+    }
+
+    /// Fails before the change: every command took the one connection (one id for all loops).
+    @Test("a command sent from an event loop goes out on that loop's own connection, the same one each time; one from elsewhere on one of them")
+    func ownConnection() async throws {
+        let group = MultiThreadedEventLoopGroup(numberOfThreads: 3)
+        let loops = group.makeIterator().map { OnLoop($0) }
+        var configuration = TestRedis.configuration()
+        configuration.clientName = TestRedis.uniquePrefix("loops")
+        let name = configuration.clientName!
+        try await RedisClient.withClient(configuration: configuration, eventLoopGroup: group, logger: logger) { client in
+            let first = try await ids(client, loops: loops)
+            let again = try await ids(client, loops: loops)
+            #expect(Set(first).count == 3, "three loops, three connections: \(first)")
+            #expect(again == first, "each loop keeps its connection: \(first) then \(again)")
+            let elsewhere = try await client.send("CLIENT", "ID").int ?? -1
+            #expect(first.contains(elsewhere), "a command off the loops takes one of the client's connections (\(elsewhere), loops \(first))")
+            try await RedisClient.withClient(configuration: TestRedis.configuration(), logger: logger) { admin in
+                let open = try await connections(named: name, admin: admin)
+                #expect(open == 3, "one connection per loop under the client's name")
+            }
+        }
+        try await group.shutdownGracefully()
+    }
+
+    /// Fails before the change in its first expectation (one connection), so it guards what the
+    /// change adds: a loop's connection lost takes the others with it, and all come back.
+    @Test("when one loop's connection is killed, all are made again: observers hear one disconnect and one reconnect, and each loop has a new connection of its own")
+    func oneLostAllRenewed() async throws {
+        let group = MultiThreadedEventLoopGroup(numberOfThreads: 3)
+        let loops = group.makeIterator().map { OnLoop($0) }
+        var configuration = TestRedis.configuration()
+        configuration.clientName = TestRedis.uniquePrefix("loopkill")
+        let name = configuration.clientName!
+        let events = NIOLockedValueBox<[RedisConnectionEvent]>([])
+        try await RedisClient.withClient(configuration: configuration, eventLoopGroup: group, logger: logger) { client in
+            client.addConnectionObserver { event in events.withLockedValue { $0.append(event) } }
+            let before = try await ids(client, loops: loops)
+            #expect(Set(before).count == 3, "\(before)")
+            try await RedisClient.withClient(configuration: TestRedis.configuration(), logger: logger) { admin in
+                // The last loop's: most likely not the first connection, whose loss a single connection client already handled.
+                let killed = try await admin.send("CLIENT", "KILL", "ID", RedisArgument(before[2]))
+                #expect(killed == .simpleString("OK") || killed == .integer(1))
+                // The first connect may be heard too: the client announces it once it runs.
+                let back = await eventually { events.withLockedValue { $0.filter { $0 != .connected(reconnect: false) } } == [.disconnected, .connected(reconnect: true)] }
+                #expect(back, "events: \(events.withLockedValue { $0 })")
+                let after = try await ids(client, loops: loops)
+                #expect(Set(after).count == 3, "\(after)")
+                #expect(Set(after).isDisjoint(with: before), "every connection is new: \(before) → \(after)")
+                let settled = await eventually { (try? await connections(named: name, admin: admin)) == 3 }
+                #expect(settled, "the old connections are closed, three new ones open")
+            }
+        }
+        try await group.shutdownGracefully()
+    }
+
+    /// Fails if only one connection is asked: the write went out on a loop's connection, the
+    /// `WAIT` comes from off the loops.
+    @Test("waiting for replicas asks every connection: a write on any loop's connection that the replica has not got counts it missing")
+    func waitAsksEveryConnection() async throws {
+        let primary = try RedisServerProcess()
+        let replica = try RedisServerProcess(arguments: ["--replicaof", "127.0.0.1", "\(primary.port)"])
+        let group = MultiThreadedEventLoopGroup(numberOfThreads: 3)
+        let loops = group.makeIterator().map { OnLoop($0) }
+        let key = TestRedis.uniquePrefix("wait")
+        try await RedisClient.withClient(configuration: RedisConfiguration(url: primary.url()), eventLoopGroup: group, logger: logger) { client in
+            let linked = await eventually(timeout: .seconds(10)) {
+                (try? await client.send("INFO", "replication").string)?.contains("connected_slaves:1") ?? false
+            }
+            try #require(linked, "the replica follows the primary")
+            for loop in loops { _ = try await loop.run { try await client.send("SET", RedisArgument(key), "1") } }
+            #expect(try await client.waitForReplicas(1, timeoutMilliseconds: 2_000, afterWriting: key) == 1, "the running replica has every write")
+            let pid = try #require(replica.pid)
+            kill(pid, SIGSTOP)
+            defer { kill(pid, SIGCONT) }
+            // One write on the last loop's connection, which the stopped replica cannot have.
+            _ = try await loops[2].run { try await client.send("SET", RedisArgument(key), "2") }
+            #expect(try await client.waitForReplicas(1, timeoutMilliseconds: 300, afterWriting: key) == 0)
+        }
+        try await group.shutdownGracefully()
+    }
+}
