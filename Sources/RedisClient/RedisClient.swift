@@ -120,18 +120,22 @@ public final class RedisClient: Service, Sendable {
                     attempt = 0
                     let event = RedisConnectionEvent.connected(reconnect: everConnected)
                     everConnected = true
-                    let loopConnections = await connectLoops(beside: connection)
-                    install(connection, loopConnections: loopConnections)
+                    install(connection)
                     logger.info("connected to Redis", metadata: ["redis.url": "\(configuration.redactedURL)", "redis.server": "\(connection.address)"])
                     observers.notify(event)
+                    // The other loops' connections join as they open; until then, and for a
+                    // loop whose connection fails, the first one serves.
+                    let joining = Task { await self.connectLoops(beside: connection) }
                     await withTaskCancellationHandler {
                         await RedisSentinel.hold(connection, configuration: configuration, eventLoopGroup: eventLoopGroup, logger: logger)
                     } onCancel: {
                         Task { await connection.close() }
                     }
-                    state.withLockedValue {
-                        $0.connection = nil
-                        $0.loopConnections = []
+                    joining.cancel()
+                    let loopConnections = state.withLockedValue { state in
+                        state.connection = nil
+                        defer { state.loopConnections = [] }
+                        return state.loopConnections
                     }
                     for loopConnection in loopConnections { await loopConnection.close() }
                     guard !Task.isCancelled, !state.withLockedValue({ $0.shutdown }) else { break }
@@ -167,35 +171,51 @@ public final class RedisClient: Service, Sendable {
         return try await ConnectRace().run(interval: interval, limit: 10, attempt)
     }
 
-    /// A connection to `first`'s server on each other event loop of the group, each closing
-    /// `first` when it closes (so that all are made again together). A loop whose connection
-    /// fails gets none: its commands take `first`.
-    private func connectLoops(beside first: RedisConnection) async -> [RedisConnection] {
+    /// Opens a connection to `first`'s server on each other event loop of the group and adds
+    /// each to the client as it opens, while `first` is still the client's open connection (else
+    /// closes it). Each closes `first` when it closes, so that all are made again together. A
+    /// loop whose connection fails gets none: its commands take `first`.
+    private func connectLoops(beside first: RedisConnection) async {
         let others = eventLoopGroup.makeIterator().filter { $0 !== first.channel.eventLoop }
-        guard !others.isEmpty else { return [] }
         let configuration = first.configuration
         let logger = self.logger
-        let made = await withTaskGroup(of: RedisConnection?.self) { group in
+        await withTaskGroup(of: Void.self) { group in
             for loop in others {
                 group.addTask {
+                    let connection: RedisConnection
                     do {
-                        return try await RedisConnection.connect(configuration: configuration, eventLoopGroup: loop, logger: logger)
+                        connection = try await RedisConnection.connect(configuration: configuration, eventLoopGroup: loop, logger: logger)
+                        // A server at `maxclients` accepts, answers the first command with an
+                        // error and closes: such a connection must not join (its close would
+                        // drop the others, again and again).
+                        do {
+                            _ = try await connection.send(["PING"])
+                        } catch {
+                            await connection.close()
+                            throw error
+                        }
                     } catch {
                         logger.warning("cannot open an event loop's own connection to Redis; its commands take the first one", metadata: ["redis.server": "\(first.address)", "error": "\(error)"])
-                        return nil
+                        return
                     }
+                    let joined = self.state.withLockedValue { state -> Bool in
+                        guard state.connection === first, first.isActive, !Task.isCancelled else { return false }
+                        state.loopConnections.append(connection)
+                        return true
+                    }
+                    guard joined else {
+                        await connection.close()
+                        return
+                    }
+                    connection.channel.closeFuture.whenComplete { _ in first.channel.close(promise: nil) }
                 }
             }
-            var made: [RedisConnection] = []
-            for await connection in group {
-                if let connection { made.append(connection) }
-            }
-            return made
         }
-        for connection in made {
-            connection.channel.closeFuture.whenComplete { _ in first.channel.close(promise: nil) }
-        }
-        return made
+    }
+
+    /// How many event loops have a connection of their own open now (for tests).
+    var loopConnectionCount: Int {
+        state.withLockedValue { state in state.loopConnections.filter { $0.isActive }.count }
     }
 
     /// Stops reconnecting and closes the connections; waiting and later commands fail.
@@ -217,10 +237,9 @@ public final class RedisClient: Service, Sendable {
         }
     }
 
-    private func install(_ connection: RedisConnection, loopConnections: [RedisConnection]) {
+    private func install(_ connection: RedisConnection) {
         let waiters = state.withLockedValue { state in
             state.connection = connection
-            state.loopConnections = loopConnections
             state.lastError = nil
             let waiters = state.waiters
             state.waiters = [:]

@@ -42,6 +42,12 @@ struct LoopConnectionTests {
         return ids
     }
 
+    /// Waits until every loop but the first connection's has a connection of its own: they open
+    /// beside the first, after it.
+    private func joined(_ client: RedisClient, loops: Int) async -> Bool {
+        await eventually { client.loopConnectionCount == loops - 1 }
+    }
+
     private func connections(named name: String, admin: RedisClient) async throws -> Int {
         let list = try await admin.send("CLIENT", "LIST", "TYPE", "normal").string ?? ""
         return list.split(separator: "\n").filter { $0.contains("name=\(name) ") }.count
@@ -56,6 +62,7 @@ struct LoopConnectionTests {
         configuration.clientName = TestRedis.uniquePrefix("loops")
         let name = configuration.clientName!
         try await RedisClient.withClient(configuration: configuration, eventLoopGroup: group, logger: logger) { client in
+            try #require(await joined(client, loops: 3))
             let first = try await ids(client, loops: loops)
             let again = try await ids(client, loops: loops)
             #expect(Set(first).count == 3, "three loops, three connections: \(first)")
@@ -82,6 +89,7 @@ struct LoopConnectionTests {
         let events = NIOLockedValueBox<[RedisConnectionEvent]>([])
         try await RedisClient.withClient(configuration: configuration, eventLoopGroup: group, logger: logger) { client in
             client.addConnectionObserver { event in events.withLockedValue { $0.append(event) } }
+            try #require(await joined(client, loops: 3))
             let before = try await ids(client, loops: loops)
             #expect(Set(before).count == 3, "\(before)")
             try await RedisClient.withClient(configuration: TestRedis.configuration(), logger: logger) { admin in
@@ -91,12 +99,34 @@ struct LoopConnectionTests {
                 // The first connect may be heard too: the client announces it once it runs.
                 let back = await eventually { events.withLockedValue { $0.filter { $0 != .connected(reconnect: false) } } == [.disconnected, .connected(reconnect: true)] }
                 #expect(back, "events: \(events.withLockedValue { $0 })")
+                try #require(await joined(client, loops: 3))
                 let after = try await ids(client, loops: loops)
                 #expect(Set(after).count == 3, "\(after)")
                 #expect(Set(after).isDisjoint(with: before), "every connection is new: \(before) → \(after)")
                 let settled = await eventually { (try? await connections(named: name, admin: admin)) == 3 }
                 #expect(settled, "the old connections are closed, three new ones open")
             }
+        }
+        try await group.shutdownGracefully()
+    }
+
+    /// Fails without the PING a loop's connection answers before it joins: the refused one
+    /// joined, closed, and took the others with it, again and again.
+    @Test("a server at maxclients refuses one loop's connection: the client stays connected, and that loop's commands take the first connection")
+    func maxClients() async throws {
+        let server = try RedisServerProcess(arguments: ["--maxclients", "2"])
+        let group = MultiThreadedEventLoopGroup(numberOfThreads: 3)
+        let loops = group.makeIterator().map { OnLoop($0) }
+        let events = NIOLockedValueBox<[RedisConnectionEvent]>([])
+        try await RedisClient.withClient(configuration: RedisConfiguration(url: server.url()), eventLoopGroup: group, logger: logger) { client in
+            client.addConnectionObserver { event in events.withLockedValue { $0.append(event) } }
+            let one = await eventually { client.loopConnectionCount == 1 }
+            #expect(one, "one of the two other loops has a connection")
+            try await Task.sleep(for: .milliseconds(500))
+            #expect(!events.withLockedValue { $0 }.contains(.disconnected), "\(events.withLockedValue { $0 })")
+            #expect(client.loopConnectionCount == 1)
+            let answered = try await ids(client, loops: loops)
+            #expect(Set(answered).count == 2, "two connections serve three loops: \(answered)")
         }
         try await group.shutdownGracefully()
     }
@@ -115,6 +145,7 @@ struct LoopConnectionTests {
                 (try? await client.send("INFO", "replication").string)?.contains("connected_slaves:1") ?? false
             }
             try #require(linked, "the replica follows the primary")
+            try #require(await joined(client, loops: 3))
             for loop in loops { _ = try await loop.run { try await client.send("SET", RedisArgument(key), "1") } }
             #expect(try await client.waitForReplicas(1, timeoutMilliseconds: 2_000, afterWriting: key) == 1, "the running replica has every write")
             let pid = try #require(replica.pid)
