@@ -318,8 +318,10 @@ public final class RedisClient: Service, Sendable {
     /// of them): the fewest replicas any of them counts. A connection that wrote nothing
     /// answers at once with every replica.
     func waitForReplicasOnEveryConnection(_ replicas: Int, timeoutMilliseconds: Int) async throws(RedisError) -> Int {
-        let first = try await connection()
-        let all = [first] + state.withLockedValue { state in state.loopConnections.filter { $0.isActive } }
+        // Waits for the first connection if there is none yet; a loop would get its own here.
+        _ = try await connection()
+        let all = state.withLockedValue { state in (state.connection.map { [$0] } ?? []) + state.loopConnections }.filter { $0.isActive }
+        guard !all.isEmpty else { throw RedisError(.unavailable, "the connection to Redis closed while waiting for replicas") }
         let command: [RedisArgument] = ["WAIT", RedisArgument(replicas), RedisArgument(timeoutMilliseconds)]
         let counts = await withTaskGroup(of: Result<Int, RedisError>.self) { group in
             for connection in all {
