@@ -42,6 +42,24 @@ struct LoopConnectionTests {
         return ids
     }
 
+    /// Runs `body` with a client of a three-loop group, named `prefix` made unique, and the loops.
+    private func withLoops(_ base: RedisConfiguration = TestRedis.configuration(), named prefix: String, _ body: (RedisClient, [OnLoop], String) async throws -> Void) async throws {
+        let group = MultiThreadedEventLoopGroup(numberOfThreads: 3)
+        let loops = group.makeIterator().map { OnLoop($0) }
+        var configuration = base
+        configuration.clientName = TestRedis.uniquePrefix(prefix)
+        let name = configuration.clientName!
+        do {
+            try await RedisClient.withClient(configuration: configuration, eventLoopGroup: group, logger: logger) { client in
+                try await body(client, loops, name)
+            }
+        } catch {
+            try await group.shutdownGracefully()
+            throw error
+        }
+        try await group.shutdownGracefully()
+    }
+
     /// Waits until every loop but the first connection's has a connection of its own: they open
     /// beside the first, after it.
     private func joined(_ client: RedisClient, loops: Int) async -> Bool {
@@ -56,12 +74,7 @@ struct LoopConnectionTests {
     /// Fails before the change: every command took the one connection (one id for all loops).
     @Test("a command sent from an event loop goes out on that loop's own connection, the same one each time; one from elsewhere on one of them")
     func ownConnection() async throws {
-        let group = MultiThreadedEventLoopGroup(numberOfThreads: 3)
-        let loops = group.makeIterator().map { OnLoop($0) }
-        var configuration = TestRedis.configuration()
-        configuration.clientName = TestRedis.uniquePrefix("loops")
-        let name = configuration.clientName!
-        try await RedisClient.withClient(configuration: configuration, eventLoopGroup: group, logger: logger) { client in
+        try await withLoops(named: "loops") { client, loops, name in
             try #require(await joined(client, loops: 3))
             let first = try await ids(client, loops: loops)
             let again = try await ids(client, loops: loops)
@@ -74,20 +87,14 @@ struct LoopConnectionTests {
                 #expect(open == 3, "one connection per loop under the client's name")
             }
         }
-        try await group.shutdownGracefully()
     }
 
     /// Fails before the change in its first expectation (one connection), so it guards what the
     /// change adds: a loop's connection lost takes the others with it, and all come back.
     @Test("when one loop's connection is killed, all are made again: observers hear one disconnect and one reconnect, and each loop has a new connection of its own")
     func oneLostAllRenewed() async throws {
-        let group = MultiThreadedEventLoopGroup(numberOfThreads: 3)
-        let loops = group.makeIterator().map { OnLoop($0) }
-        var configuration = TestRedis.configuration()
-        configuration.clientName = TestRedis.uniquePrefix("loopkill")
-        let name = configuration.clientName!
         let events = NIOLockedValueBox<[RedisConnectionEvent]>([])
-        try await RedisClient.withClient(configuration: configuration, eventLoopGroup: group, logger: logger) { client in
+        try await withLoops(named: "loopkill") { client, loops, name in
             client.addConnectionObserver { event in events.withLockedValue { $0.append(event) } }
             try #require(await joined(client, loops: 3))
             let before = try await ids(client, loops: loops)
@@ -107,7 +114,6 @@ struct LoopConnectionTests {
                 #expect(settled, "the old connections are closed, three new ones open")
             }
         }
-        try await group.shutdownGracefully()
     }
 
     /// Fails without the PING a loop's connection answers before it joins: the refused one
@@ -115,10 +121,8 @@ struct LoopConnectionTests {
     @Test("a server at maxclients refuses one loop's connection: the client stays connected, and that loop's commands take the first connection")
     func maxClients() async throws {
         let server = try RedisServerProcess(arguments: ["--maxclients", "2"])
-        let group = MultiThreadedEventLoopGroup(numberOfThreads: 3)
-        let loops = group.makeIterator().map { OnLoop($0) }
         let events = NIOLockedValueBox<[RedisConnectionEvent]>([])
-        try await RedisClient.withClient(configuration: RedisConfiguration(url: server.url()), eventLoopGroup: group, logger: logger) { client in
+        try await withLoops(RedisConfiguration(url: server.url()), named: "maxclients") { client, loops, _ in
             client.addConnectionObserver { event in events.withLockedValue { $0.append(event) } }
             let one = await eventually { client.loopConnectionCount == 1 }
             #expect(one, "one of the two other loops has a connection")
@@ -128,7 +132,6 @@ struct LoopConnectionTests {
             let answered = try await ids(client, loops: loops)
             #expect(Set(answered).count == 2, "two connections serve three loops: \(answered)")
         }
-        try await group.shutdownGracefully()
     }
 
     /// The first half fails if only one connection is asked (the write went out on a loop's
@@ -140,10 +143,8 @@ struct LoopConnectionTests {
     func waitAsksEveryConnection() async throws {
         let primary = try RedisServerProcess()
         let replica = try RedisServerProcess(arguments: ["--replicaof", "127.0.0.1", "\(primary.port)"])
-        let group = MultiThreadedEventLoopGroup(numberOfThreads: 3)
-        let loops = group.makeIterator().map { OnLoop($0) }
         let key = TestRedis.uniquePrefix("wait")
-        try await RedisClient.withClient(configuration: RedisConfiguration(url: primary.url()), eventLoopGroup: group, logger: logger) { client in
+        try await withLoops(RedisConfiguration(url: primary.url()), named: "wait") { client, loops, _ in
             let linked = await eventually(timeout: .seconds(10)) {
                 (try? await client.send("INFO", "replication").string)?.contains("connected_slaves:1") ?? false
             }
@@ -169,6 +170,5 @@ struct LoopConnectionTests {
                 #expect(counted == 0, "asked from loop \(index)")
             }
         }
-        try await group.shutdownGracefully()
     }
 }
