@@ -151,7 +151,9 @@ struct LoopConnectionTests {
             try #require(linked, "the replica follows the primary")
             try #require(await joined(client, loops: 3))
             for loop in loops { _ = try await loop.run { try await client.send("SET", RedisArgument(key), "1") } }
-            #expect(try await client.waitForReplicas(1, timeoutMilliseconds: 2_000, afterWriting: key) == 1, "the running replica has every write")
+            // `connected_slaves:1` comes before the replica's first sync ends: wait for its ack.
+            let acked = await eventually(timeout: .seconds(15)) { (try? await client.waitForReplicas(1, timeoutMilliseconds: 1_000, afterWriting: key)) == 1 }
+            #expect(acked, "the running replica has every write")
             let pid = try #require(replica.pid)
             kill(pid, SIGSTOP)
             defer { kill(pid, SIGCONT) }
