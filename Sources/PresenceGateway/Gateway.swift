@@ -115,7 +115,7 @@ public struct GatewayNode: Sendable {
     /// beside them (a process-wide concern: nodes built in a test process leave it out).
     public func run() async throws {
         let group = ServiceGroup(configuration: .init(
-            services: [application, drainer, MemoryTrimService(logger: application.logger)],
+            services: [application, drainer, MemoryTrimService(logger: application.logger, sessions: { gateway.hub.sessionCount })],
             gracefulShutdownSignals: [.sigterm, .sigint],
             logger: application.logger
         ))

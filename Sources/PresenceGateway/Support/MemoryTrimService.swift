@@ -12,18 +12,21 @@ import ServiceLifecycle
 /// trim during one hands back pages that are taken again at once, and holds malloc's locks while
 /// sessions open), calls `malloc_trim(0)`, which hands whole free pages back with `madvise`, also
 /// from the middle of an arena. Slack that a trim cannot give back (pages shared with live
-/// objects) becomes the new reference, so it is not trimmed again and again. On other C
-/// libraries it does nothing.
+/// objects) becomes the new reference, so it is not trimmed again and again. Reading the heap in
+/// use walks it, so a heap whose resident size and sessions hold still is read once a minute,
+/// not at each look. On other C libraries it does nothing.
 struct MemoryTrimService: Service {
     var interval: Duration = .seconds(5)
     let logger: Logger
+    /// The node's open sessions: their count moving is a reason to walk the heap.
+    var sessions: @Sendable () -> Int = { 0 }
 
     func run() async throws {
         // The heap is the process's: `GatewayNode.run()` starts one service per process.
         var trimmer = MemoryTrimmer()
         while !Task.isShuttingDownGracefully, !Task.isCancelled {
             try? await cancelWhenGracefulShutdown { try await Task.sleep(for: interval) }
-            if let trim = trimmer.check() {
+            if let trim = trimmer.check(sessions: sessions()) {
                 logger.debug("returned free heap memory to the system", metadata: [
                     "presence.slack_before": "\(trim.slackBefore)", "presence.slack_after": "\(trim.slackAfter)",
                     "presence.took": "\(trim.took)",
@@ -42,41 +45,84 @@ struct MemoryTrimmer {
         var took: Duration
     }
 
+    /// Where the trimmer reads the process's memory, and how it trims: the C library's, or a
+    /// test's.
+    struct Memory {
+        var resident: () -> Int
+        var inUse: () -> Int
+        var trim: () -> Void
+
+        static var process: Memory {
+            Memory(resident: { presence_resident_bytes() }, inUse: { presence_malloc_in_use_bytes() }, trim: { _ = presence_malloc_trim() })
+        }
+    }
+
     /// Growth of the slack, in bytes, that calls for a trim.
     var threshold: Int
-    /// Growth of the heap in use between two looks, in bytes, under which the heap counts as quiet.
+    /// Growth of the heap in use between two walks, in bytes, under which the heap counts as
+    /// quiet; resident memory that moved by less since the last walk is no reason for one.
     var quiet: Int
+    /// Sessions opened or closed since the last walk that are a reason for one: some 9 KiB each,
+    /// 500 are about the quiet step.
+    var sessionStep = 500
+    /// The heap is walked at least once in this many looks (a minute, at the service's 5 s).
+    var walkEvery = 12
+    private let memory: Memory
     /// The slack after the last trim, or the least seen since.
     private var settled: Int
-    /// The heap in use at the last look.
+    /// The heap in use at the last walk.
     private var lastInUse: Int
+    /// Resident memory and sessions at the last walk (or trim), and looks since.
+    private var residentAtWalk: Int
+    private var sessionsAtWalk = 0
+    private var looksSinceWalk = 0
+    /// The last walk found slack to trim while the heap was still growing: walk at the next look.
+    private var trimPending = false
 
-    init(threshold: Int = 32 << 20, quiet: Int = 4 << 20) {
+    init(threshold: Int = 32 << 20, quiet: Int = 4 << 20, memory: Memory = .process) {
         self.threshold = threshold
         self.quiet = quiet
-        lastInUse = presence_malloc_in_use_bytes()
-        settled = presence_resident_bytes() - lastInUse
+        self.memory = memory
+        lastInUse = memory.inUse()
+        residentAtWalk = memory.resident()
+        settled = residentAtWalk - lastInUse
     }
 
     /// Resident bytes that are not heap in use: code, stacks, and free pages malloc still holds.
-    static func slack() -> Int {
-        presence_resident_bytes() - presence_malloc_in_use_bytes()
+    private func slack() -> Int {
+        memory.resident() - memory.inUse()
     }
 
     /// Trims if the slack grew by more than `threshold` since it last settled while the heap in
-    /// use grew by less than `quiet` since the last look.
-    mutating func check() -> Trim? {
-        let inUse = presence_malloc_in_use_bytes()
-        let before = presence_resident_bytes() - inUse
+    /// use grew by less than `quiet` since the last walk. `sessions` is the node's count now.
+    ///
+    /// Resident memory and `sessions` are read at every look, the heap in use only when one of
+    /// them moved since the last walk (a burst, or sessions gone whose memory the heap now holds
+    /// free), when that walk put a trim off, or once in ``walkEvery`` looks: reading it walks the
+    /// heap under each arena's lock in turn, which stalls a thread allocating meanwhile.
+    mutating func check(sessions: Int = 0) -> Trim? {
+        let resident = memory.resident()
+        looksSinceWalk += 1
+        guard trimPending || abs(resident - residentAtWalk) >= quiet || abs(sessions - sessionsAtWalk) >= sessionStep
+            || looksSinceWalk >= walkEvery
+        else { return nil }
+        looksSinceWalk = 0
+        residentAtWalk = resident
+        sessionsAtWalk = sessions
+        let inUse = memory.inUse()
+        let before = resident - inUse
         defer { lastInUse = inUse }
-        guard before - settled > threshold, inUse - lastInUse < quiet else {
+        trimPending = before - settled > threshold
+        guard trimPending, inUse - lastInUse < quiet else {
             settled = min(settled, before)
             return nil
         }
+        trimPending = false
         let started = ContinuousClock.now
-        presence_malloc_trim()
-        let after = Self.slack()
+        memory.trim()
+        let after = slack()
         settled = after
+        residentAtWalk = memory.resident()
         return Trim(slackBefore: before, slackAfter: after, took: ContinuousClock.now - started)
     }
 }
