@@ -62,8 +62,10 @@ struct MemoryTrimmer {
     /// Growth of the heap in use between two walks, in bytes, under which the heap counts as
     /// quiet; resident memory that moved by less since the last walk is no reason for one.
     var quiet: Int
-    /// Sessions opened or closed since the last walk that are a reason for one: some 9 KiB each,
-    /// 500 are about the quiet step.
+    /// How far the session count may move from its value at the last walk before it is a reason
+    /// for one: a session is some 9 KiB, so 500 are about the quiet step. (Sessions that came and
+    /// went between two looks leave the count as it was; what they left in the heap shows in
+    /// resident memory, or at the walk once a minute.)
     var sessionStep = 500
     /// The heap is walked at least once in this many looks (a minute, at the service's 5 s).
     var walkEvery = 12
