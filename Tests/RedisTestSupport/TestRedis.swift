@@ -53,6 +53,15 @@ public enum TestRedis {
         throw RedisError(.server, "no client named \(name)")
     }
 
+    /// The ids of every connection named `name`: a client that raced two connects may show a
+    /// second one for a moment, the one it is closing.
+    public static func clientIDs(_ admin: RedisClient, name: String) async throws -> [Int] {
+        let list = try await admin.send("CLIENT", "LIST").string ?? ""
+        return list.split(separator: "\n").filter { $0.contains("name=\(name) ") }.compactMap { line in
+            line.split(separator: " ").first(where: { $0.hasPrefix("id=") }).flatMap { Int($0.dropFirst(3)) }
+        }
+    }
+
     /// A logger for tests: warnings and above, unless `PRESENCE_TEST_LOG_LEVEL` says otherwise.
     public static func logger(_ label: String = "test") -> Logger {
         var logger = Logger(label: label)
