@@ -171,23 +171,26 @@ public final class RedisConnection: Sendable {
     }
 
     /// Sends several commands in one write and returns each one's outcome, in order.
+    ///
+    /// The commands go into the outbox together and are waited for together: queued one at a
+    /// time, each could be written on its own, as the loop woken by the first took the outbox
+    /// before the next was in it (on two cores the woken loop preempts the task at once), and
+    /// each reply awaited on its own resumed the task once per command.
     public func pipeline(_ commands: [[RedisArgument]]) async throws(RedisError) -> [Result<RESPValue, RedisError>] {
-        let futures = commands.map { enqueue($0, expectedReplies: 1) }
-        var results: [Result<RESPValue, RedisError>] = []
-        results.reserveCapacity(futures.count)
-        for future in futures {
-            do {
-                let reply = try await future.get()
-                if case .error(let message) = reply {
-                    results.append(.failure(failure(message)))
-                } else {
-                    results.append(.success(reply))
-                }
-            } catch {
-                results.append(.failure(Self.redisError(error)))
+        let futures = enqueue(commands)
+        let replies: [Result<RESPValue, any Error>]
+        do {
+            replies = try await EventLoopFuture.whenAllComplete(futures, on: channel.eventLoop).get()
+        } catch {
+            throw Self.redisError(error)
+        }
+        return replies.map { reply in
+            switch reply {
+            case .success(.error(let message)): .failure(failure(message))
+            case .success(let value): .success(value)
+            case .failure(let error): .failure(Self.redisError(error))
             }
         }
-        return results
     }
 
     /// Sends a command answered by `expectedReplies` replies (counted as `counting` says);
@@ -206,12 +209,32 @@ public final class RedisConnection: Sendable {
     /// a single event-loop task that writes everything queued by then and flushes once. That is
     /// the automatic pipelining: one loop hop and one syscall for a whole burst of commands.
     func enqueue(_ arguments: [RedisArgument], expectedReplies: Int, counting: RedisRequest.Counting = .replies) -> EventLoopFuture<RESPValue> {
+        let request = request(arguments, expectedReplies: expectedReplies, counting: counting)
+        queue { $0.append(request) }
+        return request.promise.futureResult
+    }
+
+    /// Queues commands of one reply each, all at once (see ``pipeline(_:)``).
+    func enqueue(_ commands: [[RedisArgument]]) -> [EventLoopFuture<RESPValue>] {
+        let requests = commands.map { request($0, expectedReplies: 1, counting: .replies) }
+        queue { $0.append(contentsOf: requests) }
+        return requests.map(\.promise.futureResult)
+    }
+
+    private func request(_ arguments: [RedisArgument], expectedReplies: Int, counting: RedisRequest.Counting) -> RedisRequest {
         var buffer = channel.allocator.buffer(capacity: 64)
         RESPEncoder.encode(arguments, into: &buffer)
-        let promise = channel.eventLoop.makePromise(of: RESPValue.self)
-        let request = RedisRequest(encoded: buffer, expectedReplies: expectedReplies, promise: promise, counting: counting)
+        if logger.logLevel <= .trace {
+            // Only the command name: arguments can hold secrets.
+            logger.trace("redis command", metadata: ["redis.command": "\(arguments.first.map { String(decoding: $0.bytes, as: UTF8.self) } ?? "")"])
+        }
+        return RedisRequest(encoded: buffer, expectedReplies: expectedReplies, promise: channel.eventLoop.makePromise(of: RESPValue.self), counting: counting)
+    }
+
+    /// Adds to the outbox; the first addition to an empty one schedules its drain.
+    private func queue(_ add: (inout [RedisRequest]) -> Void) {
         let schedule = outbox.withLockedValue { outbox -> Bool in
-            outbox.requests.append(request)
+            add(&outbox.requests)
             guard !outbox.scheduled else { return false }
             outbox.scheduled = true
             return true
@@ -219,11 +242,6 @@ public final class RedisConnection: Sendable {
         if schedule {
             channel.eventLoop.execute { self.drainOutbox() }
         }
-        if logger.logLevel <= .trace {
-            // Only the command name: arguments can hold secrets.
-            logger.trace("redis command", metadata: ["redis.command": "\(arguments.first.map { String(decoding: $0.bytes, as: UTF8.self) } ?? "")"])
-        }
-        return promise.futureResult
     }
 
     /// Writes every queued command and flushes once; runs on the channel's event loop.

@@ -1,4 +1,5 @@
 import Foundation
+import NIOConcurrencyHelpers
 import NIOCore
 import NIOPosix
 import RedisTestSupport
@@ -76,6 +77,24 @@ struct RedisClientIntegrationTests {
             #expect(try results[2].get() == .integer(2))
             #expect(try results[3].get() == .integer(1))
         }
+    }
+
+    /// Fails before the fix (several flushes, as many as the loop, woken by the first command,
+    /// found the outbox with commands in it while the task still queued the rest).
+    @Test("a pipeline is written in one flush and awaited once, however many commands it holds")
+    func pipelineOneFlush() async throws {
+        let key = TestRedis.uniquePrefix("flush") + ":n"
+        let connection = try await RedisConnection.connect(configuration: TestRedis.configuration(), eventLoopGroup: MultiThreadedEventLoopGroup.singleton, logger: logger)
+        let flushes = FlushCounter()
+        try await connection.channel.pipeline.addHandler(flushes, position: .first).get()
+        for round in 0..<5 {
+            let before = flushes.count
+            let results = try await connection.pipeline(Array(repeating: ["INCR", RedisArgument(key)], count: 300))
+            #expect(results.compactMap { try? $0.get().int } == Array((round * 300 + 1)...(round * 300 + 300)), "every reply to its own command, in order")
+            #expect(flushes.count - before == 1, "one flush for 300 commands (round \(round))")
+        }
+        _ = try await connection.send(["DEL", RedisArgument(key)])
+        await connection.close()
     }
 
     @Test("CLIENT KILL mid-pipeline fails the pending commands and the client reconnects")
@@ -317,4 +336,16 @@ func patient(_ url: String) throws -> RedisConfiguration {
     var configuration = try RedisConfiguration(url: url)
     configuration.waitForConnection = .seconds(5)
     return configuration
+}
+
+/// Counts the flushes that reach the socket.
+private final class FlushCounter: ChannelOutboundHandler, Sendable {
+    typealias OutboundIn = ByteBuffer
+    private let flushes = NIOLockedValueBox(0)
+    var count: Int { flushes.withLockedValue { $0 } }
+
+    func flush(context: ChannelHandlerContext) {
+        flushes.withLockedValue { $0 += 1 }
+        context.flush()
+    }
 }
