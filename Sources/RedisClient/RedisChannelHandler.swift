@@ -79,7 +79,11 @@ final class RedisChannelHandler: ChannelDuplexHandler {
     private let onPush: (@Sendable (RedisPush) -> Void)?
     private var pending = CircularBuffer<Pending>(initialCapacity: 64)
     private var closed = false
-    private var timeoutCheck: RepeatedTask?
+    /// The earliest look at the deadlines that is scheduled, if any. A look is never cancelled
+    /// (NIO cancels a scheduled task by a search of its loop's whole timer heap, which holds every
+    /// session's timers too), so later ones may be scheduled as well; each does what is due when
+    /// it runs and schedules the next one needed.
+    private var nextLook: NIODeadline?
     /// How long an idle connection stays silent before it sends a `PING`; nil: never.
     private let heartbeat: TimeAmount?
     /// When a reply last arrived, or the connection opened.
@@ -93,15 +97,11 @@ final class RedisChannelHandler: ChannelDuplexHandler {
     }
 
     func handlerAdded(context: ChannelHandlerContext) {
-        let loopBound = NIOLoopBound((self, context), eventLoop: context.eventLoop)
-        timeoutCheck = context.eventLoop.scheduleRepeatedTask(initialDelay: .milliseconds(100), delay: .milliseconds(100)) { _ in
-            let (handler, context) = loopBound.value
-            handler.checkDeadlines(context: context)
-        }
+        scheduleNextLook(context: context)
     }
 
     func handlerRemoved(context: ChannelHandlerContext) {
-        timeoutCheck?.cancel()
+        closed = true
         failAll(RedisError(.connectionClosed, "the connection to Redis was closed"))
     }
 
@@ -120,6 +120,7 @@ final class RedisChannelHandler: ChannelDuplexHandler {
         }
         let deadline = NIODeadline.now() + stallTimeout
         pending.append(Pending(promise: request.promise, remaining: request.expectedReplies, counting: request.counting, collected: [], deadline: deadline))
+        look(by: deadline, context: context)
         context.write(wrapOutboundOut(request.encoded), promise: promise)
     }
 
@@ -131,6 +132,7 @@ final class RedisChannelHandler: ChannelDuplexHandler {
             while let reply = try parser.next() {
                 try deliver(reply)
             }
+            if pending.isEmpty, let heartbeat { look(by: lastHeard + heartbeat, context: context) }
         } catch {
             fail(context: context, error)
         }
@@ -198,12 +200,40 @@ final class RedisChannelHandler: ChannelDuplexHandler {
         }
     }
 
+    /// Makes sure the deadlines are looked at by `deadline`.
+    private func look(by deadline: NIODeadline, context: ChannelHandlerContext) {
+        if let nextLook, nextLook <= deadline { return }
+        nextLook = deadline
+        let loopBound = NIOLoopBound((self, context), eventLoop: context.eventLoop)
+        // In an amount of time, not at the deadline: a test's embedded loop keeps time of its own.
+        context.eventLoop.scheduleTask(in: max(.zero, deadline - .now())) {
+            let (handler, context) = loopBound.value
+            if handler.nextLook == deadline { handler.nextLook = nil }
+            handler.checkDeadlines(context: context)
+            handler.scheduleNextLook(context: context)
+        }
+    }
+
+    /// Schedules the look the connection needs next: at the oldest command's deadline, or, with
+    /// nothing waiting, when the heartbeat falls due. Looking only then, not every 100 ms, spares
+    /// an idle node most of its wake-ups (it has a connection per event loop), and a stalled
+    /// command is found at its deadline, not up to 100 ms after.
+    private func scheduleNextLook(context: ChannelHandlerContext) {
+        guard !closed else { return }
+        if let front = pending.first {
+            look(by: front.deadline, context: context)
+        } else if let heartbeat {
+            look(by: lastHeard + heartbeat, context: context)
+        }
+    }
+
     /// The oldest command waited past the stall timeout: the connection is dropped, not waited on.
     /// An idle connection silent for the heartbeat interval sends a `PING` of its own, which the
     /// same rule then times.
     private func checkDeadlines(context: ChannelHandlerContext) {
+        guard !closed else { return }
         let now = NIODeadline.now()
-        if let heartbeat, !closed, pending.isEmpty, now - lastHeard >= heartbeat {
+        if let heartbeat, pending.isEmpty, now - lastHeard >= heartbeat {
             var buffer = context.channel.allocator.buffer(capacity: 14)
             RESPEncoder.encode(["PING"], into: &buffer)
             let answered = context.eventLoop.makePromise(of: RESPValue.self)
@@ -213,7 +243,7 @@ final class RedisChannelHandler: ChannelDuplexHandler {
             context.writeAndFlush(wrapOutboundOut(buffer), promise: nil)
             return
         }
-        guard let front = pending.first, front.deadline < now else { return }
+        guard let front = pending.first, front.deadline <= now else { return }
         fail(context: context, RedisError(.timeout, "Redis did not answer within \(stallTimeout.nanoseconds / 1_000_000) ms"), abort: true)
     }
 

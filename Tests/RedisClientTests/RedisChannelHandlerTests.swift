@@ -84,7 +84,7 @@ struct RedisChannelHandlerTests {
         try channel.connect(to: .init(ipAddress: "127.0.0.1", port: 6379)).wait()
         var ping = ByteBuffer()
         RESPEncoder.encode(["PING"], into: &ping)
-        // The handler's checks run every 100 ms of the loop's time and read the real clock.
+        // The handler's looks are scheduled in the loop's time and read the real clock.
         func idle(_ milliseconds: UInt32) {
             usleep(milliseconds * 1000)
             (channel.eventLoop as! EmbeddedEventLoop).advanceTime(by: .milliseconds(100))
@@ -110,6 +110,20 @@ struct RedisChannelHandlerTests {
         (quiet.eventLoop as! EmbeddedEventLoop).advanceTime(by: .milliseconds(100))
         #expect(try quiet.readOutbound(as: ByteBuffer.self) == nil, "no heartbeat configured: nothing sent")
         _ = try? quiet.finish()
+    }
+
+    @Test("a command unanswered is given up on at its stall deadline, not at a later look")
+    func stallAtDeadline() throws {
+        let channel = EmbeddedChannel()
+        try channel.pipeline.syncOperations.addHandler(RedisChannelHandler(maxReplyBytes: 1 << 20, stallTimeout: .milliseconds(60), onPush: nil))
+        try channel.connect(to: .init(ipAddress: "127.0.0.1", port: 6379)).wait()
+        let pending = try request(channel, ["GET", "a"])
+        usleep(70_000)
+        // The loop's clock reaches the deadline (and no further): the look due then finds the
+        // real clock past it.
+        (channel.eventLoop as! EmbeddedEventLoop).advanceTime(by: .milliseconds(61))
+        #expect(!channel.isActive, "dropped at the deadline")
+        #expect(throws: RedisError.self) { try pending.outcome(on: channel) }
     }
 }
 
