@@ -687,7 +687,7 @@ struct PresenceEngineTests {
             #expect(try await engine.claim(keys.allDeadlines, limit: 100).isEmpty, "claimed: nobody else takes them")
             var calls = 0
             await #expect(throws: PresenceError.self) {
-                try await engine.forEachClaimed(claimed) { _, _, _ throws(PresenceError) in
+                try await engine.forEachClaimed(claimed) { _, _, _, _ throws(PresenceError) in
                     calls += 1
                     throw PresenceError(.unavailable, "the presence store is unreachable")
                 }
