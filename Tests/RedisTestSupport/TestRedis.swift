@@ -44,13 +44,8 @@ public enum TestRedis {
 
     /// The id of the connection named `name` (CLIENT SETNAME), to kill exactly that one.
     public static func clientID(_ admin: RedisClient, name: String) async throws -> Int {
-        let list = try await admin.send("CLIENT", "LIST").string ?? ""
-        for line in list.split(separator: "\n") where line.contains("name=\(name) ") {
-            if let field = line.split(separator: " ").first(where: { $0.hasPrefix("id=") }), let id = Int(field.dropFirst(3)) {
-                return id
-            }
-        }
-        throw RedisError(.server, "no client named \(name)")
+        guard let id = try await clientIDs(admin, name: name).first else { throw RedisError(.server, "no client named \(name)") }
+        return id
     }
 
     /// The ids of every connection named `name`: a client that raced two connects may show a
