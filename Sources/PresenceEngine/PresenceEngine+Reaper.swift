@@ -248,11 +248,6 @@ extension PresenceEngine {
         ClaimDue(key: key, claimFor: .milliseconds(Self.claimMilliseconds), limit: limit)
     }
 
-    /// Claims up to `limit` due entries of each of several sets (see the form taking the calls).
-    func claim(_ sets: [String], limit: Int) async throws(PresenceError) -> [(key: String, claim: ClaimDue.Claim)] {
-        try await claim(sets.map { claimCall($0, limit: limit) })
-    }
-
     /// Runs claims of several sets in one pipeline (the buckets of a deadline set each sit in
     /// their own slot); the sets with something claimed, with their claims, in the order asked.
     /// A set Redis refused to claim from (its primary failing over) is left for the next pass;

@@ -81,7 +81,7 @@ struct RedisClientIntegrationTests {
 
     /// Fails before the fix (several flushes, as many as the loop, woken by the first command,
     /// found the outbox with commands in it while the task still queued the rest).
-    @Test("a pipeline is written in one flush and awaited once, however many commands it holds")
+    @Test("a pipeline is written in one flush, however many commands it holds")
     func pipelineOneFlush() async throws {
         let key = TestRedis.uniquePrefix("flush") + ":n"
         let connection = try await RedisConnection.connect(configuration: TestRedis.configuration(), eventLoopGroup: MultiThreadedEventLoopGroup.singleton, logger: logger)
