@@ -28,80 +28,58 @@ extension PresenceEngine {
         return lastRedisFailure.withLockedValue { $0 }.map { now - $0 < configuration.recoveryGrace.milliseconds } ?? false
     }
 
-    /// One pass of the reaper: claims lapsed node leases, due device deadlines and due typing
-    /// expiries, and works them: those devices taken offline, with `last_seen` the last moment
-    /// each was known alive, and those typing states ended.
-    ///
-    /// Every set is claimed in one pipeline, so that a pass with nothing due (nearly every pass)
-    /// is one round trip, not three: a node runs two passes a second for its whole life, each
-    /// round trip a hop from the task to a connection's loop and back.
+    /// One pass of the reaper: claims lapsed node leases and due device deadlines and takes those
+    /// devices offline, with `last_seen` the last moment each was known alive.
     public func reapOnce(limit: Int = 500) async throws(PresenceError) -> ReapReport {
         var report = ReapReport()
-        var calls: [ClaimDue] = []
         // Just after Redis was unreachable, a lapsed lease says nothing: live nodes could not
         // renew either. They get the grace to come back before anyone is reaped. (A local
         // timer: this node's clock measures only its own waiting.)
-        if !isRecovering() { calls.append(claimCall(keys.nodes, limit: 16)) }
-        let typingSets = keys.allTypingDeadlines
-        calls += (keys.allDeadlines + typingSets).map { claimCall($0, limit: limit) }
-        let claimed = try await claim(calls)
-        // In the order claimed: lapsed nodes, device deadlines, typing expiries.
-        try await forEachClaimed(claimed) { key, due, member, score throws(PresenceError) in
-            if key == keys.nodes {
-                try await reapClaimedNode(member, leaseEnded: score, retry: due.retry, into: &report)
-            } else if typingSets.contains(key) {
-                if try await expireClaimedTyping(key: key, member: member, retry: due.retry) { report.typingEnded += 1 }
-            } else {
-                try await expireClaimedDevice(key: key, member: member, retry: due.retry, into: &report)
+        if !isRecovering() {
+            let nodes = try await claim(keys.nodes, limit: 16)
+            try await forEachClaimed(keys.nodes, nodes) { node, leaseEnded throws(PresenceError) in
+                // This node is alive: a lapsed lease of its own is registered again by its
+                // renewal (its upkeep may be stuck behind commands to a shard that stopped
+                // answering, never failing a renewal, while its lease ran out).
+                guard node != configuration.nodeID else {
+                    _ = try await evaluate(ResolveClaim(key: keys.nodes, member: node, score: nodes.retry, next: Int64(leaseEnded)))
+                    return
+                }
+                switch try await reapNode(node, leaseEnded: Int64(leaseEnded)) {
+                case .reaped(let changed):
+                    report.changedUsers += changed
+                    report.nodes.append(node)
+                    _ = try await evaluate(ResolveClaim(key: keys.nodes, member: node, score: nodes.retry))
+                case .live(let until):
+                    _ = try await evaluate(ResolveClaim(key: keys.nodes, member: node, score: nodes.retry, next: until))
+                }
             }
         }
+        try await forEachClaimed(try await claim(keys.allDeadlines, limit: limit)) { key, due, member throws(PresenceError) in
+            guard let (user, device) = keys.splitDeviceMember(member) else {
+                _ = try await run { try await self.redis.execute(ZREM(key: key, members: [member])) }
+                return
+            }
+            var next: Int64?
+            switch try await evaluate(RemoveDevice(user: user, device: device, mode: .expire)) {
+            case .removed(let change):
+                report.expiredDevices += 1
+                if change.changed || change.shownChanged { report.changedUsers += 1 }
+                await settle(change)
+            case .live(let deadline):
+                // Not due yet (the index was early, or the device was written again): looked
+                // at again at its deadline. Held by a session: no deadline, out of the index.
+                next = deadline
+            case .heldByAnother, .staleStatus:
+                break
+            }
+            _ = try await evaluate(ResolveClaim(key: key, member: member, score: due.retry, next: next))
+        }
+        report.typingEnded = try await reapTyping(limit: limit)
         if !report.nodes.isEmpty || report.expiredDevices > 0 {
             logger.info("reaped", metadata: ["presence.nodes": "\(report.nodes)", "presence.devices": "\(report.expiredDevices)"])
         }
         return report
-    }
-
-    /// A lapsed lease claimed: the node reaped, or, alive after all, looked at again when its
-    /// lease ends.
-    private func reapClaimedNode(_ node: String, leaseEnded: Double, retry: RedisArgument, into report: inout ReapReport) async throws(PresenceError) {
-        // This node is alive: a lapsed lease of its own is registered again by its renewal (its
-        // upkeep may be stuck behind commands to a shard that stopped answering, never failing
-        // a renewal, while its lease ran out).
-        guard node != configuration.nodeID else {
-            _ = try await evaluate(ResolveClaim(key: keys.nodes, member: node, score: retry, next: Int64(leaseEnded)))
-            return
-        }
-        switch try await reapNode(node, leaseEnded: Int64(leaseEnded)) {
-        case .reaped(let changed):
-            report.changedUsers += changed
-            report.nodes.append(node)
-            _ = try await evaluate(ResolveClaim(key: keys.nodes, member: node, score: retry))
-        case .live(let until):
-            _ = try await evaluate(ResolveClaim(key: keys.nodes, member: node, score: retry, next: until))
-        }
-    }
-
-    /// A device deadline claimed: the device taken offline if it is due, else looked at again at
-    /// its deadline.
-    private func expireClaimedDevice(key: String, member: String, retry: RedisArgument, into report: inout ReapReport) async throws(PresenceError) {
-        guard let (user, device) = keys.splitDeviceMember(member) else {
-            _ = try await run { try await self.redis.execute(ZREM(key: key, members: [member])) }
-            return
-        }
-        var next: Int64?
-        switch try await evaluate(RemoveDevice(user: user, device: device, mode: .expire)) {
-        case .removed(let change):
-            report.expiredDevices += 1
-            if change.changed || change.shownChanged { report.changedUsers += 1 }
-            await settle(change)
-        case .live(let deadline):
-            // Not due yet (the index was early, or the device was written again): looked at
-            // again at its deadline. Held by a session: no deadline, out of the index.
-            next = deadline
-        case .heldByAnother, .staleStatus:
-            break
-        }
-        _ = try await evaluate(ResolveClaim(key: key, member: member, score: retry, next: next))
     }
 
     /// What a reaper found of a node it claimed.
@@ -230,11 +208,11 @@ extension PresenceEngine {
     /// other buckets' claims, and the users and typing states in them, for a claim's 30 s.
     func forEachClaimed(
         _ claimed: [(key: String, claim: ClaimDue.Claim)],
-        _ body: (_ key: String, _ claim: ClaimDue.Claim, _ member: String, _ score: Double) async throws(PresenceError) -> Void
+        _ body: (_ key: String, _ claim: ClaimDue.Claim, _ member: String) async throws(PresenceError) -> Void
     ) async throws(PresenceError) {
         for (index, (key, due)) in claimed.enumerated() {
             do {
-                try await forEachClaimed(key, due) { member, score throws(PresenceError) in try await body(key, due, member, score) }
+                try await forEachClaimed(key, due) { member, _ throws(PresenceError) in try await body(key, due, member) }
             } catch where error.code == .unavailable {
                 let later = claimed[(index + 1)...].map { Unclaim(key: $0.key, retry: $0.claim.retry, entries: $0.claim.entries) }
                 _ = try? await evaluate(later)
@@ -243,21 +221,21 @@ extension PresenceEngine {
         }
     }
 
-    /// A claim of up to `limit` due entries of a deadline sorted set (see ``ClaimDue``).
-    func claimCall(_ key: String, limit: Int) -> ClaimDue {
-        ClaimDue(key: key, claimFor: .milliseconds(Self.claimMilliseconds), limit: limit)
+    /// Claims up to `limit` due entries of a deadline sorted set (see ``ClaimDue``).
+    func claim(_ key: String, limit: Int) async throws(PresenceError) -> ClaimDue.Claim {
+        try await evaluate(ClaimDue(key: key, claimFor: .milliseconds(Self.claimMilliseconds), limit: limit))
     }
 
-    /// Runs claims of several sets in one pipeline (the buckets of a deadline set each sit in
-    /// their own slot); the sets with something claimed, with their claims, in the order asked.
-    /// A set Redis refused to claim from (its primary failing over) is left for the next pass;
-    /// throws when every set was refused or Redis could not be reached.
-    func claim(_ calls: [ClaimDue]) async throws(PresenceError) -> [(key: String, claim: ClaimDue.Claim)] {
+    /// Claims up to `limit` due entries of each of several sets, in one pipeline (the buckets of a
+    /// deadline set, each in its own slot); the sets with something claimed, with their claims.
+    /// A set Redis refused to claim from (its primary failing over) is left for the next pass.
+    func claim(_ sets: [String], limit: Int) async throws(PresenceError) -> [(key: String, claim: ClaimDue.Claim)] {
+        let calls = sets.map { ClaimDue(key: $0, claimFor: .milliseconds(Self.claimMilliseconds), limit: limit) }
         var claimed: [(key: String, claim: ClaimDue.Claim)] = []
         var failure: PresenceError?
-        for (call, result) in zip(calls, try await evaluate(calls)) {
+        for (key, result) in zip(sets, try await evaluate(calls)) {
             switch result {
-            case .success(let claim) where !claim.entries.isEmpty: claimed.append((call.key, claim))
+            case .success(let claim) where !claim.entries.isEmpty: claimed.append((key, claim))
             case .success: break
             case .failure(let error): failure = error
             }

@@ -146,19 +146,22 @@ extension PresenceEngine {
         return typing
     }
 
-    /// A typing expiry the reaper claimed: the state ended if its expiry passed, else looked at
-    /// again at its real expiry. Whether it ended.
-    func expireClaimedTyping(key: String, member: String, retry: RedisArgument) async throws(PresenceError) -> Bool {
-        let parts = member.split(separator: "|", maxSplits: 1).map(String.init)
-        var outcome = ExpireTyping.Outcome.none
-        if parts.count == 2 {
-            outcome = try await evaluate(ExpireTyping(conversation: parts[0], user: parts[1]))
+    /// Ends typing states whose expiry passed; part of every reaper pass.
+    func reapTyping(limit: Int) async throws(PresenceError) -> Int {
+        var ended = 0
+        try await forEachClaimed(try await claim(keys.allTypingDeadlines, limit: limit)) { key, due, member throws(PresenceError) in
+            let parts = member.split(separator: "|", maxSplits: 1).map(String.init)
+            var outcome = ExpireTyping.Outcome.none
+            if parts.count == 2 {
+                outcome = try await evaluate(ExpireTyping(conversation: parts[0], user: parts[1]))
+            }
+            // Refreshed since it was indexed, or indexed early: looked at again at its real expiry.
+            var next: Int64?
+            if case .running(let expiry) = outcome { next = expiry }
+            _ = try await evaluate(ResolveClaim(key: key, member: member, score: due.retry, next: next))
+            if outcome == .ended { ended += 1 }
         }
-        // Refreshed since it was indexed, or indexed early: looked at again at its real expiry.
-        var next: Int64?
-        if case .running(let expiry) = outcome { next = expiry }
-        _ = try await evaluate(ResolveClaim(key: key, member: member, score: retry, next: next))
-        return outcome == .ended
+        return ended
     }
 
     /// Decodes a typing event; `nil` for other messages.

@@ -682,18 +682,18 @@ struct PresenceEngineTests {
             for user in picked.values {
                 try await cluster.redis.send("ZADD", RedisArgument(keys.deadlines(ofUser: user)), RedisArgument(Int(due)), RedisArgument(keys.deviceMember(user: user, device: "phone")))
             }
-            let claimed = try await engine.claim(keys.allDeadlines.map { engine.claimCall($0, limit: 100) })
+            let claimed = try await engine.claim(keys.allDeadlines, limit: 100)
             #expect(claimed.count == 3)
-            #expect(try await engine.claim(keys.allDeadlines.map { engine.claimCall($0, limit: 100) }).isEmpty, "claimed: nobody else takes them")
+            #expect(try await engine.claim(keys.allDeadlines, limit: 100).isEmpty, "claimed: nobody else takes them")
             var calls = 0
             await #expect(throws: PresenceError.self) {
-                try await engine.forEachClaimed(claimed) { _, _, _, _ throws(PresenceError) in
+                try await engine.forEachClaimed(claimed) { _, _, _ throws(PresenceError) in
                     calls += 1
                     throw PresenceError(.unavailable, "the presence store is unreachable")
                 }
             }
             #expect(calls == 1, "the walk stops at the first unreachable call")
-            let again = try await engine.claim(keys.allDeadlines.map { engine.claimCall($0, limit: 100) })
+            let again = try await engine.claim(keys.allDeadlines, limit: 100)
             #expect(again.flatMap(\.claim.entries).count == 3, "all three are due again at once: \(again.map(\.key))")
         }
     }
