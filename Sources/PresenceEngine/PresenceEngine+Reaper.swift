@@ -18,8 +18,14 @@ public struct ReapReport: Sendable, Equatable {
 /// The reaper: lapsed node leases and due device deadlines, claimed in Redis so that one node
 /// works each, and the devices they cover taken offline.
 extension PresenceEngine {
-    /// How long a claim on a piece of reaper work lasts before another node may retry it.
-    static let claimMilliseconds: Int64 = 30_000
+    /// How long a claim on a piece of reaper work lasts before another node may retry it: one
+    /// lease. A reaper killed or cut off from Redis with claims in hand holds them no longer than
+    /// the others take to find it gone, so what it claimed is done at most a lease late (with a
+    /// fixed 30 s, a reaper killed between a claim and its work kept a device online 30 s past
+    /// its linger). A reaper still working when its claims run out has some work done twice,
+    /// which the scripts allow: each checks the device's deadline, the typing state's expiry or
+    /// the node's lease before it changes anything, and a claim is settled only by its holder.
+    var claimDuration: Duration { configuration.leaseTTL }
 
     /// Whether lapsed leases say nothing now: within the recovery grace after this node failed
     /// for want of Redis, or heard the cluster refuse commands.
@@ -188,7 +194,7 @@ extension PresenceEngine {
     /// Runs `body` on each claimed entry. An entry whose work Redis refuses (a script error) stays
     /// claimed, so that it is retried only after the claim and does not hold up the rest; when
     /// Redis cannot be reached, the entries not done yet are given back at once (best effort), so
-    /// that one timeout does not park a whole page of them for a claim's 30 s.
+    /// that one timeout does not park a whole page of them for a claim's length.
     func forEachClaimed(_ key: String, _ claim: ClaimDue.Claim, _ body: (String, Double) async throws(PresenceError) -> Void) async throws(PresenceError) {
         for (index, (member, score)) in claim.entries.enumerated() {
             do {
@@ -205,7 +211,7 @@ extension PresenceEngine {
     /// Runs `body` on each claimed entry of each set in turn (see the one-set form). When Redis
     /// cannot be reached, the entries not done yet are given back: the rest of the set it happened
     /// in and every set after it. Given back only in the set at hand, one timeout parked the
-    /// other buckets' claims, and the users and typing states in them, for a claim's 30 s.
+    /// other buckets' claims, and the users and typing states in them, for a claim's length.
     func forEachClaimed(
         _ claimed: [(key: String, claim: ClaimDue.Claim)],
         _ body: (_ key: String, _ claim: ClaimDue.Claim, _ member: String) async throws(PresenceError) -> Void
@@ -223,14 +229,14 @@ extension PresenceEngine {
 
     /// Claims up to `limit` due entries of a deadline sorted set (see ``ClaimDue``).
     func claim(_ key: String, limit: Int) async throws(PresenceError) -> ClaimDue.Claim {
-        try await evaluate(ClaimDue(key: key, claimFor: .milliseconds(Self.claimMilliseconds), limit: limit))
+        try await evaluate(ClaimDue(key: key, claimFor: claimDuration, limit: limit))
     }
 
     /// Claims up to `limit` due entries of each of several sets, in one pipeline (the buckets of a
     /// deadline set, each in its own slot); the sets with something claimed, with their claims.
     /// A set Redis refused to claim from (its primary failing over) is left for the next pass.
     func claim(_ sets: [String], limit: Int) async throws(PresenceError) -> [(key: String, claim: ClaimDue.Claim)] {
-        let calls = sets.map { ClaimDue(key: $0, claimFor: .milliseconds(Self.claimMilliseconds), limit: limit) }
+        let calls = sets.map { ClaimDue(key: $0, claimFor: claimDuration, limit: limit) }
         var claimed: [(key: String, claim: ClaimDue.Claim)] = []
         var failure: PresenceError?
         for (key, result) in zip(sets, try await evaluate(calls)) {

@@ -698,6 +698,49 @@ struct PresenceEngineTests {
         }
     }
 
+    /// A reaper killed (or cut off from Redis) between its claims and its work leaves them
+    /// claimed. Another reaper takes them once the claim runs out: one lease, not 30 s. (Before,
+    /// the dropped device and the dead node's device stayed online 30 s past their deadlines;
+    /// first seen in `ChaosTests`, a user shown online 18 s after a drop.)
+    @Test("a reaper killed with claims in hand holds them one lease: the devices it claimed go offline a lease late, not 30 s")
+    func deadReaperClaimsRunOut() async throws {
+        try await EngineCluster.with { cluster in
+            let keys = cluster.prefixKeys
+            let home = cluster.engine(node: "home")
+            let dying = cluster.engine(node: "dying")
+            let killed = cluster.engine(node: "killed-reaper")
+            let survivor = cluster.engine(node: "survivor")
+            for engine in [home, dying, survivor] { try await engine.registerNode() }
+            _ = try await home.connect(user: "fay", device: "phone", session: "s1")
+            _ = try await dying.connect(user: "gus", device: "phone", session: "s2")
+            _ = try await home.disconnect(user: "fay", device: "phone", session: "s1", clean: false)
+            // Time passes; the live nodes renew their leases as it does, the dying one not.
+            func pass(_ duration: Duration) async throws {
+                var left = duration
+                while left > .zero {
+                    let step = min(left, .seconds(4))
+                    cluster.clock.advance(step)
+                    left -= step
+                    #expect(try await home.renewLease())
+                    #expect(try await survivor.renewLease())
+                }
+            }
+            // Past fay's linger and past the dying node's lease.
+            try await pass(home.configuration.leaseTTL + .seconds(1))
+            // The killed reaper claims both, then does nothing more.
+            #expect(try await killed.claim(keys.allDeadlines, limit: 100).flatMap(\.claim.entries).map(\.member) == [keys.deviceMember(user: "fay", device: "phone")])
+            #expect(try await killed.claim(keys.nodes, limit: 16).entries.map(\.member) == ["dying"])
+            let held = try await survivor.reapOnce()
+            #expect(held.nodes.isEmpty && held.expiredDevices == 0, "claimed: nobody else takes them yet")
+            #expect(try await survivor.views(of: "fay").real.status == .online)
+            try await pass(survivor.configuration.leaseTTL + .milliseconds(1))
+            let report = try await survivor.reapOnce()
+            #expect(report.nodes == ["dying"] && report.expiredDevices == 1, "\(report)")
+            #expect(try await survivor.views(of: "fay").real.status == .offline)
+            #expect(try await survivor.views(of: "gus").real.status == .offline)
+        }
+    }
+
     @Test("the scheduled audit checks 500 devices at a time, in turn, so its cost does not grow with the node's devices")
     func auditInTurn() async throws {
         try await EngineCluster.with { cluster in
