@@ -60,7 +60,7 @@ public struct ClientLifecycle: Sendable {
     /// Not before this moment may a refused status change be sent again.
     public private(set) var statusRetryAt: Date?
     private var quickRetryUsed = false
-    /// Nodes tried in a row, each closing with 1011 or 1013.
+    /// Nodes tried in a row, each closing with 1011 or 1013, or not reached at all.
     private var nodesThatCouldNotServe = 0
 
     /// A client in the foreground, online, with a network.
@@ -181,14 +181,21 @@ public struct ClientLifecycle: Sendable {
     }
 
     /// The session ended with the server's close `code` (`nil`: no close frame, the connection
-    /// dropped), or the upgrade was refused; the client knows `gateways` URLs. Says what to do
-    /// next.
-    public mutating func closed(code: UInt16?, upgradeRefused: Bool = false, gateways: Int = 1) -> AfterClose {
+    /// dropped), or the upgrade was refused, or (`unreachable`) the attempt never became a
+    /// session and nothing answered it: the node is down, not listening, or died while opening;
+    /// the client knows `gateways` URLs. Says what to do next.
+    public mutating func closed(code: UInt16?, upgradeRefused: Bool = false, unreachable: Bool = false, gateways: Int = 1) -> AfterClose {
         inSession = false
         sessionStatus = nil
         statusRetryAt = nil
         if let stopReason { return .stop(stopReason) }
         let known = code.flatMap(CloseCode.init(rawValue:))
+        if code == nil, unreachable, !upgradeRefused {
+            // A node that is down cannot serve either: the next URL at once, as for 1011. Waited
+            // out, the backoff after such an attempt (2 s, after the drop's 1 s) outlasted the
+            // linger of a device whose node died while the next one in its list was down too.
+            return nodeCouldNotServe(gateways: gateways)
+        }
         if known != .internalError && known != .tryAgainLater { nodesThatCouldNotServe = 0 }
         switch known {
         case .disconnectedByAdmin:
@@ -205,16 +212,20 @@ public struct ClientLifecycle: Sendable {
             quickRetryUsed = true
             return .reconnectNow(newToken: newToken)
         case .internalError, .tryAgainLater:
-            // This node cannot serve now (it cannot reach Redis, it is full or starting); another
-            // may. Each other URL is tried at once, so that a device handed off to such a node is
-            // back, elsewhere, within its linger; once every URL has said so, back off.
-            nodesThatCouldNotServe += 1
-            if nodesThatCouldNotServe < gateways { return .reconnectNow(newToken: false) }
-            nodesThatCouldNotServe = 0
-            return .reconnectAfterBackoff(newToken: false)
+            return nodeCouldNotServe(gateways: gateways)
         default:
             // A refused upgrade is most often a token the gateway no longer accepts.
             return .reconnectAfterBackoff(newToken: upgradeRefused)
         }
+    }
+
+    /// This node cannot serve now (it cannot reach Redis, it is full, starting or down); another
+    /// may. Each other URL is tried at once, so that a device handed off to such a node is back,
+    /// elsewhere, within its linger; once every URL has said so, back off.
+    private mutating func nodeCouldNotServe(gateways: Int) -> AfterClose {
+        nodesThatCouldNotServe += 1
+        if nodesThatCouldNotServe < gateways { return .reconnectNow(newToken: false) }
+        nodesThatCouldNotServe = 0
+        return .reconnectAfterBackoff(newToken: false)
     }
 }

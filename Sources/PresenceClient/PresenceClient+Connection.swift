@@ -96,6 +96,9 @@ extension PresenceClient {
         // An attempt that never became a session (refused, unreachable, given up) leaves the
         // code of the last session as it was.
         if code != nil || !awaitingInitialState { lastCloseCode = code }
+        // Nothing answered: no close code, no refusal, no session (a node down or gone while
+        // the attempt opened).
+        let unreachable = code == nil && !refused && awaitingInitialState
         awaitingInitialState = false
         pending = [:]
         retries = []
@@ -108,7 +111,7 @@ extension PresenceClient {
             _ = lifecycle.closed(code: code, upgradeRefused: refused)
             return
         }
-        switch lifecycle.closed(code: code, upgradeRefused: refused, gateways: configuration.gatewayURLs.count) {
+        switch lifecycle.closed(code: code, upgradeRefused: refused, unreachable: unreachable, gateways: configuration.gatewayURLs.count) {
         case .stop(let reason):
             setState(.stopped(reason))
         case .reconnectNow(let newToken):

@@ -694,7 +694,7 @@ class ClientLifecycle {
    */
   statusRetryAt = null;
   #quickRetryUsed = false;
-  /** Nodes tried in a row, each closing with 1011 or 1013. */
+  /** Nodes tried in a row, each closing with 1011 or 1013, or not reached at all. */
   #nodesThatCouldNotServe = 0;
 
   /** @returns {PresenceStatus} */
@@ -793,17 +793,27 @@ class ClientLifecycle {
 
   /**
    * The session ended with the server's close `code` (`null`: none, the connection dropped),
-   * or never opened (`upgradeRefused`); the client knows `gateways` URLs. Says what to do next.
+   * or never opened (`upgradeRefused`); `unreachable`: the attempt never became a session and
+   * no close code came (the node is down, or the upgrade refused: a browser cannot tell which);
+   * the client knows `gateways` URLs. Says what to do next.
    * @param {number | null} code
    * @param {boolean} upgradeRefused
    * @param {number} [gateways]
+   * @param {boolean} [unreachable]
    * @returns {AfterClose}
    */
-  closed(code, upgradeRefused, gateways = 1) {
+  closed(code, upgradeRefused, gateways = 1, unreachable = false) {
     this.inSession = false;
     this.sessionStatus = null;
     this.statusRetryAt = null;
     if (this.stopReason) return { kind: "stop", reason: this.stopReason };
+    if (code === null && unreachable) {
+      // A node that is down cannot serve either: the next URL at once, as for 1011. Waited
+      // out, the backoff after such an attempt (2 s, after the drop's 1 s) outlasted the linger
+      // of a device whose node died while the next one in its list was down too. A refused
+      // upgrade looks the same here: the fresh token is asked for after the round, as before.
+      return this.#nodeCouldNotServe(gateways, upgradeRefused);
+    }
     if (code !== CloseCode.internalError && code !== CloseCode.tryAgainLater) this.#nodesThatCouldNotServe = 0;
     switch (code) {
       case CloseCode.disconnectedByAdmin:
@@ -823,17 +833,27 @@ class ClientLifecycle {
       }
       case CloseCode.internalError:
       case CloseCode.tryAgainLater:
-        // This node cannot serve now (it cannot reach Redis, it is full or starting); another
-        // may. Each other URL is tried at once, so that a device handed off to such a node is
-        // back, elsewhere, within its linger; once every URL has said so, back off.
-        this.#nodesThatCouldNotServe += 1;
-        if (this.#nodesThatCouldNotServe < gateways) return { kind: "reconnectNow", newToken: false };
-        this.#nodesThatCouldNotServe = 0;
-        return { kind: "reconnectAfterBackoff", newToken: false };
+        return this.#nodeCouldNotServe(gateways, false);
       default:
         // A refused upgrade is most often a token the gateway no longer accepts.
         return { kind: "reconnectAfterBackoff", newToken: upgradeRefused };
     }
+  }
+
+  /**
+   * This node cannot serve now (it cannot reach Redis, it is full, starting or down); another
+   * may. Each other URL is tried at once, so that a device handed off to such a node is back,
+   * elsewhere, within its linger; once every URL has said so, back off (with a fresh token if
+   * `tokenAfterRound`).
+   * @param {number} gateways
+   * @param {boolean} tokenAfterRound
+   * @returns {AfterClose}
+   */
+  #nodeCouldNotServe(gateways, tokenAfterRound) {
+    this.#nodesThatCouldNotServe += 1;
+    if (this.#nodesThatCouldNotServe < gateways) return { kind: "reconnectNow", newToken: false };
+    this.#nodesThatCouldNotServe = 0;
+    return { kind: "reconnectAfterBackoff", newToken: tokenAfterRound };
   }
 }
 
@@ -2161,7 +2181,9 @@ export class PresenceClient extends EventTarget {
     for (const resolve of session.endWaiters) resolve();
     this.#log("info", "session ended", { code, refused });
     const wanted = this.#started && this.#lifecycle.shouldConnect;
-    const after = this.#lifecycle.closed(code, refused, this.#urls.length);
+    // Nothing answered: no close code and no session (a node down, or gone while it opened).
+    const unreachable = code === null && session.awaitingInitialState;
+    const after = this.#lifecycle.closed(code, refused, this.#urls.length, unreachable);
     if (!wanted) {
       this.#advance();
       return;

@@ -204,6 +204,19 @@ struct ClientLifecycleTests {
         #expect(lifecycle.closed(code: 1013, gateways: 3) == .reconnectAfterBackoff(newToken: false))
     }
 
+    @Test("a node not reached (down, or gone before the session opened): each other URL at once, then the backoff")
+    func nodesNotReached() {
+        var lifecycle = ClientLifecycle()
+        lifecycle.opened(with: .online)
+        #expect(lifecycle.closed(code: nil, gateways: 3) == .reconnectAfterBackoff(newToken: false), "a session's drop still waits: a dead node's clients spread out")
+        #expect(lifecycle.closed(code: nil, unreachable: true, gateways: 3) == .reconnectNow(newToken: false), "the next node is down too: the one after at once")
+        #expect(lifecycle.closed(code: 1011, gateways: 3) == .reconnectNow(newToken: false), "counted with 1011 and 1013")
+        #expect(lifecycle.closed(code: nil, unreachable: true, gateways: 3) == .reconnectAfterBackoff(newToken: false), "every URL failed: back off")
+        #expect(lifecycle.closed(code: nil, unreachable: true, gateways: 1) == .reconnectAfterBackoff(newToken: false), "one URL: nowhere else to go")
+        #expect(lifecycle.closed(code: nil, upgradeRefused: true, unreachable: true, gateways: 3) == .reconnectAfterBackoff(newToken: true),
+                "a refused upgrade answered: a fresh token after the backoff, as before")
+    }
+
     @Test("changes made while disconnected: the latest wins, carried by the next session, never sent twice")
     func offlineQueue() {
         var lifecycle = ClientLifecycle()

@@ -207,7 +207,7 @@ describe("reconnecting", () => {
     await settle();
     h.last().fail();
     await settle();
-    await h.clock.advance(h.waitingDelay());
+    assert.equal(h.sockets.length, 2, "a node not reached: the next URL at once");
     h.last().fail();
     await settle();
     await h.clock.advance(h.waitingDelay());
@@ -262,6 +262,39 @@ describe("reconnecting", () => {
     h.last().serverClose(1011);
     await settle();
     assert.equal(h.sockets.length, 5, "after a session, the next URL at once again");
+  });
+
+  test("a node not reached (down, or gone before initial_state): each other URL at once, then the backoff with a fresh token", async () => {
+    const h = setup({ gatewayURLs: ["wss://a.test", "wss://b.test", "wss://c.test"] });
+    await h.connect();
+    // The node dies: a drop waits the backoff, as before (a dead node's clients spread out).
+    h.last().serverClose(1006);
+    await settle();
+    assert.equal(h.waitingDelay(), 1);
+    await h.clock.advance(1);
+    assert.equal(new URL(h.last().url).host, "b.test");
+    // b is down too: c at once, not after 2 s.
+    h.last().fail();
+    await settle();
+    assert.equal(h.sockets.length, 3, "without the clock moving");
+    assert.equal(new URL(h.last().url).host, "c.test");
+    // c takes the connection and drops it before initial_state: a at once.
+    h.last().accept();
+    h.last().serverClose(1006);
+    await settle();
+    assert.equal(h.sockets.length, 4);
+    assert.equal(new URL(h.last().url).host, "a.test");
+    // Every URL was tried: the backoff, and a fresh token after it (a refused upgrade looks the same).
+    h.last().fail();
+    await settle();
+    assert.equal(h.sockets.length, 4, "all three failed: back off");
+    assert.equal(h.waitingDelay(), 2);
+    await h.clock.advance(2);
+    assert.equal(h.sockets.length, 5);
+    assert.deepEqual(h.tokenCalls, [false, false, false, false, true]);
+    h.last().open();
+    await settle();
+    assert.equal(h.client.connectionState.state, "connected");
   });
 
   test("the token provider is asked for a fresh token after 4001, and the reconnect is immediate", async () => {
