@@ -52,6 +52,38 @@ struct ClientLiveTests {
         #expect(await bob.sees("alice", .away), "the new session carries changes")
     }
 
+    /// Its node killed and the next URL down too: the SDK waits the first backoff, finds nobody
+    /// at the next URL, and tries the one after at once. (Before, the refused attempt waited the
+    /// second backoff, 2 s, which outlasted the device's linger: `ChaosTests` seed 3.)
+    @Test("its node killed and the next URL down too: the one after is tried at once, and its watcher never sees it offline")
+    func nextNodeDown() async throws {
+        let prefix = TestRedis.uniquePrefix("sdk-next-down")
+        let environment = nodeEnvironment(prefix: prefix, extra: ["PRESENCE_LEASE_TTL": "5"])
+        let doomed = try await GatewayProcess(nodeID: "doomed", environment: environment)
+        let survivor = try await GatewayProcess(nodeID: "survivor", environment: environment)
+        #expect(admin(survivor, "PUT", "/api/admin/conversations/room", #"{"member_ids":["alice","bob"]}"#)?.status == 200)
+        let down = try RefusingPort()
+        let alice = try await LiveClient("alice", device: "phone", ports: [doomed.port, down.port, survivor.port])
+        let bob = try await LiveClient("bob", device: "laptop", nodes: [survivor])
+        #expect(await alice.connected())
+        #expect(await bob.sees("alice", .online))
+
+        let killedAt = ContinuousClock.now
+        doomed.kill()
+        #expect(await alice.waitUntil { _ in alice.connections >= 2 }, "alice reconnected")
+        let timeline = alice.timeline(since: killedAt)
+        print("reconnect after SIGKILL with the next URL down: \(ContinuousClock.now - killedAt), \(timeline)")
+        // Counted rather than timed: one wait, the drop's backoff; then nobody at the second URL
+        // and the survivor at the third, one after the other while the client stays
+        // "connecting" (before: a second wait between them).
+        #expect(timeline.filter { $0.contains(" waiting") }.count == 1, "one wait, the drop's: \(timeline)")
+        // Past the dead node's lease (5 s) and a reaper period.
+        try await Task.sleep(until: killedAt + .seconds(7))
+        #expect(!bob.statusesSinceOnline(of: "alice").contains(.offline), "no offline flicker: \(bob.statuses(of: "alice"))")
+        #expect(await bob.client.presence(of: "alice")?.status == .online)
+        withExtendedLifetime(down) {}
+    }
+
     @Test("watching a contact under conversations visibility keeps it, through a reconnect: no 'no longer visible'")
     func contactsKept() async throws {
         let started = ContinuousClock.now
