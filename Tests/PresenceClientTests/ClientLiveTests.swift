@@ -12,15 +12,20 @@ import Testing
 
 @Suite("PresenceClient against live gateway processes", .serialized)
 struct ClientLiveTests {
-    @Test("survives the kill of its node: reconnects to the other, and its watcher never sees it offline")
-    func nodeKilled() async throws {
-        let prefix = TestRedis.uniquePrefix("sdk-kill")
-        // A 5 s lease: the reconnect must be registered on the survivor before the dead node is
-        // reaped, and beside the parallel suites on 2 cores that took more than the usual 3 s.
-        let environment = nodeEnvironment(prefix: prefix, extra: ["PRESENCE_LEASE_TTL": "5"])
+    /// Nodes "doomed" and "survivor" with a 5 s lease (a reconnect must be registered on the
+    /// survivor before the dead node is reaped, and beside the parallel suites on 2 cores that
+    /// took more than the usual 3 s), alice and bob in one conversation.
+    private func doomedAndSurvivor(_ name: String) async throws -> (doomed: GatewayProcess, survivor: GatewayProcess) {
+        let environment = nodeEnvironment(prefix: TestRedis.uniquePrefix(name), extra: ["PRESENCE_LEASE_TTL": "5"])
         let doomed = try await GatewayProcess(nodeID: "doomed", environment: environment)
         let survivor = try await GatewayProcess(nodeID: "survivor", environment: environment)
         #expect(admin(survivor, "PUT", "/api/admin/conversations/room", #"{"member_ids":["alice","bob"]}"#)?.status == 200)
+        return (doomed, survivor)
+    }
+
+    @Test("survives the kill of its node: reconnects to the other, and its watcher never sees it offline")
+    func nodeKilled() async throws {
+        let (doomed, survivor) = try await doomedAndSurvivor("sdk-kill")
         let alice = try await LiveClient("alice", device: "phone", nodes: [doomed, survivor])
         let bob = try await LiveClient("bob", device: "laptop", nodes: [survivor])
         #expect(await alice.connected())
@@ -57,11 +62,7 @@ struct ClientLiveTests {
     /// second backoff, 2 s, which outlasted the device's linger: `ChaosTests` seed 3.)
     @Test("its node killed and the next URL down too: the one after is tried at once, and its watcher never sees it offline")
     func nextNodeDown() async throws {
-        let prefix = TestRedis.uniquePrefix("sdk-next-down")
-        let environment = nodeEnvironment(prefix: prefix, extra: ["PRESENCE_LEASE_TTL": "5"])
-        let doomed = try await GatewayProcess(nodeID: "doomed", environment: environment)
-        let survivor = try await GatewayProcess(nodeID: "survivor", environment: environment)
-        #expect(admin(survivor, "PUT", "/api/admin/conversations/room", #"{"member_ids":["alice","bob"]}"#)?.status == 200)
+        let (doomed, survivor) = try await doomedAndSurvivor("sdk-next-down")
         let down = try RefusingPort()
         let alice = try await LiveClient("alice", device: "phone", ports: [doomed.port, down.port, survivor.port])
         let bob = try await LiveClient("bob", device: "laptop", nodes: [survivor])
