@@ -19,13 +19,16 @@ public struct ReapReport: Sendable, Equatable {
 /// works each, and the devices they cover taken offline.
 extension PresenceEngine {
     /// How long a claim on a piece of reaper work lasts before another node may retry it: one
-    /// lease. A reaper killed or cut off from Redis with claims in hand holds them no longer than
-    /// the others take to find it gone, so what it claimed is done at most a lease late (with a
-    /// fixed 30 s, a reaper killed between a claim and its work kept a device online 30 s past
-    /// its linger). A reaper still working when its claims run out has some work done twice,
-    /// which the scripts allow: each checks the device's deadline, the typing state's expiry or
-    /// the node's lease before it changes anything, and a claim is settled only by its holder.
-    var claimDuration: Duration { configuration.leaseTTL }
+    /// lease, at most 30 s. A reaper killed or cut off from Redis with claims in hand holds them
+    /// no longer than the others take to find it gone, so what it claimed is done at most a lease
+    /// late (with a fixed 30 s, a reaper killed between a claim and its work kept a device online
+    /// 30 s past its linger, whatever the lease). A reaper still working when its claims run out
+    /// has some work done twice, which the scripts allow: each checks the device's deadline, the
+    /// typing state's expiry or the node's lease before it changes anything, and a claim is
+    /// settled only by its holder. A node's entry claimed again carries the first claim's retry
+    /// time as its lease end; no device is taken for the dead process's by that, since a process
+    /// that writes devices under the node id lists it in the registry first, replacing the score.
+    var claimDuration: Duration { min(configuration.leaseTTL, .seconds(30)) }
 
     /// Whether lapsed leases say nothing now: within the recovery grace after this node failed
     /// for want of Redis, or heard the cluster refuse commands.

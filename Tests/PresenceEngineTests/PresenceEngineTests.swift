@@ -702,7 +702,7 @@ struct PresenceEngineTests {
     /// claimed. Another reaper takes them once the claim runs out: one lease, not 30 s. (Before,
     /// the dropped device and the dead node's device stayed online 30 s past their deadlines;
     /// first seen in `ChaosTests`, a user shown online 18 s after a drop.)
-    @Test("a reaper killed with claims in hand holds them one lease: the devices it claimed go offline a lease late, not 30 s")
+    @Test("a reaper killed with claims in hand holds them one lease (at most 30 s): the devices it claimed go offline a lease late, not 30 s")
     func deadReaperClaimsRunOut() async throws {
         try await EngineCluster.with { cluster in
             let keys = cluster.prefixKeys
@@ -738,6 +738,8 @@ struct PresenceEngineTests {
             #expect(report.nodes == ["dying"] && report.expiredDevices == 1, "\(report)")
             #expect(try await survivor.views(of: "fay").real.status == .offline)
             #expect(try await survivor.views(of: "gus").real.status == .offline)
+            // A long lease does not make a claim longer than the 30 s it was.
+            #expect(cluster.engine(node: "slow", lease: .seconds(120)).claimDuration == .seconds(30))
         }
     }
 
