@@ -701,7 +701,7 @@ struct PresenceEngineTests {
     /// A reaper killed (or cut off from Redis) between its claims and its work leaves them
     /// claimed. Another reaper takes them once the claim runs out: one lease, not 30 s. (Before,
     /// the dropped device and the dead node's device stayed online 30 s past their deadlines;
-    /// first seen in `ChaosTests`, a user shown online 18 s after a drop.)
+    /// the likely cause of a `ChaosTests` failure, a user shown online 18 s after a drop.)
     @Test("a reaper killed with claims in hand holds them one lease (at most 30 s): the devices it claimed go offline a lease late, not 30 s")
     func deadReaperClaimsRunOut() async throws {
         try await EngineCluster.with { cluster in
