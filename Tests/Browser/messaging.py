@@ -69,10 +69,11 @@ def typing_shown(driver):
 
 
 class Cut:
-    """iptables rules dropping every packet to and from a TCP port on this machine."""
+    """iptables rules dropping every packet to and from a TCP port on this machine, tagged with this
+    process's id: should it be killed before it removes them, scripts/clear-stale-cuts does."""
 
     def __init__(self, port):
-        self.tag = f"presence-browser-{os.getpid()}"
+        self.tag = f"presence-test-{os.getpid()}"
         self.rules = [["INPUT", "-p", "tcp", "--dport", str(port)], ["INPUT", "-p", "tcp", "--sport", str(port)]]
         self.active = False
 

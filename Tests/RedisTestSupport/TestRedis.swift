@@ -238,17 +238,43 @@ public func outcome(_ body: () async throws -> RESPValue) async -> Result<RESPVa
 
 /// A TCP socket connected to 127.0.0.1:`port`, or `nil` when nothing listens; the caller closes it.
 /// `receiveBuffer` sets `SO_RCVBUF` before connecting (the kernel doubles it, with a floor).
-public func connectLoopback(port: Int, receiveBuffer: Int32? = nil) -> Int32? {
+/// `source` binds the socket's own address and port first; `timeout` bounds the connect (else the
+/// kernel's SYN retries, some two minutes when every SYN is dropped).
+public func connectLoopback(
+    port: Int, receiveBuffer: Int32? = nil, source: (address: String, port: Int)? = nil, timeout: Duration? = nil
+) -> Int32? {
     let fd = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
     guard fd >= 0 else { return nil }
     if var size = receiveBuffer {
         setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &size, socklen_t(MemoryLayout<Int32>.size))
     }
-    var address = sockaddr_in()
-    address.sin_family = sa_family_t(AF_INET)
-    address.sin_addr.s_addr = inet_addr("127.0.0.1")
-    address.sin_port = UInt16(port).bigEndian
-    let connected = withUnsafePointer(to: &address) { pointer in
+    if let timeout {
+        // Linux bounds a blocking connect by the send timeout.
+        let (seconds, attoseconds) = timeout.components
+        var limit = timeval(tv_sec: Int(seconds), tv_usec: Int(attoseconds / 1_000_000_000_000))
+        setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &limit, socklen_t(MemoryLayout<timeval>.size))
+    }
+    func address(_ host: String, _ port: Int) -> sockaddr_in {
+        var address = sockaddr_in()
+        address.sin_family = sa_family_t(AF_INET)
+        address.sin_addr.s_addr = inet_addr(host)
+        address.sin_port = UInt16(port).bigEndian
+        return address
+    }
+    if let source {
+        var reuse: Int32 = 1
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &reuse, socklen_t(MemoryLayout<Int32>.size))
+        var own = address(source.address, source.port)
+        let bound = withUnsafePointer(to: &own) { pointer in
+            pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) { bind(fd, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) == 0 }
+        }
+        guard bound else {
+            close(fd)
+            return nil
+        }
+    }
+    var peer = address("127.0.0.1", port)
+    let connected = withUnsafePointer(to: &peer) { pointer in
         pointer.withMemoryRebound(to: sockaddr.self, capacity: 1) { connect(fd, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) == 0 }
     }
     guard connected else {
