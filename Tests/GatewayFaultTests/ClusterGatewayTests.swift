@@ -203,16 +203,7 @@ struct ClusterGatewayTests {
 
     /// Runs `redis-cli arguments...` (not against one port: `--cluster` commands); its output.
     static func redisCLI(_ arguments: [String]) throws -> String {
-        let process = Process()
-        process.executableURL = URL(fileURLWithPath: "/usr/bin/env")
-        process.arguments = ["redis-cli"] + arguments
-        let output = Pipe()
-        process.standardOutput = output
-        process.standardError = output
-        try process.run()
-        let data = output.fileHandleForReading.readDataToEndOfFile()
-        process.waitUntilExit()
-        return String(decoding: data, as: UTF8.self)
+        try runProcess("/usr/bin/env", ["redis-cli"] + arguments).output
     }
 
     @Test("a slot of watched users moved by hand under load (ASK and TRYAGAIN while its keys are half moved), then 1,200 slots resharded under load: watchers see every change, nobody is shown offline, no node is reaped")

@@ -91,10 +91,10 @@ struct PartitionTests {
         let rule = { (action: String, pid: String) in
             "/usr/sbin/iptables -w \(action) INPUT -p tcp -s 127.0.0.2 --sport \(stale.port) -m comment --comment presence-test-\(pid) -j DROP"
         }
-        let killed = try Self.runProcess("/bin/sh", ["-c", "echo $$; exec " + rule("-I", "$$")])
+        let killed = try runProcess("/bin/sh", ["-c", "echo $$; exec " + rule("-I", "$$")])
         try #require(killed.status == 0, "\(killed.output)")
         let pid = killed.output.split(separator: "\n").first.map(String.init) ?? "?"
-        defer { _ = try? Self.runProcess("/bin/sh", ["-c", rule("-D", pid) + " 2>/dev/null"]) }
+        defer { _ = try? runProcess("/bin/sh", ["-c", rule("-D", pid) + " 2>/dev/null"]) }
         let partition = Partition(port: live.port)
         try partition.cut()
         defer { partition.heal() }
@@ -105,24 +105,10 @@ struct PartitionTests {
         }
         #expect(!from(stale.port), "the stale rule drops a client whose source port it names")
 
-        let cleared = try Self.runProcess(LocalCluster.root.appendingPathComponent("scripts/clear-stale-cuts").path, [])
+        let cleared = try runProcess(LocalCluster.root.appendingPathComponent("scripts/clear-stale-cuts").path, [])
         #expect(cleared.status == 0 && cleared.output.contains("which is gone"), "\(cleared.output)")
         #expect(from(stale.port), "the same client connects once the stale rule is gone")
         #expect(!from(live.port), "this process's cut, tagged \(Partition.tag), is still in place")
-    }
-
-    /// Runs `path` with `arguments` to its end: its exit status, and what it printed (both streams).
-    static func runProcess(_ path: String, _ arguments: [String]) throws -> (status: Int32, output: String) {
-        let process = Process()
-        process.executableURL = URL(fileURLWithPath: path)
-        process.arguments = arguments
-        let pipe = Pipe()
-        process.standardOutput = pipe
-        process.standardError = pipe
-        try process.run()
-        let output = pipe.fileHandleForReading.readDataToEndOfFile()
-        process.waitUntilExit()
-        return (process.terminationStatus, String(decoding: output, as: UTF8.self))
     }
 
     /// 1.7 s: within the lease less one renewal period (2 s), with room for the reconnect. At

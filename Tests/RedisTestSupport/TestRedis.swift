@@ -225,6 +225,20 @@ public func offThePool<T: Sendable>(_ body: @escaping @Sendable () throws -> T) 
     }
 }
 
+/// Runs `path` with `arguments` to its end: its exit status, and what it printed (both streams).
+public func runProcess(_ path: String, _ arguments: [String]) throws -> (status: Int32, output: String) {
+    let process = Process()
+    process.executableURL = URL(fileURLWithPath: path)
+    process.arguments = arguments
+    let output = Pipe()
+    process.standardOutput = output
+    process.standardError = output
+    try process.run()
+    let data = output.fileHandleForReading.readDataToEndOfFile()
+    process.waitUntilExit()
+    return (process.terminationStatus, String(decoding: data, as: UTF8.self))
+}
+
 /// The outcome of a Redis call as a value, for tests that expect some calls to fail.
 public func outcome(_ body: () async throws -> RESPValue) async -> Result<RESPValue, RedisError> {
     do {
