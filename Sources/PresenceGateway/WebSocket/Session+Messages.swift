@@ -11,52 +11,81 @@ import PresenceProtocol
 /// client has synced to the end.
 extension Session {
     struct MessageState {
-        /// Conversation → the epoch and seq last sent.
-        var sent: [String: (epoch: String, seq: Int64)] = [:]
+        /// What the session keeps of each conversation it was sent, is syncing or holds
+        /// messages of: one entry, so that a live message looks its conversation up once.
+        var conversations: [String: ConversationState] = [:]
         /// Set from the session's opening until its first `sync` or the opening hold's end:
         /// every conversation's live messages wait.
         var openingHold = true
-        /// Conversation → `sync`s of it under way.
-        var syncing: [String: Int] = [:]
-        /// Live messages waiting, by conversation, with their frame.
-        var held: [String: [(message: StoredMessage, frame: TextFrame)]] = [:]
-        /// Conversations whose last `sync` said `more`: live messages are dropped (the client
-        /// syncs on and reads them from the history), not sent past a gap.
-        var behind: Set<String> = []
         /// The session ended: no conversation is joined for it any more.
         var ended = false
 
-        func isHolding(_ conversation: String) -> Bool {
-            openingHold || syncing[conversation, default: 0] > 0
+        /// Runs `body` on `conversation`'s entry (a fresh one if it has none) and drops the entry
+        /// if nothing is left in it.
+        mutating func update<T>(_ conversation: String, _ body: (inout ConversationState) -> T) -> T {
+            let result = body(&conversations[conversation, default: ConversationState()])
+            if conversations[conversation]?.isEmpty == true { conversations[conversation] = nil }
+            return result
         }
+    }
 
-        /// Whether `message` may pass the opening hold: nothing of its conversation is held or
-        /// being synced, and it is the first of its history's life or this session was sent the
-        /// seq just before it. No `sync` can then owe the client anything before it, so holding
-        /// it would only make it late (a client that never syncs waited the whole hold).
+    struct ConversationState {
+        /// The epoch and seq last sent.
+        var sent: (epoch: String, seq: Int64)?
+        /// `sync`s of the conversation under way.
+        var syncing = 0
+        /// Live messages waiting, with their frame.
+        var held: [(message: StoredMessage, frame: TextFrame)] = []
+        /// The last `sync` said `more`: live messages are dropped (the client syncs on and reads
+        /// them from the history), not sent past a gap.
+        var behind = false
+
+        var isEmpty: Bool { sent == nil && syncing == 0 && held.isEmpty && !behind }
+
+        /// Whether `message` may pass a hold: nothing of the conversation is held or being
+        /// synced, and it is the first of its history's life or this session was sent the seq
+        /// just before it. No `sync` can then owe the client anything before it, so holding it
+        /// would only make it late (a client that never syncs waited the whole opening hold).
         func owesNothingBefore(_ message: StoredMessage) -> Bool {
-            let conversation = message.conversationID
-            guard syncing[conversation] == nil, held[conversation] == nil else { return false }
+            guard syncing == 0, held.isEmpty else { return false }
             if message.seq == 1 { return true }
-            guard let last = sent[conversation] else { return false }
-            return last.epoch == message.epoch && last.seq == message.seq - 1
+            guard let sent else { return false }
+            return sent.epoch == message.epoch && sent.seq == message.seq - 1
         }
 
-        /// Whether `message` is after what was sent of its conversation; records it sent.
+        /// Whether `message` is after what was sent; records it sent.
         mutating func take(_ message: StoredMessage) -> Bool {
-            if let last = sent[message.conversationID], last.epoch == message.epoch, message.seq <= last.seq { return false }
-            sent[message.conversationID] = (message.epoch, message.seq)
+            if let sent, sent.epoch == message.epoch, message.seq <= sent.seq { return false }
+            sent = (message.epoch, message.seq)
             return true
+        }
+
+        /// A live message: whether to send it now. Otherwise it is held (the session's opening
+        /// hold or a `sync` under way) or dropped (already sent, or the conversation is behind).
+        mutating func live(_ message: StoredMessage, frame: TextFrame, openingHold: Bool) -> Bool {
+            if openingHold || syncing > 0, !owesNothingBefore(message) {
+                held.append((message, frame))
+                return false
+            }
+            return !behind && take(message)
+        }
+
+        /// Sends the held live messages in seq order (an epoch change in the middle starts the
+        /// order again), skipping what was sent; drops them if the conversation is behind.
+        mutating func flush(send: (TextFrame) -> Void) {
+            let waiting = held
+            held = []
+            guard !behind else { return }
+            for entry in waiting where take(entry.message) { send(entry.frame) }
         }
     }
 
     /// A live message: sent now, held, or dropped (already sent, or the conversation is behind).
+    /// The hot path: one lookup of the conversation, and its entry is never left empty here.
     func deliverLive(_ message: StoredMessage, frame: TextFrame) {
         messageState.withLockedValue { state in
-            let conversation = message.conversationID
-            if state.isHolding(conversation), !state.owesNothingBefore(message) {
-                state.held[conversation, default: []].append((message, frame))
-            } else if !state.behind.contains(conversation), state.take(message) {
+            let openingHold = state.openingHold
+            if state.conversations[message.conversationID, default: ConversationState()].live(message, frame: frame, openingHold: openingHold) {
                 send(frame)
             }
         }
@@ -66,14 +95,14 @@ extension Session {
     /// session's first `sync` ends the opening hold of the conversations it does not name.
     func beginSync(_ conversations: [String]) {
         messageState.withLockedValue { state in
-            for conversation in conversations { state.syncing[conversation, default: 0] += 1 }
+            for conversation in conversations { state.conversations[conversation, default: ConversationState()].syncing += 1 }
             if state.openingHold { Self.releaseOpeningHold(&state, send: send) }
         }
     }
 
     /// What was last sent of `conversation` on this session.
     func sentPosition(_ conversation: String) -> (epoch: String, seq: Int64)? {
-        messageState.withLockedValue { $0.sent[conversation] }
+        messageState.withLockedValue { $0.conversations[conversation]?.sent }
     }
 
     /// Ends a `sync` of one conversation: sends its messages not sent yet, then `synced`, then
@@ -81,14 +110,16 @@ extension Session {
     /// failed sync passes `nil` and sends nothing of its own.
     func endSync(_ conversation: String, answer: (messages: [StoredMessage], synced: String, more: Bool)?, encode: (StoredMessage) -> TextFrame) {
         messageState.withLockedValue { state in
-            if let answer {
-                for message in answer.messages where state.take(message) { send(encode(message)) }
-                send(answer.synced)
-                if answer.more { state.behind.insert(conversation) } else { state.behind.remove(conversation) }
+            let openingHold = state.openingHold
+            state.update(conversation) { entry in
+                if let answer {
+                    for message in answer.messages where entry.take(message) { send(encode(message)) }
+                    send(answer.synced)
+                    entry.behind = answer.more
+                }
+                entry.syncing = max(0, entry.syncing - 1)
+                if entry.syncing == 0, !openingHold { entry.flush(send: send) }
             }
-            let remaining = state.syncing[conversation, default: 1] - 1
-            state.syncing[conversation] = remaining > 0 ? remaining : nil
-            if remaining <= 0, !state.openingHold { Self.flush(conversation, &state, send: send) }
         }
     }
 
@@ -102,23 +133,17 @@ extension Session {
     /// Forgets a conversation the user is no longer a member of: nothing held is sent.
     func forgetConversation(_ conversation: String) {
         messageState.withLockedValue { state in
-            state.held[conversation] = nil
-            state.sent[conversation] = nil
-            state.behind.remove(conversation)
+            state.update(conversation) { entry in
+                entry.held = []
+                entry.sent = nil
+                entry.behind = false
+            }
         }
     }
 
     private static func releaseOpeningHold(_ state: inout MessageState, send: (TextFrame) -> Void) {
         state.openingHold = false
-        for conversation in state.held.keys.sorted() where state.syncing[conversation] == nil {
-            flush(conversation, &state, send: send)
-        }
-    }
-
-    /// Sends the held live messages of `conversation` in seq order (an epoch change in the
-    /// middle starts the order again), skipping what was sent.
-    private static func flush(_ conversation: String, _ state: inout MessageState, send: (TextFrame) -> Void) {
-        guard let held = state.held.removeValue(forKey: conversation), !state.behind.contains(conversation) else { return }
-        for entry in held where state.take(entry.message) { send(entry.frame) }
+        let waiting = state.conversations.filter { !$0.value.held.isEmpty && $0.value.syncing == 0 }.keys.sorted()
+        for conversation in waiting { state.update(conversation) { $0.flush(send: send) } }
     }
 }
