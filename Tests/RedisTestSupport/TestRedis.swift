@@ -88,7 +88,19 @@ public final class RedisServerProcess: @unchecked Sendable {
     /// The server's process id, while it runs.
     public var pid: Int32? { process?.processIdentifier }
 
-    deinit { stop() }
+    deinit {
+        stop()
+        try? FileManager.default.removeItem(at: dataFile)
+    }
+
+    /// The file a replica writes at a full sync and then loads (even with `--save ''`): one per
+    /// server, in the temporary directory. With Redis's default, `dump.rdb` in the working
+    /// directory (the package root under `swift test`), two replicas syncing at once in
+    /// parallel tests wrote the same file, one could load the other's copy, and a
+    /// `redis-server` started by hand in the package root later loaded test keys.
+    public var dataFile: URL {
+        FileManager.default.temporaryDirectory.appendingPathComponent("redis-test-\(port).rdb")
+    }
 
     /// A URL for this server, with optional credentials.
     public func url(credentials: String? = nil, database: Int = 0) -> String {
@@ -99,7 +111,8 @@ public final class RedisServerProcess: @unchecked Sendable {
     public func start() throws {
         let process = Process()
         process.executableURL = URL(fileURLWithPath: Self.redisServerPath)
-        process.arguments = (configFile.map { [$0] } ?? []) + ["--port", "\(port)", "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"] + extraArguments
+        process.arguments = (configFile.map { [$0] } ?? []) + ["--port", "\(port)", "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+            + ["--dir", dataFile.deletingLastPathComponent().path, "--dbfilename", dataFile.lastPathComponent] + extraArguments
         process.standardOutput = FileHandle.nullDevice
         process.standardError = FileHandle.nullDevice
         try process.run()
