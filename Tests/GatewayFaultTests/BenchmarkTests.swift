@@ -75,10 +75,11 @@ struct BenchmarkTests {
         #expect((result["floor_cpu_us_per_delivery"] as? Double ?? 0) > 0, "the kernel's floor is measured beside the nodes")
     }
 
-    @Test("floor: every reader gets every frame, and the writer's CPU per write is measured")
-    func floor() throws {
-        let result = try run(["floor", "--connections", "200", "--rounds", "5", "--pause", "5"], nodes: false)
+    @Test("floor: every reader gets every frame, and the writer's CPU per write is measured, with write(2) and through NIO", arguments: ["syscall", "nio"])
+    func floor(writer: String) throws {
+        let result = try run(["floor", "--connections", "200", "--rounds", "5", "--pause", "5", "--writer", writer], nodes: false)
         #expect(result["connections"] as? Int == 200)
+        #expect(result["writer"] as? String == writer)
         #expect((result["cpu_us_per_delivery"] as? Double ?? 0) > 0)
     }
 
