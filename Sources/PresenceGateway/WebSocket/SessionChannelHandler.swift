@@ -70,6 +70,10 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
     private var ending = Ending()
     private var phase = Phase.open
     private var unwritableBytes = 0
+    /// The channel's writability as its last change event told it: read at each write, where
+    /// asking the channel costs each connection of a fan-out a trip through the pipeline to
+    /// the socket channel's state.
+    private var writable = true
     /// Written since the last flush.
     private var unflushed = false
     /// Pongs written during the read under way, flushed when it completes.
@@ -118,6 +122,7 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
 
     func handlerAdded(context: ChannelHandlerContext) {
         self.context = context
+        writable = context.channel.isWritable
         rawContext = try? context.pipeline.syncOperations.context(handlerType: WebSocketFrameEncoder.self)
         schedulePing()
     }
@@ -145,7 +150,8 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
     }
 
     func channelWritabilityChanged(context: ChannelHandlerContext) {
-        if context.channel.isWritable { unwritableBytes = 0 }
+        writable = context.channel.isWritable
+        if writable { unwritableBytes = 0 }
         context.fireChannelWritabilityChanged()
     }
 
@@ -271,7 +277,7 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
     /// Writes a frame (a pong, or one written to the channel), unless a close was sent.
     func write(context: ChannelHandlerContext, data: NIOAny, promise: EventLoopPromise<Void>?) {
         let frame = unwrapOutboundIn(data)
-        guard admits(frame.length, context) else {
+        guard admits(frame.length) else {
             promise?.fail(ChannelError.outputClosed)
             return
         }
@@ -281,9 +287,9 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
     /// Whether `bytes` more may be written: not after a close, and not past the budget of
     /// bytes written while the channel is not writable (past it the client is closed as too
     /// slow a reader).
-    private func admits(_ bytes: Int, _ context: ChannelHandlerContext) -> Bool {
+    private func admits(_ bytes: Int) -> Bool {
         guard !closeSent else { return false }
-        if !context.channel.isWritable {
+        if !writable {
             unwritableBytes += bytes
             if unwritableBytes > limits.unwritableBytes {
                 close(CloseCode.policyViolation.rawValue, reason: "the client does not read fast enough")
@@ -305,7 +311,7 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
     /// Writes a text message without flushing it, unless the session is closing. Returns true
     /// when this write is the first since the last ``flush()``: the caller owes one.
     func enqueue(_ frame: TextFrame) -> Bool {
-        guard let context, admits(frame.bytes.readableBytes, context) else { return false }
+        guard let context, admits(frame.bytes.readableBytes) else { return false }
         if let rawContext {
             rawContext.write(NIOAny(frame.bytes), promise: nil)
         } else {
@@ -341,7 +347,7 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
         let failing = Self.failingCodes.contains(code)
         // A failing code whose frame cannot be written (the client reads nothing) drops the
         // connection at once; otherwise the close timeout bounds the wait.
-        startClosing(context, dropping: failing && !context.channel.isWritable)
+        startClosing(context, dropping: failing && !writable)
         ending.serverCode = code
         fragments = nil
         var data = ByteBuffer()
