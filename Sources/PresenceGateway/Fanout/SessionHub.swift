@@ -95,10 +95,9 @@ final class SessionHub: Service, Sendable {
             state.own[session.userID, default: []].insert(session.id)
         }
         try? await subscriber.retain([engine.keys.userChannel(session.userID)])
-        Task {
-            try? await Task.sleep(for: Self.messageOpeningHold)
-            session.endOpeningHold()
-        }
+        // A timer of the connection's loop, not a task asleep on the pool: a task per session
+        // woke a pool thread for each two seconds after a connect storm.
+        session.connection.eventLoop.scheduleTask(in: TimeAmount(Self.messageOpeningHold)) { session.endOpeningHold() }
     }
 
     /// Reads the conversations of the sessions' user (one user) again and has each session
