@@ -12,7 +12,7 @@ import NIOPosix
 /// for the node's CPU per delivery to be set beside.
 ///
 /// With `--writer nio` the same frame goes through NIO instead: the connections are channels of
-/// one event loop with nothing in their pipelines, and each round writes the one buffer to every
+/// one event loop with no handler on their write path, and each round writes the one buffer to every
 /// channel and then flushes every one, as a gateway's loop delivers a burst. The difference from
 /// the kernel's floor is what NIO's write path costs a delivery, before any of the gateway's own
 /// work.
@@ -89,7 +89,7 @@ struct FloorMeasurement {
                 return { clients += try opening.map { try $0.wait() } }
             }
         case .nio:
-            side = try ChannelWriters(connections: connections, frame: frame) { batch, port in
+            side = try ChannelWriters(connections: connections) { batch, port in
                 clients += try connect(batch, to: port).map { try $0.wait() }
             }
         }
@@ -170,7 +170,7 @@ private struct SocketWriters: FloorWritingSide {
     func close() { for socket in sockets { Glibc.close(socket) } }
 }
 
-/// NIO channels accepted on one event loop of their own, with nothing in their pipelines.
+/// NIO channels accepted on one event loop of their own, with no handler on their write path (one inbound handler notes each as it becomes active).
 private struct ChannelWriters: FloorWritingSide {
     let group: MultiThreadedEventLoopGroup
     let server: any Channel
@@ -178,7 +178,7 @@ private struct ChannelWriters: FloorWritingSide {
 
     /// Accepts `connections` connections in batches of 500: `open(batch, port)` connects a batch
     /// of clients and returns once they are connected.
-    init(connections: Int, frame: [UInt8], open: (Int, Int) throws -> Void) throws {
+    init(connections: Int, open: (Int, Int) throws -> Void) throws {
         let group = MultiThreadedEventLoopGroup(numberOfThreads: 1)
         let accepted = NIOLockedValueBox<[any Channel]>([])
         do {
