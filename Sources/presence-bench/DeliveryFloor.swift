@@ -170,7 +170,8 @@ private struct SocketWriters: FloorWritingSide {
     func close() { for socket in sockets { Glibc.close(socket) } }
 }
 
-/// NIO channels accepted on one event loop of their own, with no handler on their write path (one inbound handler notes each as it becomes active).
+/// NIO channels accepted on one event loop of their own, with no handler on their write path
+/// (one inbound handler notes each as it becomes active).
 private struct ChannelWriters: FloorWritingSide {
     let group: MultiThreadedEventLoopGroup
     let server: any Channel
