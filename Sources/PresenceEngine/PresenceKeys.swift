@@ -135,7 +135,7 @@ public struct PresenceKeys: Sendable {
     }
 
     /// The member of `deadlines` / `nodeDevices` for a device.
-    func deviceMember(user: String, device: String) -> String { "\(user)|\(device)" }
+    public func deviceMember(user: String, device: String) -> String { "\(user)|\(device)" }
 
     /// Splits a member made by ``deviceMember(user:device:)``.
     func splitDeviceMember(_ member: String) -> (user: String, device: String)? {

@@ -112,6 +112,12 @@ final class NodeProcesses: Sendable {
     }
 
     /// The body of a GET on node `index`, or nil when it does not answer.
+    /// What node `index` has printed so far (its log).
+    func output(node index: Int) -> String { nodes[index].output }
+
+    /// The node ids, in the order of `ports`.
+    var nodeIDs: [String] { nodes.map(\.nodeID) }
+
     func get(_ path: String, node index: Int) async -> String? {
         var request = URLRequest(url: URL(string: "http://127.0.0.1:\(ports[index])\(path)")!)
         request.timeoutInterval = 2

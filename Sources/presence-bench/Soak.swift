@@ -3,6 +3,7 @@ import Foundation
 import NIOConcurrencyHelpers
 import NIOCore
 import NIOPosix
+import PresenceEngine
 import PresenceProtocol
 import RedisClient
 
@@ -28,6 +29,8 @@ struct SoakScenario: AsyncParsableCommand {
         // Short TTLs, so that what a client leaves behind is due within seconds of the end.
         let nodes = try await NodeProcesses(count: 2, redisURL: options.common.redisURL, binary: options.gatewayBinary, environment: [
             "PRESENCE_VISIBILITY": "conversations", "PRESENCE_LINGER": "1", "PRESENCE_TYPING_TTL": "2", "PRESENCE_LEASE_TTL": "3",
+            // Warnings kept, so that a key left over can be traced in what the nodes said.
+            "PRESENCE_LOG_LEVEL": "warning",
         ])
         defer { nodes.stop() }
         let names = (0..<users).map { "soak-\($0)" }
@@ -106,7 +109,50 @@ struct SoakScenario: AsyncParsableCommand {
             "keys_before": baseline.total, "keys_after": left.total, "transient_keys_left": left.transient.count,
             "keys_back_to_baseline": keysBack,
         ], to: options.json)
+        if !left.transient.isEmpty {
+            try await explainLeftovers(left.transient.prefix(5), nodes: nodes)
+        }
         guard flat, noSessions, noSubscriptions, keysBack else { throw ExitCode(1) }
+    }
+
+    /// Whether `line` names `user` (as a whole id: `soak-15` is not in `soak-152`).
+    static func mentions(_ line: Substring, _ user: String) -> Bool {
+        var rest = line[...]
+        while let found = rest.range(of: user) {
+            if found.upperBound == rest.endIndex || !rest[found.upperBound].isNumber { return true }
+            rest = rest[found.upperBound...]
+        }
+        return false
+    }
+
+    /// Prints what each key left over holds, whether the indexes a reaper goes by name it, and
+    /// what the nodes logged about its user: enough to tell a device held by a session that is
+    /// gone from a linger nobody looks at.
+    private func explainLeftovers(_ leftover: ArraySlice<String>, nodes: NodeProcesses) async throws {
+        let keys = PresenceKeys(prefix: nodes.prefix)
+        print("\nwhat the keys left over hold:")
+        try await withRedis(options.common.redisURL) { redis in
+            for key in leftover {
+                let ttl = try await redis.execute(PTTL(key: key))
+                print("  \(key) (expires in \(ttl.map { "\($0) ms" } ?? "-"))")
+                guard key.hasSuffix(":devices"), let user = keys.user(fromKey: key, suffix: "devices") else { continue }
+                let now = try await redis.execute(TIME()) / 1000
+                for (device, record) in try await redis.execute(HGETALL(key: key)) {
+                    let member = keys.deviceMember(user: user, device: device)
+                    let deadline = try await redis.execute(ZSCORE(key: keys.deadlines(ofUser: user), member: member))
+                    var indexed: [String] = []
+                    for node in nodes.nodeIDs where try await redis.execute(SISMEMBER(key: keys.nodeDevices(node), member: member)) {
+                        indexed.append(node)
+                    }
+                    print("    \(device) = \(record) (status|node|session|since|deadline|alive; Redis now \(now)); deadline index \(deadline.map { String(Int64($0)) } ?? "none"), node index \(indexed)")
+                }
+                for index in nodes.ports.indices {
+                    let lines = nodes.output(node: index).split(separator: "\n").filter { Self.mentions($0, user) }
+                    print("    \(nodes.nodeIDs[index]) logged \(lines.count) lines about \(user)\(lines.isEmpty ? "" : ":")")
+                    for line in lines.suffix(10) { print("      \(line)") }
+                }
+            }
+        }
     }
 
     /// One client's visit: connect to a random node as a random user and device, do one to eight
