@@ -158,26 +158,26 @@ extension PresenceEngine {
             let batch = users[start..<min(start + 200, users.count)]
             if linger > .zero {
                 try await indexDeadlines(batch.map { ($0, byUser[$0] ?? []) }, after: linger)
+                if let probe = afterDeadlineIndexed.withLockedValue({ $0 }) { await probe() }
             }
             let since = clock.nowMilliseconds() - checkedAt
             let calls = batch.map { user in
                 ReapNode(user: user, node: node, renewedAgo: leaseNow - renewed + since, endedAgo: leaseNow - leaseEnded + since, linger: linger)
             }
             var settling: [PresenceChange] = []
+            var lingeringUntil: [DeadlineEntry] = []
             for (user, result) in zip(batch, try await evaluate(calls)) {
                 if case .failure(let error) = result { failure = failure ?? error }
                 guard case .success(.reaped(let change, let lingering, let until)) = result else { continue }
-                // Devices the index did not name linger too: indexed now, at their deadline.
-                let unindexed = lingering.filter { !(byUser[user] ?? []).contains($0) }
-                if !unindexed.isEmpty {
-                    let entries = unindexed.map { (score: until, member: keys.deviceMember(user: user, device: $0)) }
-                    try await run { try await self.redis.execute(ZADD(key: self.keys.deadlines(ofUser: user), entries: entries)) }
-                }
+                // Every lingering device is indexed again at its deadline: the index did not name
+                // some, and a reaper may have dropped the others' entries before they lingered.
+                lingeringUntil += lingering.map { deviceDeadline(of: user, device: $0, at: until) }
                 if change.changed || change.shownChanged {
                     changed += 1
                     settling.append(change)
                 }
             }
+            await reindex(lingeringUntil)
             await settle(settling)
         }
         if let failure { throw failure }

@@ -36,7 +36,7 @@ extension PresenceEngine {
         // costs the reaper one no-op; the other order could leave a device nobody reaps.
         try await run { try await self.redis.execute(SADD(key: self.keys.nodeDevices(self.configuration.nodeID), members: [member])) }
         let outcome = try await evaluate(UpsertDevice(user: user, device: device, status: status, node: configuration.nodeID, session: session, mode: .session))
-        guard case .written(let change, let previous) = outcome else { throw PresenceError(.internal, "unexpected reply from the device script") }
+        guard case .written(let change, let previous, _) = outcome else { throw PresenceError(.internal, "unexpected reply from the device script") }
         return SessionOpened(change: change, replaced: previous)
     }
 
@@ -63,7 +63,7 @@ extension PresenceEngine {
     func writeStatus(user: String, device: String, session: String, status: PresenceStatus) async throws(PresenceError) -> PresenceChange? {
         let outcome = try await evaluate(UpsertDevice(user: user, device: device, status: status, node: configuration.nodeID, session: session, mode: .status))
         switch outcome {
-        case .written(let change, _):
+        case .written(let change, _, _):
             await settle(change)
             return change
         case .heldByAnother:
@@ -155,8 +155,12 @@ extension PresenceEngine {
 
     private func release(user: String, device: String, session: String, clean: Bool) async throws(PresenceError) -> PresenceChange? {
         let member = keys.deviceMember(user: user, device: device)
-        if !clean { try await indexDeadline(of: user, devices: [device], after: configuration.linger) }
+        if !clean {
+            try await indexDeadline(of: user, devices: [device], after: configuration.linger)
+            if let probe = afterDeadlineIndexed.withLockedValue({ $0 }) { await probe() }
+        }
         let outcome = try await evaluate(RemoveDevice(user: user, device: device, session: session, mode: clean ? .clean : .linger))
+        if case .live(let deadline?) = outcome { await reindex([deviceDeadline(of: user, device: device, at: deadline)]) }
         // This session no longer holds the device: out of the node's index, unless a session of
         // this node holds it again (a new one, or the one that took it over). A device taken
         // over by another node's session is indexed there; left here, it would stay for good.

@@ -1,4 +1,5 @@
 import Foundation
+import NIOConcurrencyHelpers
 import PresenceProtocol
 import RedisClient
 
@@ -46,37 +47,53 @@ extension PresenceEngine {
     public func setTyping(user: String, conversation: String, isTyping: Bool) async throws(PresenceError) -> Bool {
         // A start from a user who may not be shown typing is taken as a stop: checked the same
         // way (a non-member is refused), and ending a state that raced the change.
-        var starting = false
-        if isTyping { starting = try await mayStartTyping(user, in: conversation) }
-        switch try await evaluate(SetTyping(conversation: conversation, user: user, isTyping: starting, checked: true)) {
+        var starting: DeadlineEntry?
+        if isTyping {
+            starting = try await mayStartTyping(user, in: conversation)
+            if let probe = afterDeadlineIndexed.withLockedValue({ $0 }) { await probe() }
+        }
+        switch try await evaluate(SetTyping(conversation: conversation, user: user, isTyping: starting != nil, checked: true)) {
         case .notMember: throw PresenceError(.forbidden, "you are not a member of this conversation")
         case .quiet: return false
         case .published:
-            if starting, try await !mayShowTyping(user) {
+            // A start published found no typing state running: a reaper may have dropped its
+            // entry meanwhile (see ``reindex(_:)``), which is written again beside the check.
+            // (A refresh kept quiet found one running, whose entry a reaper keeps.)
+            if let entry = starting, try await !mayShowTyping(user, reindexing: entry) {
                 _ = try await evaluate(SetTyping(conversation: conversation, user: user, isTyping: false, checked: false))
             }
             return true
         }
     }
 
-    /// Whether `user` may be shown typing: online or away, and not hidden.
-    private func mayShowTyping(_ user: String) async throws(PresenceError) -> Bool {
-        Self.mayShowTyping(try await run { try await self.redis.execute(self.typingCheck(user)) })
+    /// Whether `user` may be shown typing: online or away, and not hidden. Read in one round
+    /// trip with `entry` written again (``reindex(_:)``; kept for the next upkeep tick if Redis
+    /// does not take it).
+    private func mayShowTyping(_ user: String, reindexing entry: DeadlineEntry) async throws(PresenceError) -> Bool {
+        let index = ZADD(key: entry.set, entries: [(entry.score, entry.member)])
+        let (state, indexed) = try await run { try await self.redis.pipeline(self.typingCheck(user), index) }
+        if case .failure = indexed { keepPending([index]) }
+        switch state {
+        case .success(let fields): return Self.mayShowTyping(fields)
+        case .failure(let error): throw Self.presenceError(error)
+        }
     }
 
-    /// ``mayShowTyping(_:)`` before a start, in one round trip with the start's entry in its
-    /// conversation's deadline bucket, which must be there before the start is written (see
-    /// ``indexDeadline(of:devices:after:)``). A start then refused leaves an entry that the
-    /// reaper finds with nothing to end, and drops.
-    private func mayStartTyping(_ user: String, in conversation: String) async throws(PresenceError) -> Bool {
-        let entry = (score: indexScore(after: configuration.typingTTL), member: "\(conversation)|\(user)")
-        let index = ZADD(key: keys.typingDeadlines(ofConversation: conversation), entries: [entry])
+    /// Whether `user` may be shown typing, before a start, in one round trip with the start's
+    /// entry in its conversation's deadline bucket, which must be there before the start is
+    /// written (see ``indexDeadline(of:devices:after:)``). A start then refused leaves an entry
+    /// that the reaper finds with nothing to end, and drops. Returns the entry when the user may
+    /// start.
+    private func mayStartTyping(_ user: String, in conversation: String) async throws(PresenceError) -> DeadlineEntry? {
+        let entry = DeadlineEntry(set: keys.typingDeadlines(ofConversation: conversation), member: "\(conversation)|\(user)",
+                                  score: indexScore(after: configuration.typingTTL))
+        let index = ZADD(key: entry.set, entries: [(entry.score, entry.member)])
         let state = try await run { () async throws -> [String?] in
             let (state, indexed) = try await self.redis.pipeline(self.typingCheck(user), index)
             _ = try indexed.get()
             return try state.get()
         }
-        return Self.mayShowTyping(state)
+        return Self.mayShowTyping(state) ? entry : nil
     }
 
     private func typingCheck(_ user: String) -> HMGET { HMGET(key: keys.state(user), fields: ["status", "hidden"]) }

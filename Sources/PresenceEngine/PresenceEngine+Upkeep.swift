@@ -127,7 +127,7 @@ extension PresenceEngine {
             case .success(.unheld):
                 // The answer of a status write only; a restore writes whatever it finds.
                 continue
-            case .success(.written(let change, _)):
+            case .success(.written(let change, _, _)):
                 written += 1
                 await settle(change)
             case .failure(let error):

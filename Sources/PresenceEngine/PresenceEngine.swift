@@ -25,6 +25,9 @@ public final class PresenceEngine: Sendable {
     let logger: Logger
     let local = NIOLockedValueBox([String: LocalDevice]())
     let pendingReleases = NIOLockedValueBox([String: PendingRelease]())
+    /// Deadline-set entries Redis did not take after the script that gave their deadline: set →
+    /// member → score (``reindex(_:)``).
+    let pendingIndexEntries = NIOLockedValueBox([String: [String: Int64]]())
     /// When this node last failed to renew or take its lease for want of Redis, or last heard a
     /// cluster refuse a command (`CLUSTERDOWN`, `LOADING`: ``RedisConnectionEvent/refused``), by
     /// the local clock in ms: the start of the reaper's ``PresenceConfiguration/recoveryGrace``.
@@ -58,6 +61,10 @@ public final class PresenceEngine: Sendable {
     /// Runs in a reap of a dead node between its lease check and the reading of its devices,
     /// when set: tests let time pass and sessions arrive there.
     let afterLeaseChecked = NIOLockedValueBox<(@Sendable () async -> Void)?>(nil)
+    /// Runs between a device's index entry in the deadline sets and the script that gives the
+    /// device its deadline (a linger, a REST heartbeat, a predecessor's linger), when set: tests
+    /// let a reaper look at the entry there, as a script delayed past the entry's score lets it.
+    let afterDeadlineIndexed = NIOLockedValueBox<(@Sendable () async -> Void)?>(nil)
     /// What the node's upkeep found (``UpkeepEvent``), for the gateway to act on.
     public let upkeepEvents: AsyncStream<UpkeepEvent>
     let upkeep: AsyncStream<UpkeepEvent>.Continuation
@@ -134,9 +141,12 @@ public final class PresenceEngine: Sendable {
             return PresenceChange(changed: false, shownChanged: false, views: try await views(of: user))
         }
         try await indexDeadline(of: user, devices: [device], after: configuration.heartbeatTTL)
-        guard case .written(let change, _) = try await evaluate(UpsertDevice(user: user, device: device, status: status, mode: .rest)) else {
+        if let probe = afterDeadlineIndexed.withLockedValue({ $0 }) { await probe() }
+        guard case .written(let change, _, let deadline) = try await evaluate(UpsertDevice(user: user, device: device, status: status, mode: .rest)) else {
             throw PresenceError(.internal, "unexpected reply from the device script")
         }
+        // No deadline: a live session holds the device, and the post changed its status only.
+        if let deadline { await reindex([deviceDeadline(of: user, device: device, at: deadline)]) }
         return change
     }
 
@@ -188,37 +198,6 @@ public final class PresenceEngine: Sendable {
     /// `at`): a node whose own clock is off would otherwise record its skew as latency.
     public func estimatedStoreNow() -> Int64 {
         clock.nowMilliseconds() + storeClockOffset.withLockedValue { $0 }
-    }
-
-    /// How much earlier than a deadline's estimate its index entry is scored: the error allowed
-    /// for ``estimatedStoreNow()`` (a round trip, drift since the last renewal, a primary whose
-    /// clock is a little ahead of the one the lease measured).
-    static let indexSlackMilliseconds: Int64 = 1000
-
-    /// Indexes devices of `user` in their bucket of the deadline sets, before a script gives them
-    /// a deadline `after` from now: scored at that deadline as estimated here, less
-    /// ``indexSlackMilliseconds``, so that the reaper looks no later than the deadline (if early,
-    /// it finds the device not due and scores it at its real deadline).
-    func indexDeadline(of user: String, devices: [String], after duration: Duration) async throws(PresenceError) {
-        try await indexDeadlines([(user, devices)], after: duration)
-    }
-
-    /// ``indexDeadline(of:devices:after:)`` for several users, in one pipeline.
-    func indexDeadlines(_ entries: [(user: String, devices: [String])], after duration: Duration) async throws(PresenceError) {
-        let score = indexScore(after: duration)
-        let commands = entries.filter { !$0.devices.isEmpty }.map { entry in
-            ZADD(key: keys.deadlines(ofUser: entry.user), entries: entry.devices.map { (score, keys.deviceMember(user: entry.user, device: $0)) })
-        }
-        guard !commands.isEmpty else { return }
-        for result in try await run({ try await self.redis.pipeline(commands) }) {
-            if case .failure(let error) = result { throw Self.presenceError(error) }
-        }
-    }
-
-    /// The score of an index entry for a deadline `after` from now (see ``indexDeadline(of:devices:after:)``).
-    func indexScore(after duration: Duration) -> Int64 {
-        if let fixed = clock.scriptTime { return fixed + duration.milliseconds }
-        return estimatedStoreNow() + duration.milliseconds - Self.indexSlackMilliseconds
     }
 
     /// Now by the clock the scripts use: Redis's (one `TIME`), or a test clock's.

@@ -88,8 +88,9 @@ public struct PresenceLeaseService: Service {
         }
     }
 
-    /// Once the lease is taken: every period, what Redis could not take yet is sent again, the
-    /// devices' safety TTL is refreshed every third of it, and devices are audited.
+    /// Once the lease is taken: every period, what Redis could not take yet (disconnects, statuses,
+    /// deadline entries) is sent again, the devices' safety TTL is refreshed every third of it,
+    /// and devices are audited.
     private func keepUp() async {
         let refreshEvery = max(1, Int(engine.configuration.deviceKeyTTL / 3 / period))
         let auditEvery = max(1, Int(engine.configuration.auditInterval / period))
@@ -99,6 +100,7 @@ public struct PresenceLeaseService: Service {
             if engine.isRegistered {
                 tick += 1
                 await engine.retryPendingReleases()
+                await engine.retryPendingIndexEntries()
                 await engine.retryOwedStatuses()
                 do {
                     if tick % refreshEvery == 0 { try await engine.refreshDeviceKeys() }

@@ -7,9 +7,11 @@ import RedisClient
 //
 // A device with a deadline (lingering, or kept by REST heartbeats) is found by the reaper through
 // its bucket of the deadline sets, which lives in another slot. The engine indexes it there
-// before the script gives it the deadline, at a moment no later than the deadline, so that no
-// device is ever left with a deadline nobody looks at; an entry for a device that has no deadline
-// (any more) costs the reaper one look, after which it drops the entry.
+// before the script gives it the deadline, at a moment no later than the deadline, and again
+// after it at the deadline written (a reaper may have dropped the first entry meanwhile, finding
+// no deadline yet), so that no device is ever left with a deadline nobody looks at; an entry for
+// a device that has no deadline (any more) costs the reaper one look, after which it drops the
+// entry.
 
 /// Adds or updates a device.
 struct UpsertDevice: ScriptCall {
@@ -25,8 +27,9 @@ struct UpsertDevice: ScriptCall {
     }
 
     enum Outcome {
-        /// Written; `previous` is the other session (and its node) that held the device before.
-        case written(PresenceChange, previous: (node: String, session: String)?)
+        /// Written; `previous` is the other session (and its node) that held the device before,
+        /// `deadline` the one written with it (a REST heartbeat's; `nil` for none).
+        case written(PresenceChange, previous: (node: String, session: String)?, deadline: Int64?)
         /// A `status` or `restore` from a session that lost the device to another: nothing changed.
         case heldByAnother
         /// A `status` from a session that Redis no longer has holding the device (gone, or held by
@@ -61,7 +64,7 @@ struct UpsertDevice: ScriptCall {
         let previousSession = values.count > 7 ? values[6].string ?? "" : ""
         let previousNode = values.count > 7 ? values[7].string ?? "" : ""
         let previous = previousSession.isEmpty || previousSession == session ? nil : (node: previousNode, session: previousSession)
-        return .written(change, previous: previous)
+        return .written(change, previous: previous, deadline: values.count > 8 ? ScriptLua.timestamp(values[8]) : nil)
     }
 
     static let script = RedisScript(ScriptLua.devices + """
@@ -100,6 +103,7 @@ struct UpsertDevice: ScriptCall {
     local result = finish(KEYS[2], KEYS[1], channel, now, wentOffline, user, ttl, devicesWereGone)
     table.insert(result, prevSession)
     table.insert(result, prevNode)
+    table.insert(result, tostring(deadline))
     return result
     """)
 }

@@ -1,12 +1,16 @@
 // Sorted set commands.
 
-/// `ZADD key score member ...`: how many members are new.
+/// `ZADD key [NX] score member ...`: how many members are new. With `onlyNew` (`NX`), members
+/// already there keep their scores.
 public struct ZADD: RedisCommand {
     public var key: String
     public var entries: [(score: Int64, member: String)]
-    public init(key: String, entries: [(score: Int64, member: String)]) { (self.key, self.entries) = (key, entries) }
+    public var onlyNew: Bool
+    public init(key: String, entries: [(score: Int64, member: String)], onlyNew: Bool = false) {
+        (self.key, self.entries, self.onlyNew) = (key, entries, onlyNew)
+    }
     public var arguments: [RedisArgument] {
-        ["ZADD", RedisArgument(key)] + entries.flatMap { [RedisArgument(String($0.score)), RedisArgument($0.member)] }
+        ["ZADD", RedisArgument(key)] + (onlyNew ? ["NX"] : []) + entries.flatMap { [RedisArgument(String($0.score)), RedisArgument($0.member)] }
     }
     public func decode(_ reply: RESPValue) throws(RedisError) -> Int { try integer(reply) }
 }
