@@ -37,6 +37,16 @@ extension PresenceEngine {
         try await run { try await self.redis.execute(SADD(key: self.keys.nodeDevices(self.configuration.nodeID), members: [member])) }
         let outcome = try await evaluate(UpsertDevice(user: user, device: device, status: status, node: configuration.nodeID, session: session, mode: .session))
         guard case .written(let change, let previous, _) = outcome else { throw PresenceError(.internal, "unexpected reply from the device script") }
+        // Two sessions of this device opening here at once: `local` names the one that recorded
+        // itself last, not the one Redis took last. This session holds the device now, unless
+        // one whose script is still on its way takes it next: recorded here where `local` names
+        // the session this one replaced, or none (the other closed). Left to the other, a live
+        // session holding the device went unaudited and, once the other closed, unindexed.
+        local.withLockedValue { devices in
+            let recorded = devices[member]?.session
+            guard recorded != session, recorded == nil || recorded == previous?.session else { return }
+            devices[member] = LocalDevice(user: user, device: device, session: session, status: status)
+        }
         return SessionOpened(change: change, replaced: previous)
     }
 

@@ -934,6 +934,30 @@ struct PresenceEngineTests {
         }
     }
 
+    @Test("two sessions of one device opening at once on one node: the node tracks the one Redis took last, which its audit and index then cover")
+    func concurrentOpensOnOneNode() async throws {
+        try await EngineCluster.with { cluster in
+            let node = cluster.engine(node: "a")
+            try await node.registerNode()
+            // s1's opening has recorded its device here and its script is on its way; s2 opens
+            // whole meanwhile; then s1's script lands: s1 holds the device, and s2 is closed as
+            // replaced.
+            let member = cluster.prefixKeys.deviceMember(user: "bob", device: "phone")
+            node.local.withLockedValue { $0[member] = PresenceEngine.LocalDevice(user: "bob", device: "phone", session: "s1", status: .online) }
+            _ = try await node.connect(user: "bob", device: "phone", session: "s2")
+            let first = try await node.register(user: "bob", device: "phone", session: "s1", status: .online)
+            #expect(first.replaced?.session == "s2")
+            #expect(try await node.disconnect(user: "bob", device: "phone", session: "s2", clean: false) == nil, "s2 held nothing by then")
+            #expect(node.localDeviceCount == 1, "s1, live and holding the device, is tracked")
+            let indexed = try await cluster.redis.send("SISMEMBER", RedisArgument(cluster.prefixKeys.nodeDevices("a")), RedisArgument(member)).int
+            #expect(indexed == 1, "and indexed: were the node to die, the reaper finds the device")
+            // What the tracking is for: a device Redis loses is written again by the audit.
+            try await cluster.redis.send("DEL", RedisArgument(cluster.prefixKeys.devices("bob")))
+            #expect(try await node.audit().restored == 1)
+            #expect(try await node.views(of: "bob").real.status == .online)
+        }
+    }
+
     @Test("privacy: others see offline with the last_seen of the moment it was turned off; the user sees the truth")
     func privacy() async throws {
         try await EngineCluster.with { cluster in
