@@ -11,6 +11,25 @@ import Testing
 /// be reaped at its deadline, not stay live with an entry nobody looks at.
 @Suite("A deadline written after the reaper looked at its entry")
 struct DeadlineIndexTests {
+    /// Makes each script of `node` that gives a deadline come `delay` after its entry, with
+    /// `reaper` passing over the deadline sets meanwhile; the passes' reports are kept.
+    static func delayScripts(of node: PresenceEngine, by delay: Duration, reaper: PresenceEngine, cluster: EngineCluster) -> NIOLockedValueBox<[ReapReport]> {
+        let passes = NIOLockedValueBox<[ReapReport]>([])
+        node.afterDeadlineIndexed.withLockedValue { probe in
+            probe = {
+                cluster.clock.advance(delay)
+                if let report = try? await reaper.reapOnce() { passes.withLockedValue { $0.append(report) } }
+            }
+        }
+        return passes
+    }
+
+    /// Ends ``delayScripts(of:by:reaper:cluster:)``; the reports of the reaper's passes.
+    static func stopDelaying(_ node: PresenceEngine, _ passes: NIOLockedValueBox<[ReapReport]>) -> [ReapReport] {
+        node.afterDeadlineIndexed.withLockedValue { $0 = nil }
+        return passes.withLockedValue { $0 }
+    }
+
     @Test("a drop whose linger is written after a reaper dropped its entry still goes offline at the linger's end")
     func lingerAfterReaperLooked() async throws {
         try await EngineCluster.with { cluster in
@@ -18,18 +37,12 @@ struct DeadlineIndexTests {
             let reaper = cluster.engine(node: "b")
             _ = try await node.connect(user: "bob", device: "phone", session: "s1")
             let linger = node.configuration.linger
-            node.afterDeadlineIndexed.withLockedValue { probe in
-                probe = {
-                    // The linger's script waits past its entry's score (a stalled connection, a
-                    // starved process); a reaper finds the device held by its session meanwhile.
-                    cluster.clock.advance(linger + .milliseconds(100))
-                    let reaped = try? await reaper.reapOnce().expiredDevices
-                    #expect(reaped == 0, "held by its session: nothing to reap yet")
-                }
-            }
+            // The linger's script waits past its entry's score (a stalled connection, a starved
+            // process); a reaper finds the device held by its session meanwhile.
+            let passes = Self.delayScripts(of: node, by: linger + .milliseconds(100), reaper: reaper, cluster: cluster)
             let droppedAt = cluster.clock.nowMilliseconds() + (linger + .milliseconds(100)).milliseconds
             #expect(try await node.disconnect(user: "bob", device: "phone", session: "s1", clean: false) == nil, "lingering")
-            node.afterDeadlineIndexed.withLockedValue { $0 = nil }
+            #expect(Self.stopDelaying(node, passes).map(\.expiredDevices) == [0], "held by its session: nothing to reap yet")
             #expect(try await node.devices(of: "bob").map(\.deadline) == [droppedAt + linger.milliseconds])
             cluster.clock.advance(linger + .milliseconds(100))
             #expect(try await reaper.reapOnce().expiredDevices == 1, "reaped at the linger's end")
@@ -43,16 +56,11 @@ struct DeadlineIndexTests {
             let node = cluster.engine(node: "a")
             let reaper = cluster.engine(node: "b")
             let ttl = node.configuration.heartbeatTTL
-            node.afterDeadlineIndexed.withLockedValue { probe in
-                probe = {
-                    cluster.clock.advance(ttl + .milliseconds(100))
-                    _ = try? await reaper.reapOnce()
-                }
-            }
+            let passes = Self.delayScripts(of: node, by: ttl + .milliseconds(100), reaper: reaper, cluster: cluster)
             let postedAt = cluster.clock.nowMilliseconds() + (ttl + .milliseconds(100)).milliseconds
             let posted = try await node.post(user: "carol", device: "web", status: .online)
             #expect(posted.views.real.status == .online)
-            node.afterDeadlineIndexed.withLockedValue { $0 = nil }
+            #expect(Self.stopDelaying(node, passes).count == 1, "a reaper looked before the post's script")
             cluster.clock.advance(ttl + .milliseconds(100))
             #expect(try await reaper.reapOnce().expiredDevices == 1, "reaped at the heartbeat's end")
             #expect(try await reaper.views(of: "carol").real == Presence(userID: "carol", status: .offline, lastSeen: postedAt))
@@ -69,14 +77,9 @@ struct DeadlineIndexTests {
             cluster.clock.advance(.seconds(1))
             let restarted = cluster.engine(node: "node-2")
             let linger = restarted.configuration.linger
-            restarted.afterDeadlineIndexed.withLockedValue { probe in
-                probe = {
-                    cluster.clock.advance(linger + .milliseconds(100))
-                    _ = try? await reaper.reapOnce()
-                }
-            }
+            let passes = Self.delayScripts(of: restarted, by: linger + .milliseconds(100), reaper: reaper, cluster: cluster)
             _ = try await restarted.reapPredecessor()
-            restarted.afterDeadlineIndexed.withLockedValue { $0 = nil }
+            #expect(Self.stopDelaying(restarted, passes).map(\.expiredDevices) == [0], "held by the old process's session: nothing to reap yet")
             #expect(try await reaper.views(of: "jo").real.status == .online, "lingering")
             cluster.clock.advance(linger + .milliseconds(100))
             #expect(try await reaper.reapOnce().expiredDevices == 1, "reaped at the linger's end")
@@ -92,16 +95,10 @@ struct DeadlineIndexTests {
             _ = try await node.setMembers(of: "room", to: ["ivy", "jon"])
             _ = try await node.connect(user: "ivy", device: "phone", session: "s1")
             let ttl = node.configuration.typingTTL
-            node.afterDeadlineIndexed.withLockedValue { probe in
-                probe = {
-                    cluster.clock.advance(ttl + .milliseconds(100))
-                    let ended = try? await reaper.reapOnce().typingEnded
-                    #expect(ended == 0, "no typing state yet")
-                }
-            }
+            let passes = Self.delayScripts(of: node, by: ttl + .milliseconds(100), reaper: reaper, cluster: cluster)
             let started = try await node.setTyping(user: "ivy", conversation: "room", isTyping: true)
             #expect(started, "the start is published")
-            node.afterDeadlineIndexed.withLockedValue { $0 = nil }
+            #expect(Self.stopDelaying(node, passes).map(\.typingEnded) == [0], "no typing state yet")
             cluster.clock.advance(ttl + .milliseconds(100))
             #expect(try await reaper.reapOnce().typingEnded == 1, "ended by the reaper at its expiry, and its stop published")
             #expect(try await reaper.reapOnce().typingEnded == 0)
