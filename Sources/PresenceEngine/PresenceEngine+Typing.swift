@@ -56,9 +56,10 @@ extension PresenceEngine {
         case .notMember: throw PresenceError(.forbidden, "you are not a member of this conversation")
         case .quiet: return false
         case .published:
-            // A start published found no typing state running: a reaper may have dropped its
-            // entry meanwhile (see ``reindex(_:)``), which is written again beside the check.
-            // (A refresh kept quiet found one running, whose entry a reaper keeps.)
+            // Published, the start may have found no typing state running: a reaper may then
+            // have dropped its entry meanwhile (see ``reindex(_:)``), which is written again
+            // beside the check. (A refresh kept quiet found one running, whose entry a reaper
+            // keeps.)
             if let entry = starting, try await !mayShowTyping(user, reindexing: entry) {
                 _ = try await evaluate(SetTyping(conversation: conversation, user: user, isTyping: false, checked: false))
             }
