@@ -70,11 +70,14 @@ extension PresenceEngine {
     /// for the next upkeep tick (``retryPendingIndexEntries()``).
     func reindex(_ entries: [DeadlineEntry]) async {
         guard !entries.isEmpty else { return }
-        let commands = Self.deadlineCommands(entries)
+        await writeOrKeep(Self.deadlineCommands(entries))
+    }
+
+    /// Sends `commands` in one pipeline; those Redis does not take are kept (``keepPending(_:)``).
+    private func writeOrKeep(_ commands: [ZADD]) async {
         do {
             let results = try await run { try await self.redis.pipeline(commands) }
-            let failed = zip(commands, results).filter { if case .failure = $1 { true } else { false } }.map(\.0)
-            keepPending(failed)
+            keepPending(zip(commands, results).filter { if case .failure = $1 { true } else { false } }.map(\.0))
         } catch {
             keepPending(commands)
         }
@@ -100,12 +103,6 @@ extension PresenceEngine {
         }
         let entries = pending.flatMap { set, members in members.map { DeadlineEntry(set: set, member: $0.key, score: $0.value) } }
         guard !entries.isEmpty else { return }
-        let commands = Self.deadlineCommands(entries, onlyNew: true)
-        do {
-            let results = try await run { try await self.redis.pipeline(commands) }
-            keepPending(zip(commands, results).filter { if case .failure = $1 { true } else { false } }.map(\.0))
-        } catch {
-            keepPending(commands)
-        }
+        await writeOrKeep(Self.deadlineCommands(entries, onlyNew: true))
     }
 }

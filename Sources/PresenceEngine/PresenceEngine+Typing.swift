@@ -72,8 +72,15 @@ extension PresenceEngine {
     /// does not take it).
     private func mayShowTyping(_ user: String, reindexing entry: DeadlineEntry) async throws(PresenceError) -> Bool {
         let index = ZADD(key: entry.set, entries: [(entry.score, entry.member)])
-        let (state, indexed) = try await run { try await self.redis.pipeline(self.typingCheck(user), index) }
-        if case .failure = indexed { keepPending([index]) }
+        let state: Result<[String?], RedisError>
+        do {
+            let indexed: Result<Int, RedisError>
+            (state, indexed) = try await run { try await self.redis.pipeline(self.typingCheck(user), index) }
+            if case .failure = indexed { keepPending([index]) }
+        } catch {
+            keepPending([index])
+            throw error
+        }
         switch state {
         case .success(let fields): return Self.mayShowTyping(fields)
         case .failure(let error): throw Self.presenceError(error)
