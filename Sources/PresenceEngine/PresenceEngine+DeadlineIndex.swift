@@ -18,6 +18,9 @@ extension PresenceEngine {
         var set: String
         var member: String
         var score: Int64
+
+        /// The entry's `ZADD` alone.
+        var command: ZADD { ZADD(key: set, entries: [(score, member)]) }
     }
 
     /// How much earlier than a deadline's estimate its index entry is scored: the error allowed
@@ -37,9 +40,9 @@ extension PresenceEngine {
     /// ``indexDeadline(of:devices:after:)`` for several users, in one pipeline.
     func indexDeadlines(_ entries: [(user: String, devices: [String])], after duration: Duration) async throws(PresenceError) {
         let score = indexScore(after: duration)
-        let commands = entries.filter { !$0.devices.isEmpty }.map { entry in
-            ZADD(key: keys.deadlines(ofUser: entry.user), entries: entry.devices.map { (score, keys.deviceMember(user: entry.user, device: $0)) })
-        }
+        let commands = Self.deadlineCommands(entries.flatMap { entry in
+            entry.devices.map { deviceDeadline(of: entry.user, device: $0, at: score) }
+        })
         guard !commands.isEmpty else { return }
         for result in try await run({ try await self.redis.pipeline(commands) }) {
             if case .failure(let error) = result { throw Self.presenceError(error) }

@@ -71,7 +71,7 @@ extension PresenceEngine {
     /// trip with `entry` written again (``reindex(_:)``; kept for the next upkeep tick if Redis
     /// does not take it).
     private func mayShowTyping(_ user: String, reindexing entry: DeadlineEntry) async throws(PresenceError) -> Bool {
-        let index = ZADD(key: entry.set, entries: [(entry.score, entry.member)])
+        let index = entry.command
         let state: Result<[String?], RedisError>
         do {
             let indexed: Result<Int, RedisError>
@@ -95,9 +95,8 @@ extension PresenceEngine {
     private func mayStartTyping(_ user: String, in conversation: String) async throws(PresenceError) -> DeadlineEntry? {
         let entry = DeadlineEntry(set: keys.typingDeadlines(ofConversation: conversation), member: "\(conversation)|\(user)",
                                   score: indexScore(after: configuration.typingTTL))
-        let index = ZADD(key: entry.set, entries: [(entry.score, entry.member)])
         let state = try await run { () async throws -> [String?] in
-            let (state, indexed) = try await self.redis.pipeline(self.typingCheck(user), index)
+            let (state, indexed) = try await self.redis.pipeline(self.typingCheck(user), entry.command)
             _ = try indexed.get()
             return try state.get()
         }
