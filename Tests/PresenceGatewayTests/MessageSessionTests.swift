@@ -187,13 +187,46 @@ struct MessageSessionTests {
             #expect(Self.seqs(await Self.messages(bob, count: 1)) == [10])
             #expect(await Self.messages(bob, count: 1, timeout: .milliseconds(500)).isEmpty)
 
-            // A sync from an older position: nothing is sent twice, and what is not sent is named.
+            // A sync from an older position (one that crossed 7…10 on the wire): nothing is sent
+            // twice, and nothing is named missing, as this session was sent 3…10 unbroken.
             bob.send("sync", ["positions": [["conversation_id": "room", "after_seq": 6, "epoch": epoch as Any]]], id: "s2")
             let second = try await bob.next("synced")
-            #expect(second.data["complete"] as? Bool == false)
-            let missing = second.data["missing"] as? [[String: Any]] ?? []
-            #expect(missing.count == 1 && missing.first?["from_seq"] as? Int == 7 && missing.first?["to_seq"] as? Int == 10, "\(missing)")
+            #expect(second.data["complete"] as? Bool == true && (second.data["missing"] as? [Any])?.isEmpty == true, "\(second.data)")
             #expect(await Self.messages(bob, count: 1, timeout: .milliseconds(500)).isEmpty)
+        }
+    }
+
+    @Test("a sync after live messages names missing only what the session was not sent: none after a history's first message, the start before a later one")
+    func syncCrossingLiveMessages() async throws {
+        try await withGateway { port, _ in
+            try await ConversationTests.setUp(port, ["alice", "bob", "carol"])
+            let aliceToken = try await token("alice")
+            // A history's first message passes Bob's opening hold; his sync from 0 (as a client
+            // first hearing of a conversation sends) then owes him nothing.
+            let bob = try await Self.open(port, "bob", device: "phone")
+            try await Self.restSend(port, aliceToken, 1)
+            #expect(Self.seqs(await Self.messages(bob, count: 1)) == [1])
+            bob.send("sync", ["positions": [["conversation_id": "room", "after_seq": 0]]], id: "b")
+            let bobs = try await bob.next("synced")
+            #expect(bobs.data["complete"] as? Bool == true && (bobs.data["missing"] as? [Any])?.isEmpty == true, "\(bobs.data)")
+            // Carol ends her opening hold with an empty sync, is sent 2 live, then syncs from 0:
+            // 1 cannot be sent after 2, and is all that is missing.
+            let carol = try await Self.open(port, "carol", device: "tablet")
+            carol.send("sync", ["positions": []], id: "c0")
+            try await Task.sleep(for: .milliseconds(200))
+            try await Self.restSend(port, aliceToken, 2)
+            #expect(Self.seqs(await Self.messages(carol, count: 1)) == [2])
+            carol.send("sync", ["positions": [["conversation_id": "room", "after_seq": 0]]], id: "c1")
+            var carols: [Frame] = []
+            while let frame = try? await carol.next(timeout: .seconds(5)) {
+                carols.append(frame)
+                if frame.type == "synced" { break }
+            }
+            #expect(carols.filter { $0.type == "message" }.isEmpty, "nothing at or below 2 again")
+            let synced = try #require(carols.last { $0.type == "synced" })
+            let missing = synced.data["missing"] as? [[String: Any]] ?? []
+            #expect(synced.data["complete"] as? Bool == false)
+            #expect(missing.count == 1 && missing.first?["from_seq"] as? Int == 1 && missing.first?["to_seq"] as? Int == 1, "\(missing)")
         }
     }
 

@@ -173,12 +173,15 @@ struct FrameHandler {
                 var answer = try await gateway.engine.sync(position, for: user.userID)
                 budget = answer.cut(toBytes: budget)
                 var missing = answer.missing
-                // Sent live to this session before the sync (after its opening hold) and so not
-                // sent again: the client reads them over REST.
+                // This session was sent seqs after the position before the sync (live, after or
+                // past its opening hold; a sync crossing them on the wire), so it sends none at or
+                // below them: those of the unbroken run it was sent the client has; any before
+                // that run cannot be given here, and the client reads them over REST.
                 let lost = missing.contains { $0.toSeq == nil }
                 let from = missing.last { $0.toSeq != nil && $0.epoch == answer.epoch }?.toSeq ?? (lost ? 0 : position.afterSeq)
                 if let sent = session.sentPosition(conversation), sent.epoch == answer.epoch, sent.seq > from {
-                    missing.append(MissingRange(epoch: answer.epoch, fromSeq: from + 1, toSeq: min(sent.seq, answer.lastSeq)))
+                    let before = min(sent.runStart - 1, answer.lastSeq)
+                    if before > from { missing.append(MissingRange(epoch: answer.epoch, fromSeq: from + 1, toSeq: before)) }
                 }
                 let synced = frames.text(.synced(SyncedPayload(
                     conversationID: conversation, epoch: answer.epoch, lastSeq: answer.lastSeq, complete: missing.isEmpty,

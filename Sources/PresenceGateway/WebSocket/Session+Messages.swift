@@ -30,8 +30,9 @@ extension Session {
     }
 
     struct ConversationState {
-        /// The epoch and seq last sent.
-        var sent: (epoch: String, seq: Int64)?
+        /// The epoch and seq last sent, and the first seq of the unbroken run of seqs sent that
+        /// ends there: the client has every seq of that run (``take(_:)`` keeps it).
+        var sent: SentRun?
         /// `sync`s of the conversation under way.
         var syncing = 0
         /// Live messages waiting, with their frame.
@@ -53,10 +54,15 @@ extension Session {
             return sent.epoch == message.epoch && sent.seq == message.seq - 1
         }
 
-        /// Whether `message` is after what was sent; records it sent.
+        /// Whether `message` is after what was sent; records it sent, extending the run when it
+        /// is the next seq and starting a new one otherwise.
         mutating func take(_ message: StoredMessage) -> Bool {
-            if let sent, sent.epoch == message.epoch, message.seq <= sent.seq { return false }
-            sent = (message.epoch, message.seq)
+            if let sent, sent.epoch == message.epoch {
+                guard message.seq > sent.seq else { return false }
+                self.sent = SentRun(epoch: message.epoch, seq: message.seq, runStart: message.seq == sent.seq + 1 ? sent.runStart : message.seq)
+            } else {
+                sent = SentRun(epoch: message.epoch, seq: message.seq, runStart: message.seq)
+            }
             return true
         }
 
@@ -100,8 +106,16 @@ extension Session {
         }
     }
 
+    /// What was sent of a conversation on a session: its last seq, and where the unbroken run of
+    /// seqs ending there began.
+    struct SentRun: Equatable {
+        var epoch: String
+        var seq: Int64
+        var runStart: Int64
+    }
+
     /// What was last sent of `conversation` on this session.
-    func sentPosition(_ conversation: String) -> (epoch: String, seq: Int64)? {
+    func sentPosition(_ conversation: String) -> SentRun? {
         messageState.withLockedValue { $0.conversations[conversation]?.sent }
     }
 
