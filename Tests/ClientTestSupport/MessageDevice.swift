@@ -25,6 +25,8 @@ public final class MessageDevice: Sendable {
         var acknowledged: [String: (conversation: String, seq: Int64, duplicate: Bool)] = [:]
         var session: (task: Task<Void, Never>, outgoing: AsyncStream<OutgoingFrame>.Continuation, number: Int)?
         var sessions = 0
+        /// The port of the node the last session was opened on.
+        var port: Int?
         var synced: [SyncedPayload] = []
         var errors: [String] = []
         var repeats: [String] = []
@@ -37,6 +39,8 @@ public final class MessageDevice: Sendable {
     }
 
     public var isConnected: Bool { state.withLockedValue { $0.session != nil } }
+    /// The number of the open session and the port of its node, for a report.
+    public var whereabouts: String { state.withLockedValue { "session \($0.sessions) on port \($0.port.map(String.init) ?? "-"), \($0.session == nil ? "closed" : "open")" } }
     public func received(_ conversation: String) -> [MessagePayload] { state.withLockedValue { $0.received[conversation] ?? [] } }
     public var acknowledged: [String: (conversation: String, seq: Int64, duplicate: Bool)] { state.withLockedValue { $0.acknowledged } }
     public var unacknowledged: Int { state.withLockedValue { $0.outbox.count } }
@@ -53,6 +57,7 @@ public final class MessageDevice: Sendable {
         let (outgoing, continuation) = AsyncStream.makeStream(of: OutgoingFrame.self)
         let number = state.withLockedValue { state -> Int in
             state.sessions += 1
+            state.port = port
             return state.sessions
         }
         let task = Task {

@@ -95,6 +95,16 @@ struct MessageChaosTests {
                 return problems.isEmpty
             }
             #expect(settled, "checkpoint \(checkpoints): \(problems.prefix(10))")
+            if !settled {
+                // What the devices behind and the nodes saw, for the report.
+                for device in devices where problems.contains(where: { $0.hasPrefix("\(device.user)/\(device.device)") }) {
+                    print("message chaos: \(device.user)/\(device.device), \(device.whereabouts); errors \(device.errors.suffix(5))")
+                }
+                for (index, node) in nodes.enumerated() {
+                    guard let node else { continue }
+                    print("message chaos: node\(index) (port \(node.port)), its last warnings:\n" + node.output.split(separator: "\n").suffix(30).joined(separator: "\n"))
+                }
+            }
             for conversation in Self.conversations.keys.sorted() {
                 let entries = try history(conversation)
                 #expect(entries.map(\.seq) == Array(0..<entries.count).map { $0 + 1 }, "\(conversation): the stream's seqs have a gap")
