@@ -79,6 +79,9 @@ final class RedisChannelHandler: ChannelDuplexHandler {
     private let onPush: (@Sendable (RedisPush) -> Void)?
     private var pending = CircularBuffer<Pending>(initialCapacity: 64)
     private var closed = false
+    /// What closed the connection, when it failed rather than ended: a command written after it
+    /// fails with this reason (a TLS handshake refused before the first command was written).
+    private var closedBy: RedisError?
     /// The earliest look at the deadlines that is scheduled, if any. A look is never cancelled
     /// (NIO cancels a scheduled task by a search of its loop's whole timer heap, which holds every
     /// session's timers too), so later ones may be scheduled as well; each does what is due when
@@ -114,7 +117,7 @@ final class RedisChannelHandler: ChannelDuplexHandler {
     func write(context: ChannelHandlerContext, data: NIOAny, promise: EventLoopPromise<Void>?) {
         let request = unwrapOutboundIn(data)
         guard !closed else {
-            request.promise.fail(RedisError(.connectionClosed, "the connection to Redis is closed"))
+            request.promise.fail(closedBy ?? RedisError(.connectionClosed, "the connection to Redis is closed"))
             promise?.fail(ChannelError.ioOnClosedChannel)
             return
         }
@@ -253,6 +256,7 @@ final class RedisChannelHandler: ChannelDuplexHandler {
     /// written after its session's close, say), so nothing unsent may outlive the connection.
     private func fail(context: ChannelHandlerContext, _ error: RedisError, abort: Bool = false) {
         closed = true
+        closedBy = closedBy ?? error
         failAll(error)
         if abort, let socket = context.channel as? any SocketOptionProvider {
             // On the event loop, the option is set at once, before the close below.

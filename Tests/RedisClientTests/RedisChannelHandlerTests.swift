@@ -53,6 +53,20 @@ struct RedisChannelHandlerTests {
         #expect(throws: RedisError.self) { try second.outcome(on: channel) }
     }
 
+    @Test("a command written after the connection failed fails with that failure's reason (a TLS handshake refused before the first command)")
+    func writtenAfterFailure() throws {
+        let channel = try makeChannel()
+        struct HandshakeRefused: Error, CustomStringConvertible { var description: String { "CERTIFICATE_VERIFY_FAILED" } }
+        channel.pipeline.fireErrorCaught(HandshakeRefused())
+        var buffer = ByteBuffer()
+        RESPEncoder.encode(["PING"], into: &buffer)
+        let promise = channel.eventLoop.makePromise(of: RESPValue.self)
+        _ = try? channel.writeOutbound(RedisRequest(encoded: buffer, expectedReplies: 1, promise: promise))
+        #expect { try promise.futureResult.outcome(on: channel) } throws: { error in
+            "\(error)".contains("CERTIFICATE_VERIFY_FAILED")
+        }
+    }
+
     @Test("a malformed reply fails pending requests and closes")
     func malformed() throws {
         let channel = try makeChannel()
