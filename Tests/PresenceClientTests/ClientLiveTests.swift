@@ -181,6 +181,52 @@ struct ClientLiveTests {
         }
     }
 
+    @Test("two nodes on rediss+cluster:// (a cluster that speaks TLS, client certificate): presence, typing and messages cross between them, every connection on a TLS port")
+    func overTLSCluster() async throws {
+        let cluster = try await LocalTLSCluster(clientCertificates: true)
+        let environment = nodeEnvironment(prefix: TestRedis.uniquePrefix("sdk-tls-cluster"), redisURL: cluster.url(seeds: [0, 1]), extra: ["PRESENCE_VISIBILITY": "open"])
+        let first = try await GatewayProcess(nodeID: "tls-a", environment: environment)
+        let second = try await GatewayProcess(nodeID: "tls-b", environment: environment)
+        #expect(admin(first, "PUT", "/api/admin/conversations/room", #"{"member_ids":["alice","bob"]}"#)?.status == 200)
+        let alice = try await LiveClient("alice", device: "phone", nodes: [first]) { $0.typingIdleTimeout = 0.5 }
+        let bob = try await LiveClient("bob", device: "laptop", nodes: [second])
+        try await alice.client.join(conversation: "room")
+        try await bob.client.join(conversation: "room")
+        try await bob.client.watch(["alice"])
+        #expect(await alice.connected())
+        #expect(await bob.sees("alice", .online, within: .seconds(10)))
+        await alice.client.setStatus(.away)
+        #expect(await bob.sees("alice", .away, within: .seconds(5)), "a change on one node reaches a watcher on the other: \(bob.statuses(of: "alice"))")
+        try await alice.client.userTyped(in: "room")
+        #expect(await bob.waitUntil(.seconds(5)) { await $0.typingUsers(in: "room") == ["alice"] }, "typing crosses the nodes")
+        for text in ["one", "two", "three"] { try await alice.client.send(text, to: "room") }
+        #expect(await bob.waitUntil(.seconds(5)) { await $0.messages(in: "room").map(\.text) == ["one", "two", "three"] }, "messages cross the nodes in order")
+        #expect(await bob.client.messages(in: "room").compactMap(\.seq) == [1, 2, 3])
+        // Both nodes talked to the cluster (its keys are in it) and never through a plain port.
+        let keys = try cluster.servers.reduce(0) { $0 + (Int(try $1.cli("DBSIZE").trimmingCharacters(in: .whitespacesAndNewlines)) ?? 0) }
+        #expect(keys > 0)
+        let tls = try cluster.clients(onTLSPort: true)
+        #expect(tls.count >= 6, "each node has command and subscriber connections to the primaries: \(tls.count)")
+        // presencectl takes the same URL.
+        var root = URL(fileURLWithPath: #filePath)
+        for _ in 0..<3 { root.deleteLastPathComponent() }
+        let read = try runProcess(root.appendingPathComponent(".build/debug/presencectl").path,
+                                  ["user", "alice", "--redis-url", cluster.url(), "--key-prefix", environment["PRESENCE_KEY_PREFIX"]!, "--json"])
+        #expect(read.status == 0 && read.output.contains("away"), "presencectl reads alice over TLS: \(read.output.suffix(600))")
+        let plain = try cluster.clients(onTLSPort: false)
+        #expect(plain.isEmpty, "no connection on a plain port: \(plain)")
+    }
+
+    @Test("a node given rediss+cluster:// with the wrong CA is not ready, and its log says the certificate was refused")
+    func tlsClusterWrongCA() async throws {
+        let cluster = try await LocalTLSCluster(clientCertificates: false)
+        let environment = nodeEnvironment(prefix: TestRedis.uniquePrefix("sdk-tls-ca"), redisURL: cluster.url(ca: cluster.certificates.otherCAFile, clientCertificate: false))
+        let node = try await GatewayProcess(nodeID: "tls-wrong-ca", environment: environment)
+        let said = await eventually(timeout: .seconds(10), poll: .milliseconds(100)) { node.output.contains("CERTIFICATE_VERIFY_FAILED") }
+        #expect(said, "the log names the refused certificate: \(node.output.suffix(1500))")
+        #expect(GatewayProcess.httpStatus(port: node.port, path: "/readyz") == 503)
+    }
+
     @Test("app lifecycle: background is away, typing starts and stops, appearing offline hides typing, network loss does not flicker, sign-out is offline at once")
     func lifecycle() async throws {
         let prefix = TestRedis.uniquePrefix("sdk-life")

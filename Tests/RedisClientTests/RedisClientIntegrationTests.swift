@@ -317,6 +317,10 @@ struct RedisTLSTests {
             } catch let error as RedisError {
                 #expect(error.code == .unavailable, "\(name): \(error)")
                 #expect(error.description.contains("TLS"), "\(name): \(error)")
+                if name == "another CA" {
+                    // The handshake's own reason, not only that the connection closed.
+                    #expect(error.description.contains("CERTIFICATE_VERIFY_FAILED"), "\(name): \(error)")
+                }
             }
         }
         let missing = try RedisConfiguration(url: "rediss://127.0.0.1:\(tlsPort)/0?ca=/nonexistent/ca.pem")
@@ -325,6 +329,91 @@ struct RedisTLSTests {
             Issue.record("a missing CA file must not connect")
         } catch let error as RedisError {
             #expect(error.code == .unavailable && error.description.contains("TLS"), "\(error)")
+        }
+    }
+}
+
+@Suite("rediss+cluster:// against a Redis Cluster that speaks TLS")
+struct RedisClusterTLSTests {
+    let logger = TestRedis.logger()
+
+    @Test("from one seed over TLS: every primary reached at its TLS port (none at a plain one), redirections followed, a script run, sharded pub/sub heard from every shard")
+    func cluster() async throws {
+        let cluster = try await LocalTLSCluster(clientCertificates: true)
+        var configuration = try patient(cluster.url())
+        configuration.clientName = "tls-cluster-test"
+        let channels = try await RedisClusterClient.withClient(seeds: [("127.0.0.1", cluster.tlsPorts[0])], configuration: configuration, logger: logger) { router in
+            // One key per primary: most of them are not the seed's, so reaching them means
+            // following the slot map (or a MOVED) to a TLS port.
+            var keys: [String: String] = [:]
+            var channels: [String: String] = [:]
+            for index in 0..<10_000 where keys.count < 3 || channels.count < 3 {
+                guard let node = router.primary(for: HashSlot(of: "k\(index)")) else { continue }
+                if keys["\(node)"] == nil { keys["\(node)"] = "k\(index)" } else if channels["\(node)"] == nil { channels["\(node)"] = "k\(index)" }
+            }
+            #expect(Set(keys.keys) == Set(cluster.tlsPorts.map { "127.0.0.1:\($0)" }), "the slot map names the TLS ports: \(keys.keys.sorted())")
+            for key in keys.values {
+                try await router.send("SET", RedisArgument(key), "over TLS")
+                #expect(try await router.send("GET", RedisArgument(key)).string == "over TLS")
+                #expect(try await router.evaluate(RedisScript("return redis.call('STRLEN', KEYS[1])"), keys: [key]).int == 8)
+            }
+            // Each node holds the keys of its slots: every write reached the node that owns it.
+            for server in cluster.servers { #expect(try server.cli("DBSIZE").trimmingCharacters(in: .whitespacesAndNewlines) == "1", "node \(server.port) holds its key") }
+            return Array(channels.values)
+        }
+        #expect(channels.count == 3)
+        let plain = try cluster.clients(onTLSPort: false)
+        #expect(plain.isEmpty, "no client connection came in on a plain port: \(plain)")
+
+        try await RedisClusterClient.withClient(seeds: [("127.0.0.1", cluster.tlsPorts[1])], configuration: configuration, logger: logger) { router in
+            try await RedisClusterSubscriber.withSubscriber(router: router, logger: logger) { subscriber in
+                try await subscriber.subscribe(channels)
+                var heard: [String] = []
+                let listener = Task {
+                    var heard: [String] = []
+                    for await event in subscriber.events {
+                        if case .message(let channel, let payload) = event, String(decoding: payload, as: UTF8.self) == "hello \(channel)" { heard.append(channel) }
+                        if heard.count == channels.count { break }
+                    }
+                    return heard
+                }
+                for channel in channels { _ = try await router.send("SPUBLISH", RedisArgument(channel), RedisArgument("hello \(channel)")) }
+                let timeout = Task {
+                    try await Task.sleep(for: .seconds(10))
+                    listener.cancel()
+                }
+                heard = await listener.value
+                timeout.cancel()
+                #expect(Set(heard) == Set(channels), "a message on each shard's channel is heard: \(heard)")
+                // A shard subscription on each primary, through its TLS port.
+                let subscribed = try cluster.clients(onTLSPort: true).filter { line in
+                    line.split(separator: " ").contains { $0.hasPrefix("ssub=") && $0 != "ssub=0" }
+                }
+                #expect(Set(subscribed.compactMap { $0.split(separator: " ").first { $0.hasPrefix("laddr=") } }).count == 3, "\(subscribed)")
+            }
+        }
+        let plainAfter = try cluster.clients(onTLSPort: false)
+        #expect(plainAfter.isEmpty, "no client connection came in on a plain port: \(plainAfter)")
+    }
+
+    @Test("another CA, or no client certificate where the cluster asks for one: refused with the reason, no slot map taken")
+    func refusals() async throws {
+        let cluster = try await LocalTLSCluster(clientCertificates: true)
+        for (name, url) in [("another CA", cluster.url(ca: cluster.certificates.otherCAFile)), ("no client certificate", cluster.url(clientCertificate: false))] {
+            var configuration = try RedisConfiguration(url: url)
+            configuration.connectTimeout = .seconds(2)
+            configuration.commandTimeout = .seconds(2)
+            do {
+                try await RedisClusterClient.withClient(seeds: [("127.0.0.1", cluster.tlsPorts[0])], configuration: configuration, logger: logger) { router in
+                    _ = try await router.send("GET", "k")
+                }
+                Issue.record("\(name): must not connect")
+            } catch let error as RedisError {
+                #expect(error.description.contains("TLS"), "\(name): \(error)")
+                if name == "another CA" {
+                    #expect(error.description.contains("CERTIFICATE_VERIFY_FAILED"), "\(name): \(error)")
+                }
+            }
         }
     }
 }

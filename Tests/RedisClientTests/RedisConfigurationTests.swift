@@ -53,6 +53,18 @@ struct RedisConfigurationTests {
         #expect(configuration.username == "user" && configuration.password == "pw")
         #expect(configuration.redactedURL == "redis+cluster://user:***@a.internal:7000,b.internal:6379")
         #expect(try RedisConfiguration(url: "redis+cluster://127.0.0.1:7000/0").database == 0)
+        #expect(configuration.tls == nil)
+    }
+
+    @Test("rediss+cluster:// reaches the cluster over TLS, with the query of rediss://")
+    func clusterOverTLS() throws {
+        let files = try RedisConfiguration(url: "rediss+cluster://:pw@a.internal:7000,b.internal/0?ca=/etc/redis/ca.pem&cert=/c.pem&key=/k.pem")
+        #expect(files.topology == .cluster(seeds: [.init(host: "a.internal", port: 7000), .init(host: "b.internal", port: 6379)]))
+        #expect(files.tls == RedisConfiguration.TLS(caFile: "/etc/redis/ca.pem", certificateFile: "/c.pem", keyFile: "/k.pem"))
+        #expect(files.password == "pw" && files.pubSub == .sharded)
+        #expect(files.redactedURL == "rediss+cluster://:***@a.internal:7000,b.internal:6379")
+        let systemRoots = try RedisConfiguration(url: "rediss+cluster://clustercfg.example.com:6379")
+        #expect(systemRoots.tls == RedisConfiguration.TLS() && systemRoots.host == "clustercfg.example.com")
     }
 
     @Test("bad Sentinel and Cluster URLs are refused with a reason", arguments: [
@@ -63,7 +75,12 @@ struct RedisConfigurationTests {
         ("redis+sentinel://127.0.0.1:0/m", "between 1 and 65535"),
         ("redis+sentinel://127.0.0.1,,127.0.0.2/m", "no host"),
         ("redis+cluster://127.0.0.1:7000/1", "database 0 only"),
-        ("redis+cluster://127.0.0.1:7000?ca=/ca.pem", "no URL parameters"),
+        ("redis+cluster://127.0.0.1:7000?ca=/ca.pem", "use rediss+cluster:// to connect over TLS"),
+        ("redis+sentinel://127.0.0.1:26379/m?ca=/ca.pem", "TLS to Sentinels is not supported"),
+        ("rediss+sentinel://127.0.0.1:26379/m", "TLS to Sentinels is not supported"),
+        ("rediss+cluster://127.0.0.1:7000?cert=/c.pem", "needs both cert and key"),
+        ("rediss+cluster://127.0.0.1:7000?verify=none", "unknown URL parameter 'verify'"),
+        ("rediss+cluster://127.0.0.1:7000/2", "database 0 only"),
         ("redis+cluster://", "no host"),
         ("redis+tcp://127.0.0.1", "unsupported scheme"),
     ])
