@@ -1,3 +1,4 @@
+import NIOConcurrencyHelpers
 import NIOCore
 #if canImport(Glibc)
 import Glibc
@@ -80,8 +81,9 @@ final class RedisChannelHandler: ChannelDuplexHandler {
     private var pending = CircularBuffer<Pending>(initialCapacity: 64)
     private var closed = false
     /// What closed the connection, when it failed rather than ended: a command written after it
-    /// fails with this reason (a TLS handshake refused before the first command was written).
-    private var closedBy: RedisError?
+    /// fails with this reason (a TLS handshake refused before the first command was written),
+    /// here or, once the channel is gone, in ``RedisConnection``, which shares the box.
+    let closedBy: NIOLockedValueBox<RedisError?>
     /// The earliest look at the deadlines that is scheduled, if any. A look is never cancelled
     /// (NIO cancels a scheduled task by a search of its loop's whole timer heap, which holds every
     /// session's timers too), so later ones may be scheduled as well; each does what is due when
@@ -92,7 +94,11 @@ final class RedisChannelHandler: ChannelDuplexHandler {
     /// When a reply last arrived, or the connection opened.
     private var lastHeard = NIODeadline.now()
 
-    init(maxReplyBytes: Int, stallTimeout: Duration, heartbeat: Duration? = nil, onPush: (@Sendable (RedisPush) -> Void)?) {
+    init(
+        maxReplyBytes: Int, stallTimeout: Duration, heartbeat: Duration? = nil, closedBy: NIOLockedValueBox<RedisError?> = NIOLockedValueBox(nil),
+        onPush: (@Sendable (RedisPush) -> Void)?
+    ) {
+        self.closedBy = closedBy
         self.parser = RESPParser(maxPendingBytes: maxReplyBytes)
         self.stallTimeout = TimeAmount(stallTimeout)
         self.heartbeat = heartbeat.map(TimeAmount.init)
@@ -117,7 +123,7 @@ final class RedisChannelHandler: ChannelDuplexHandler {
     func write(context: ChannelHandlerContext, data: NIOAny, promise: EventLoopPromise<Void>?) {
         let request = unwrapOutboundIn(data)
         guard !closed else {
-            request.promise.fail(closedBy ?? RedisError(.connectionClosed, "the connection to Redis is closed"))
+            request.promise.fail(closedBy.withLockedValue { $0 } ?? RedisError(.connectionClosed, "the connection to Redis is closed"))
             promise?.fail(ChannelError.ioOnClosedChannel)
             return
         }
@@ -256,7 +262,7 @@ final class RedisChannelHandler: ChannelDuplexHandler {
     /// written after its session's close, say), so nothing unsent may outlive the connection.
     private func fail(context: ChannelHandlerContext, _ error: RedisError, abort: Bool = false) {
         closed = true
-        closedBy = closedBy ?? error
+        closedBy.withLockedValue { if $0 == nil { $0 = error } }
         failAll(error)
         if abort, let socket = context.channel as? any SocketOptionProvider {
             // On the event loop, the option is set at once, before the close below.

@@ -16,13 +16,16 @@ public final class RedisConnection: Sendable {
     private let outbox = NIOLockedValueBox(Outbox())
     /// A `READONLY` reply came: the server is a replica now, and the connection is closing.
     private let demoted = NIOLockedValueBox(false)
+    /// Why the connection failed, once it has (set by its channel handler).
+    private let closedBy: NIOLockedValueBox<RedisError?>
 
     private struct Outbox {
         var requests: [RedisRequest] = []
         var scheduled = false
     }
 
-    private init(channel: any Channel, configuration: RedisConfiguration, logger: Logger) {
+    private init(channel: any Channel, configuration: RedisConfiguration, logger: Logger, closedBy: NIOLockedValueBox<RedisError?>) {
+        self.closedBy = closedBy
         self.channel = channel
         self.configuration = configuration
         self.logger = logger
@@ -43,6 +46,7 @@ public final class RedisConnection: Sendable {
         } catch {
             throw RedisError(.unavailable, "cannot set up TLS for Redis: \(error)", underlying: error)
         }
+        let closedBy = NIOLockedValueBox<RedisError?>(nil)
         let channel: any Channel
         do {
             channel = try await ClientBootstrap(group: eventLoopGroup)
@@ -62,6 +66,7 @@ public final class RedisConnection: Sendable {
                             maxReplyBytes: configuration.maxReplyBytes,
                             stallTimeout: configuration.stallTimeout,
                             heartbeat: onPush == nil ? configuration.heartbeatInterval : nil,
+                            closedBy: closedBy,
                             onPush: onPush
                         )
                         try channel.pipeline.syncOperations.addHandler(handler)
@@ -72,7 +77,7 @@ public final class RedisConnection: Sendable {
         } catch {
             throw RedisError(.unavailable, "cannot connect to Redis at \(configuration.host):\(configuration.port)", underlying: error)
         }
-        let connection = RedisConnection(channel: channel, configuration: configuration, logger: logger)
+        let connection = RedisConnection(channel: channel, configuration: configuration, logger: logger, closedBy: closedBy)
         do {
             try await connection.handshake()
         } catch {
@@ -253,7 +258,8 @@ public final class RedisConnection: Sendable {
             return batch
         }
         guard channel.isActive else {
-            for request in batch { request.promise.fail(RedisError(.connectionClosed, "the connection to Redis is closed")) }
+            let error = closedBy.withLockedValue { $0 } ?? RedisError(.connectionClosed, "the connection to Redis is closed")
+            for request in batch { request.promise.fail(error) }
             return
         }
         for request in batch { channel.write(request, promise: nil) }
