@@ -92,7 +92,7 @@ extension GatewaySetting {
         .text("PRESENCE_HOST", \.host, help: "Listen address."),
         .integer("PRESENCE_PORT", 0...65535, \.port, help: "Listen port (0 picks a free one)."),
         .text("PRESENCE_REDIS_URL", \.redisURL,
-              help: "redis://[user:password@]host:port/db, rediss:// for TLS, redis+sentinel://host:port[,...]/primary-name[/db], redis+cluster://host:port[,...] or rediss+cluster:// for a cluster over TLS."),
+              help: "redis://[user:password@]host:port/db, rediss:// for TLS, redis+sentinel://host:port[,...]/primary-name[/db] or redis+cluster://host:port[,...]; rediss+sentinel:// and rediss+cluster:// over TLS."),
         .optional("PRESENCE_REDIS_PUBSUB", \.redisPubSub,
                   help: "classic or sharded pub/sub on one server or through Sentinel; a cluster takes sharded only.",
                   defaultText: "classic (a cluster: sharded)"),

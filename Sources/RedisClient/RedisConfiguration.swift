@@ -1,6 +1,7 @@
 /// Where and how to reach Redis, parsed from a `redis://[user:password@]host:port/db` URL, a
 /// `rediss://` one for TLS, a `redis+sentinel://` one (the primary a set of Sentinels names) or a
-/// `redis+cluster://` one (a Redis Cluster's seed nodes; `rediss+cluster://` over TLS).
+/// `redis+cluster://` one (a Redis Cluster's seed nodes); `rediss+sentinel://` and
+/// `rediss+cluster://` reach them over TLS.
 public struct RedisConfiguration: Sendable, Equatable {
     /// A host and port.
     public struct Address: Sendable, Hashable, CustomStringConvertible {
@@ -26,8 +27,9 @@ public struct RedisConfiguration: Sendable, Equatable {
     }
 
 
-    /// TLS settings of a `rediss://` or `rediss+cluster://` connection. Files are PEM and read
-    /// at each connect, so a rotated certificate is picked up by the next reconnect.
+    /// TLS settings of a `rediss://`, `rediss+sentinel://` or `rediss+cluster://` connection.
+    /// Files are PEM and read at each connect, so a rotated certificate is picked up by the next
+    /// reconnect.
     public struct TLS: Sendable, Equatable {
         /// Certificates that may sign the server's; the system's trust store when nil.
         public var caFile: String?
@@ -85,9 +87,10 @@ public struct RedisConfiguration: Sendable, Equatable {
     /// `commandTimeout` (no answer, no message) is taken for dead (a half-open TCP connection, a
     /// hung server) and made again.
     public var subscriberPingInterval: Duration = .seconds(2)
-    /// TLS for the connection (`rediss://`, `rediss+cluster://`); plain TCP when nil. The
-    /// server's certificate is always verified, against the host name or IP address connected
-    /// to: the URL's, or on a cluster the one the slot map or a redirection names.
+    /// TLS for the connection (`rediss://`, `rediss+sentinel://`, `rediss+cluster://`); plain
+    /// TCP when nil. The server's certificate is always verified, against the host name or IP
+    /// address connected to: the URL's, the one the Sentinels name, or on a cluster the one the
+    /// slot map or a redirection names.
     public var tls: TLS?
     /// Standalone, Sentinel or Cluster. For the latter two `host` and `port` are the first
     /// Sentinel or seed of the URL, and a connection's own configuration holds the node it reached.
@@ -138,8 +141,9 @@ public struct RedisConfiguration: Sendable, Equatable {
     /// `redis+sentinel://[user:password@]host[:port][,host[:port]...]/primary-name[/db]` asks the
     /// Sentinels (port 26379 unless given) for the primary; the credentials are the primary's,
     /// Sentinels are asked without them. `redis+cluster://[user:password@]host[:port][,...]`
-    /// names a Redis Cluster's seed nodes (database 0 only); `rediss+cluster://` reaches every
-    /// node of the cluster over TLS and takes the query of `rediss://`. User and password may be
+    /// names a Redis Cluster's seed nodes (database 0 only). `rediss+sentinel://` and
+    /// `rediss+cluster://` reach every node (Sentinels and primaries, or the cluster's nodes) over
+    /// TLS, with the settings of the query of `rediss://`. User and password may be
     /// percent-encoded. Throws ``RedisError/Code/invalidURL`` with the reason, never echoing
     /// the password.
     public init(url: String) throws(RedisError) {
@@ -149,18 +153,14 @@ public struct RedisConfiguration: Sendable, Equatable {
             throw RedisError(.invalidURL, "a Redis URL starts with redis:// or rediss://, as in redis://127.0.0.1:6379/0")
         }
         let scheme = parts[0].lowercased()
-        guard ["redis", "rediss", "redis+sentinel", "redis+cluster", "rediss+cluster"].contains(scheme) else {
-            let hint = scheme == "rediss+sentinel" ? " (TLS to Sentinels is not supported)" : ""
-            throw RedisError(.invalidURL, "unsupported scheme '\(scheme)'\(hint); use redis://, rediss:// (TLS), redis+sentinel://, redis+cluster:// or rediss+cluster:// (TLS)")
+        guard ["redis", "rediss", "redis+sentinel", "rediss+sentinel", "redis+cluster", "rediss+cluster"].contains(scheme) else {
+            throw RedisError(.invalidURL, "unsupported scheme '\(scheme)'; use redis://, redis+sentinel:// or redis+cluster://, each with rediss for TLS (rediss://, rediss+sentinel://, rediss+cluster://)")
         }
         var rest = parts[1]
         var query: Substring = ""
         if let mark = rest.firstIndex(of: "?") {
             query = rest[rest.index(after: mark)...]
             rest = rest[..<mark]
-        }
-        if scheme == "redis+sentinel", !query.isEmpty {
-            throw RedisError(.invalidURL, "redis+sentinel:// takes no URL parameters (TLS to Sentinels is not supported)")
         }
         tls = try Self.tls(scheme: scheme, query: query)
         if let at = rest.lastIndex(of: "@") {
@@ -176,7 +176,7 @@ public struct RedisConfiguration: Sendable, Equatable {
             }
         }
         if scheme.hasSuffix("+sentinel") || scheme.hasSuffix("+cluster") {
-            try parseNodeList(rest, sentinel: scheme == "redis+sentinel")
+            try parseNodeList(rest, sentinel: scheme.hasSuffix("+sentinel"))
             return
         }
         var hostPort = rest
@@ -256,13 +256,12 @@ public struct RedisConfiguration: Sendable, Equatable {
             case "ca": tls.caFile = value
             case "cert": tls.certificateFile = value
             case "key": tls.keyFile = value
-            default: throw RedisError(.invalidURL, "unknown URL parameter '\(name)'; known: ca, cert, key (rediss:// and rediss+cluster:// only)")
+            default: throw RedisError(.invalidURL, "unknown URL parameter '\(name)'; known: ca, cert, key (with rediss only)")
             }
         }
         guard scheme.hasPrefix("rediss") else {
             guard tls == TLS() else {
-                let secure = scheme == "redis+cluster" ? "rediss+cluster://" : "rediss://"
-                throw RedisError(.invalidURL, "ca, cert and key are TLS settings; use \(secure) to connect over TLS")
+                throw RedisError(.invalidURL, "ca, cert and key are TLS settings; use \("rediss" + scheme.dropFirst("redis".count)):// to connect over TLS")
             }
             return nil
         }
@@ -303,7 +302,7 @@ public struct RedisConfiguration: Sendable, Equatable {
         case .standalone:
             return "\(tls == nil ? "redis" : "rediss")://\(credentials)\(Address(host: host, port: port))/\(database)"
         case .sentinel(let sentinels, let name):
-            return "redis+sentinel://\(credentials)\(sentinels.map(\.description).joined(separator: ","))/\(name)/\(database)"
+            return "\(tls == nil ? "redis" : "rediss")+sentinel://\(credentials)\(sentinels.map(\.description).joined(separator: ","))/\(name)/\(database)"
         case .cluster(let seeds):
             return "\(tls == nil ? "redis" : "rediss")+cluster://\(credentials)\(seeds.map(\.description).joined(separator: ","))"
         }

@@ -186,14 +186,13 @@ enum RedisSentinel {
         return RedisConfiguration.Address(host: parts[0], port: port)
     }
 
-    /// How a Sentinel is reached: the URL's timeouts and client name, without the primary's
-    /// credentials and database.
+    /// How a Sentinel is reached: the URL's timeouts, client name and TLS settings, without the
+    /// primary's credentials and database.
     private static func sentinelConfiguration(_ configuration: RedisConfiguration, at sentinel: RedisConfiguration.Address) -> RedisConfiguration {
         var sentinelConfiguration = configuration.standalone(at: sentinel)
         sentinelConfiguration.username = nil
         sentinelConfiguration.password = nil
         sentinelConfiguration.database = 0
-        sentinelConfiguration.tls = nil
         return sentinelConfiguration
     }
 }

@@ -217,6 +217,27 @@ struct ClientLiveTests {
         #expect(plain.isEmpty, "no connection on a plain port: \(plain)")
     }
 
+    @Test("a node on rediss+sentinel:// (Sentinels and servers that speak TLS): sessions register and fan-out works, every connection of the node at a TLS port")
+    func overTLSSentinel() async throws {
+        let set = try await LocalSentinels(tls: TestCertificates())
+        let node = try await GatewayProcess(nodeID: "tls-sentinel", environment: nodeEnvironment(prefix: TestRedis.uniquePrefix("sdk-tls-sentinel"), redisURL: set.url(), extra: ["PRESENCE_VISIBILITY": "open"]))
+        let alice = try await LiveClient("alice", device: "phone", nodes: [node])
+        let bob = try await LiveClient("bob", device: "laptop", nodes: [node])
+        try await bob.client.watch(["alice"])
+        #expect(await alice.connected())
+        #expect(await bob.sees("alice", .online, within: .seconds(10)))
+        await alice.client.setStatus(.away)
+        #expect(await bob.sees("alice", .away, within: .seconds(5)), "a change published over TLS reaches the watcher: \(bob.statuses(of: "alice"))")
+        // Nothing but the test's redis-cli at a plain port of a server or a Sentinel.
+        var plain: [String] = []
+        for process in set.servers + set.sentinels {
+            plain += try process.cli("CLIENT", "LIST").split(whereSeparator: \.isNewline).map(String.init).filter {
+                $0.contains(" laddr=127.0.0.1:\(process.port) ") && !$0.contains(" cmd=client|list ")
+            }
+        }
+        #expect(plain.isEmpty, "\(plain)")
+    }
+
     @Test("a node given rediss+cluster:// with the wrong CA is not ready, and its log says the certificate was refused")
     func tlsClusterWrongCA() async throws {
         let cluster = try await LocalTLSCluster(clientCertificates: false)

@@ -333,6 +333,51 @@ struct RedisTLSTests {
     }
 }
 
+@Suite("rediss+sentinel:// against Sentinels and servers that speak TLS")
+struct RedisSentinelTLSTests {
+    let logger = TestRedis.logger()
+
+    @Test("the Sentinels asked over TLS name the primary's TLS port; after SENTINEL FAILOVER writes reach the new primary, over TLS; no connection at a plain port")
+    func sentinel() async throws {
+        let certificates = try TestCertificates()
+        let set = try await LocalSentinels(tls: certificates)
+        var configuration = try patient(set.url())
+        configuration.clientName = "tls-sentinel-test"
+        /// This client's connections at TLS ports, and every connection at a plain one (of this
+        /// client, or of the servers and Sentinels among themselves) but the test's redis-cli.
+        func connections() throws -> (tls: Int, plain: Int) {
+            var counts = (tls: 0, plain: 0)
+            for process in set.servers + set.sentinels where process.pid != nil {
+                for line in try process.cli("CLIENT", "LIST").split(whereSeparator: \.isNewline) where !line.contains(" cmd=client|list ") {
+                    if line.contains(" laddr=127.0.0.1:\(set.announced(process.port)) "), line.contains(" name=tls-sentinel-test ") { counts.tls += 1 }
+                    if line.contains(" laddr=127.0.0.1:\(process.port) ") { counts.plain += 1 }
+                }
+            }
+            return counts
+        }
+        let before = try #require(try set.primaryPort())
+        try await RedisClient.withClient(configuration: configuration, logger: logger) { client in
+            try await client.send("SET", "tls-sentinel", "before")
+            #expect(try set.server(port: before)?.cli("GET", "tls-sentinel").trimmingCharacters(in: .whitespacesAndNewlines) == "before")
+            let first = try connections()
+            #expect(first.plain == 0 && first.tls >= 1, "this client at TLS ports only: \(first)")
+
+            _ = try set.sentinelCLI(0, "SENTINEL", "FAILOVER", set.name)
+            let moved = await eventually(timeout: .seconds(20), poll: .milliseconds(100)) { (try? set.primaryPort()).flatMap { $0 } != before }
+            #expect(moved, "the Sentinels fail over")
+            let after = try #require(try set.primaryPort())
+            // Writes fail while the client drops the demoted primary and asks the Sentinels again.
+            let written = await eventually(timeout: .seconds(20), poll: .milliseconds(100)) {
+                (try? await client.send("SET", "tls-sentinel", "after")) != nil
+                    && (try? set.server(port: after)?.cli("GET", "tls-sentinel").trimmingCharacters(in: .whitespacesAndNewlines)) == "after"
+            }
+            #expect(written, "a write after the failover reaches the new primary")
+            let counts = try connections()
+            #expect(counts.plain == 0 && counts.tls >= 2, "the client's connections (to the primary, and the Sentinel it listens on) are at TLS ports: \(counts)")
+        }
+    }
+}
+
 @Suite("rediss+cluster:// against a Redis Cluster that speaks TLS")
 struct RedisClusterTLSTests {
     let logger = TestRedis.logger()

@@ -56,6 +56,16 @@ struct RedisConfigurationTests {
         #expect(configuration.tls == nil)
     }
 
+    @Test("rediss+sentinel:// reaches the Sentinels and the primary over TLS, with the query of rediss://")
+    func sentinelOverTLS() throws {
+        let configuration = try RedisConfiguration(url: "rediss+sentinel://:pw@10.0.0.1,10.0.0.2:26380/mymaster/1?ca=/ca.pem&cert=/c.pem&key=/k.pem")
+        #expect(configuration.topology == .sentinel(sentinels: [.init(host: "10.0.0.1", port: 26379), .init(host: "10.0.0.2", port: 26380)], primaryName: "mymaster"))
+        #expect(configuration.tls == RedisConfiguration.TLS(caFile: "/ca.pem", certificateFile: "/c.pem", keyFile: "/k.pem"))
+        #expect(configuration.database == 1 && configuration.password == "pw")
+        #expect(configuration.redactedURL == "rediss+sentinel://:***@10.0.0.1:26379,10.0.0.2:26380/mymaster/1")
+        #expect(try RedisConfiguration(url: "redis+sentinel://10.0.0.1/mymaster").tls == nil)
+    }
+
     @Test("rediss+cluster:// reaches the cluster over TLS, with the query of rediss://")
     func clusterOverTLS() throws {
         let files = try RedisConfiguration(url: "rediss+cluster://:pw@a.internal:7000,b.internal/0?ca=/etc/redis/ca.pem&cert=/c.pem&key=/k.pem")
@@ -76,8 +86,9 @@ struct RedisConfigurationTests {
         ("redis+sentinel://127.0.0.1,,127.0.0.2/m", "no host"),
         ("redis+cluster://127.0.0.1:7000/1", "database 0 only"),
         ("redis+cluster://127.0.0.1:7000?ca=/ca.pem", "use rediss+cluster:// to connect over TLS"),
-        ("redis+sentinel://127.0.0.1:26379/m?ca=/ca.pem", "TLS to Sentinels is not supported"),
-        ("rediss+sentinel://127.0.0.1:26379/m", "TLS to Sentinels is not supported"),
+        ("redis+sentinel://127.0.0.1:26379/m?ca=/ca.pem", "use rediss+sentinel:// to connect over TLS"),
+        ("rediss+sentinel://127.0.0.1:26379?ca=/ca.pem", "names the primary"),
+        ("rediss+sentinel://127.0.0.1:26379/m?key=/k.pem", "needs both cert and key"),
         ("rediss+cluster://127.0.0.1:7000?cert=/c.pem", "needs both cert and key"),
         ("rediss+cluster://127.0.0.1:7000?verify=none", "unknown URL parameter 'verify'"),
         ("rediss+cluster://127.0.0.1:7000/2", "database 0 only"),
