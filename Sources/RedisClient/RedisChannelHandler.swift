@@ -83,7 +83,7 @@ final class RedisChannelHandler: ChannelDuplexHandler {
     /// What closed the connection, when it failed rather than ended: a command written after it
     /// fails with this reason (a TLS handshake refused before the first command was written),
     /// here or, once the channel is gone, in ``RedisConnection``, which shares the box.
-    let closedBy: NIOLockedValueBox<RedisError?>
+    private let closedBy: NIOLockedValueBox<RedisError?>
     /// The earliest look at the deadlines that is scheduled, if any. A look is never cancelled
     /// (NIO cancels a scheduled task by a search of its loop's whole timer heap, which holds every
     /// session's timers too), so later ones may be scheduled as well; each does what is due when

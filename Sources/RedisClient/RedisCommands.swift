@@ -105,9 +105,8 @@ extension RedisCommands {
     }
 }
 
-/// Makes the client a URL names: a ``RedisClusterClient`` for `redis+cluster://` (and
-/// `rediss+cluster://`), else a
-/// ``RedisClient``. It connects once `run()` starts.
+/// Makes the client a URL names: a ``RedisClusterClient`` for `redis+cluster://` and
+/// `rediss+cluster://`, else a ``RedisClient``. It connects once `run()` starts.
 public func makeRedisCommands(
     configuration: RedisConfiguration,
     eventLoopGroup: any EventLoopGroup = MultiThreadedEventLoopGroup.singleton,

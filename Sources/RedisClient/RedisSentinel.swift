@@ -61,7 +61,7 @@ enum RedisSentinel {
             }
             throw RedisError(.unavailable, "no Sentinel named a reachable primary '\(name)': \(reasons.joined(separator: "; "))")
         case .cluster:
-            throw RedisError(.invalidURL, "a redis+cluster:// or rediss+cluster:// URL is for RedisClusterClient and RedisClusterSubscriber; this client reaches one server (redis://, rediss://) or a Sentinel-named primary (redis+sentinel://)")
+            throw RedisError(.invalidURL, "a redis+cluster:// or rediss+cluster:// URL is for RedisClusterClient and RedisClusterSubscriber; this client reaches one server (redis://, rediss://) or a Sentinel-named primary (redis+sentinel://, rediss+sentinel://)")
         }
     }
 

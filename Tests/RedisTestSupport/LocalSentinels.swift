@@ -82,7 +82,8 @@ public final class LocalSentinels: @unchecked Sendable {
         try? FileManager.default.removeItem(at: directory)
     }
 
-    /// `redis+sentinel://` naming every Sentinel (or those given).
+    /// `redis+sentinel://` naming every Sentinel (or those given); with certificates
+    /// `rediss+sentinel://` at their TLS ports, trusting the test CA.
     public func url(sentinels indices: [Int]? = nil, credentials: String? = nil) -> String {
         let ports = (indices ?? Array(sentinels.indices)).map { "127.0.0.1:\(announced(sentinels[$0].port))" }
         let query = certificates.map { "?ca=\($0.caFile)" } ?? ""
