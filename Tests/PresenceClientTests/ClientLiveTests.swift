@@ -229,12 +229,7 @@ struct ClientLiveTests {
         await alice.client.setStatus(.away)
         #expect(await bob.sees("alice", .away, within: .seconds(5)), "a change published over TLS reaches the watcher: \(bob.statuses(of: "alice"))")
         // Nothing but the test's redis-cli at a plain port of a server or a Sentinel.
-        var plain: [String] = []
-        for process in set.servers + set.sentinels {
-            plain += try process.cli("CLIENT", "LIST").split(whereSeparator: \.isNewline).map(String.init).filter {
-                $0.contains(" laddr=127.0.0.1:\(process.port) ") && !$0.contains(" cmd=client|list ")
-            }
-        }
+        let plain = try set.clients(onTLSPort: false)
         #expect(plain.isEmpty, "\(plain)")
     }
 

@@ -346,14 +346,7 @@ struct RedisSentinelTLSTests {
         /// This client's connections at TLS ports, and every connection at a plain one (of this
         /// client, or of the servers and Sentinels among themselves) but the test's redis-cli.
         func connections() throws -> (tls: Int, plain: Int) {
-            var counts = (tls: 0, plain: 0)
-            for process in set.servers + set.sentinels where process.pid != nil {
-                for line in try process.cli("CLIENT", "LIST").split(whereSeparator: \.isNewline) where !line.contains(" cmd=client|list ") {
-                    if line.contains(" laddr=127.0.0.1:\(set.announced(process.port)) "), line.contains(" name=tls-sentinel-test ") { counts.tls += 1 }
-                    if line.contains(" laddr=127.0.0.1:\(process.port) ") { counts.plain += 1 }
-                }
-            }
-            return counts
+            (try set.clients(onTLSPort: true).count { $0.contains(" name=tls-sentinel-test ") }, try set.clients(onTLSPort: false).count)
         }
         let before = try #require(try set.primaryPort())
         try await RedisClient.withClient(configuration: configuration, logger: logger) { client in
@@ -373,9 +366,7 @@ struct RedisSentinelTLSTests {
             }
             #expect(written, "a write after the failover reaches the new primary")
             // The write went over the client's connection to the new primary, at its TLS port.
-            let atNewPrimary = try set.server(port: after)?.cli("CLIENT", "LIST").split(whereSeparator: \.isNewline).filter {
-                $0.contains(" laddr=127.0.0.1:\(set.announced(after)) ") && $0.contains(" name=tls-sentinel-test ")
-            } ?? []
+            let atNewPrimary = try set.clients(onTLSPort: true, of: [#require(set.server(port: after))]).filter { $0.contains(" name=tls-sentinel-test ") }
             #expect(!atNewPrimary.isEmpty, "the client's connection to the new primary is at its TLS port")
             let counts = try connections()
             #expect(counts.plain == 0, "nothing at a plain port after the failover: \(counts)")
@@ -418,7 +409,6 @@ struct RedisClusterTLSTests {
         try await RedisClusterClient.withClient(seeds: [("127.0.0.1", cluster.tlsPorts[1])], configuration: configuration, logger: logger) { router in
             try await RedisClusterSubscriber.withSubscriber(router: router, logger: logger) { subscriber in
                 try await subscriber.subscribe(channels)
-                var heard: [String] = []
                 let listener = Task {
                     var heard: [String] = []
                     for await event in subscriber.events {
@@ -432,7 +422,7 @@ struct RedisClusterTLSTests {
                     try await Task.sleep(for: .seconds(10))
                     listener.cancel()
                 }
-                heard = await listener.value
+                let heard = await listener.value
                 timeout.cancel()
                 #expect(Set(heard) == Set(channels), "a message on each shard's channel is heard: \(heard)")
                 // A shard subscription on each primary, through its TLS port.

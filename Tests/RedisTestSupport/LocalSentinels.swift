@@ -106,6 +106,18 @@ public final class LocalSentinels: @unchecked Sendable {
     /// The data server on `port`.
     public func server(port: Int) -> RedisServerProcess? { servers.first { $0.port == port } }
 
+    /// The `CLIENT LIST` lines of the live servers and Sentinels (or only `processes`) whose
+    /// connection came in on the process's TLS port, or on its plain one (this call's own
+    /// connection left out).
+    public func clients(onTLSPort tls: Bool, of processes: [RedisServerProcess]? = nil) throws -> [String] {
+        try (processes ?? servers + sentinels).filter { $0.pid != nil }.flatMap { process in
+            let port = tls ? announced(process.port) : process.port
+            return try process.cli("CLIENT", "LIST").split(whereSeparator: \.isNewline).map(String.init).filter { line in
+                line.contains(" laddr=127.0.0.1:\(port) ") && !line.contains(" cmd=client|list ")
+            }
+        }
+    }
+
     /// Runs `redis-cli` against Sentinel `index`.
     @discardableResult
     public func sentinelCLI(_ index: Int, _ arguments: String...) throws -> String {

@@ -1,4 +1,5 @@
 import Foundation
+import RedisClient
 
 /// A small Redis Cluster of its own that speaks TLS: three primaries (no replicas), each with a
 /// plain port for the test's `redis-cli` and a TLS port for the client under test, the cluster
@@ -34,11 +35,11 @@ public final class LocalTLSCluster: Sendable {
         self.servers = servers
         self.tlsPorts = tlsPorts
         let create = try runProcess("/usr/bin/env", ["redis-cli", "--cluster", "create"] + servers.map { "127.0.0.1:\($0.port)" } + ["--cluster-yes"])
-        guard create.status == 0 else { throw TLSClusterError(text: "redis-cli --cluster create failed: \(create.output.suffix(400))") }
+        guard create.status == 0 else { throw RedisError(.unavailable, "redis-cli --cluster create failed: \(create.output.suffix(400))") }
         let whole = await eventually(timeout: .seconds(20), poll: .milliseconds(100)) {
             servers.allSatisfy { ((try? $0.cli("CLUSTER", "INFO")) ?? "").contains("cluster_state:ok") }
         }
-        guard whole else { throw TLSClusterError(text: "the TLS cluster did not reach cluster_state:ok in 20 s") }
+        guard whole else { throw RedisError(.unavailable, "the TLS cluster did not reach cluster_state:ok in 20 s") }
     }
 
     /// `rediss+cluster://` naming `seeds` of the nodes (the first by default), with the CA and,
@@ -59,10 +60,5 @@ public final class LocalTLSCluster: Sendable {
                 line.contains(" laddr=127.0.0.1:\(port) ") && !line.contains(" cmd=client|list ")
             }
         }
-    }
-
-    struct TLSClusterError: Error, CustomStringConvertible {
-        var text: String
-        var description: String { text }
     }
 }
