@@ -108,21 +108,30 @@ extension PresenceEngine {
     /// was killed and this one started before its lease ran out, so no reaper would ever take
     /// them. This process writes no device before it has registered, so every device of this
     /// node id is the earlier one's. Returns how many users' aggregates changed.
+    ///
+    /// A node id the registry does not list may still have devices in its index: Redis lost the
+    /// registry, and the earlier process wrote a session before its renewal found the lease gone.
     @discardableResult
     public func reapPredecessor() async throws(PresenceError) -> Int {
         let node = configuration.nodeID
-        let listed = try await run { try await self.redis.execute(ZSCORE(key: keys.nodes, member: node)) }
-        guard listed != nil else { return 0 }
+        let (listed, indexed) = try await run {
+            try await self.redis.pipeline(ZSCORE(key: keys.nodes, member: node), SCARD(key: keys.nodeDevices(node)))
+        }
+        switch (listed, indexed) {
+        case (.failure(let error), _), (_, .failure(let error)): throw Self.presenceError(error)
+        case (.success(nil), .success(0)): return 0
+        default: break
+        }
         guard case .reaped(let changed) = try await reapNode(node, predecessor: true) else { return 0 }
         return changed
     }
 
     /// Lists `node` in the registry, to be looked at by a reaper at `until` (with the registry's
-    /// safety TTL).
-    private func list(_ node: String, until: Int64) async throws(PresenceError) {
+    /// safety TTL); with `unlessListed`, an entry already there keeps its time.
+    func list(_ node: String, until: Int64, unlessListed: Bool = false) async throws(PresenceError) {
         let (listed, _) = try await run {
             try await self.redis.pipeline(
-                ZADD(key: keys.nodes, entries: [(until, node)]),
+                ZADD(key: keys.nodes, entries: [(until, node)], onlyNew: unlessListed),
                 PEXPIRE(key: keys.nodes, milliseconds: configuration.deviceKeyTTL.milliseconds)
             )
         }

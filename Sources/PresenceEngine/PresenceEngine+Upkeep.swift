@@ -109,10 +109,17 @@ extension PresenceEngine {
         return written
     }
 
-    /// Writes one batch of devices again: the index first (a stale entry costs a reaper a no-op),
-    /// then each device, pipelined.
+    /// Writes one batch of devices again: the node's registry entry and index first (a stale
+    /// entry costs a reaper a no-op), then each device, pipelined.
+    ///
+    /// Redis may have lost the registry with the devices (a restart without its data): a node
+    /// that wrote its devices again and died before its next renewal found its lease gone would
+    /// then be listed nowhere, and no reaper would ever take its users offline. So the node is
+    /// listed here unless it is already (at the end a lease taken now would have; a listed node
+    /// keeps the end its lease set).
     private func restore(_ batch: [(member: String, device: LocalDevice)]) async throws(PresenceError) -> Int {
         let node = configuration.nodeID
+        try await list(node, until: indexScore(after: configuration.leaseTTL), unlessListed: true)
         try await run { try await self.redis.execute(SADD(key: self.keys.nodeDevices(node), members: batch.map(\.member))) }
         let calls = batch.map { entry in
             UpsertDevice(user: entry.device.user, device: entry.device.device, status: entry.device.status, node: node, session: entry.device.session, mode: .restore)

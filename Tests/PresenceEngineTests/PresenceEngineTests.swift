@@ -362,6 +362,44 @@ struct PresenceEngineTests {
         }
     }
 
+    /// Fails before the change (the user stayed online for good): Redis lost everything, the
+    /// registry with it; the node's audit wrote its session again and the node was killed before
+    /// its next renewal found the lease gone, so nothing listed it for a reaper (chaos, seed 5121).
+    @Test("a node that wrote its sessions again after Redis lost everything, and died before its next renewal, is still reaped")
+    func restoredThenKilled() async throws {
+        try await EngineCluster.with { cluster in
+            let dying = cluster.engine(node: "n1")
+            let survivor = cluster.engine(node: "n2", lease: .seconds(30))
+            try await dying.registerNode()
+            _ = try await dying.connect(user: "u1", device: "phone", session: "s1")
+            try await cluster.wipe()
+            try await survivor.registerNode()
+            #expect(try await dying.audit().restored == 1)
+            #expect(try await survivor.views(of: "u1").real.status == .online)
+            // kill -9 now: no renewal, no deregistration.
+            cluster.clock.advance(.seconds(11))
+            #expect(try await survivor.reapOnce().nodes == ["n1"])
+            #expect(try await survivor.views(of: "u1").real.status == .offline)
+        }
+    }
+
+    /// Fails before the change (jo stayed online under the new process): the registry lost with
+    /// Redis's data, a session written before the renewal found the lease gone, then kill -9.
+    @Test("a process restarted under its node id reaps what the old one left when Redis had lost the registry")
+    func predecessorUnlisted() async throws {
+        try await EngineCluster.with { cluster in
+            let killed = cluster.engine(node: "node-2")
+            try await killed.registerNode()
+            try await cluster.wipe()
+            _ = try await killed.connect(user: "jo", device: "phone", session: "old-1")
+            let restarted = cluster.engine(node: "node-2")
+            #expect(try await restarted.reapPredecessor() == 0, "jo lingers: nothing changed yet")
+            cluster.clock.advance(.seconds(4))
+            #expect(try await restarted.reapOnce().expiredDevices == 1, "after the linger jo goes")
+            #expect(try await restarted.views(of: "jo").real.status == .offline)
+        }
+    }
+
     @Test("a dead node's devices go offline with last_seen at its last renewal; exactly one reaper does it")
     func nodeDeath() async throws {
         try await EngineCluster.with { cluster in
