@@ -33,8 +33,25 @@ extension PresenceEngine {
     func register(user: String, device: String, session: String, status: PresenceStatus) async throws(PresenceError) -> SessionOpened {
         let member = keys.deviceMember(user: user, device: device)
         // The node's device index is written first: if the script then fails, a stale entry
-        // costs the reaper one no-op; the other order could leave a device nobody reaps.
-        try await run { try await self.redis.execute(SADD(key: self.keys.nodeDevices(self.configuration.nodeID), members: [member])) }
+        // costs the reaper one no-op; the other order could leave a device nobody reaps. With it
+        // a registered node is listed in the registry unless it is already: Redis may have lost
+        // the registry a moment ago, before this node's renewal finds out, and a node killed then
+        // must still be found by a reaper. (A gateway writes no session before it registers.)
+        let node = configuration.nodeID
+        let index = SADD(key: keys.nodeDevices(node), members: [member])
+        if isRegistered {
+            let (indexed, listed, _) = try await run {
+                try await self.redis.pipeline(
+                    index,
+                    ZADD(key: self.keys.nodes, entries: [(self.indexScore(after: self.configuration.leaseTTL), node)], onlyNew: true),
+                    PEXPIRE(key: self.keys.nodes, milliseconds: self.configuration.deviceKeyTTL.milliseconds)
+                )
+            }
+            if case .failure(let error) = indexed { throw Self.presenceError(error) }
+            if case .failure(let error) = listed { throw Self.presenceError(error) }
+        } else {
+            try await run { try await self.redis.execute(index) }
+        }
         let outcome = try await evaluate(UpsertDevice(user: user, device: device, status: status, node: configuration.nodeID, session: session, mode: .session))
         guard case .written(let change, let previous, _) = outcome else { throw PresenceError(.internal, "unexpected reply from the device script") }
         // Two sessions of this device opening here at once: `local` names the one that recorded

@@ -383,6 +383,24 @@ struct PresenceEngineTests {
         }
     }
 
+    /// Fails before the change (the user stayed online for good): a session opened after Redis
+    /// lost everything, before the node's renewal found out, and the node was killed then.
+    @Test("a node that opened a session after Redis lost everything, and died before its next renewal, is still reaped")
+    func openedAfterLossThenKilled() async throws {
+        try await EngineCluster.with { cluster in
+            let dying = cluster.engine(node: "n1")
+            let survivor = cluster.engine(node: "n2", lease: .seconds(30))
+            try await dying.registerNode()
+            try await cluster.wipe()
+            try await survivor.registerNode()
+            _ = try await dying.connect(user: "u2", device: "phone", session: "s2")
+            #expect(try await survivor.views(of: "u2").real.status == .online)
+            cluster.clock.advance(.seconds(11))
+            #expect(try await survivor.reapOnce().nodes == ["n1"])
+            #expect(try await survivor.views(of: "u2").real.status == .offline)
+        }
+    }
+
     /// Fails before the change (jo stayed online under the new process): the registry lost with
     /// Redis's data, a session written before the renewal found the lease gone, then kill -9.
     @Test("a process restarted under its node id reaps what the old one left when Redis had lost the registry")
