@@ -401,15 +401,15 @@ struct PresenceEngineTests {
         }
     }
 
-    /// Fails before the change (jo stayed online under the new process): the registry lost with
-    /// Redis's data, a session written before the renewal found the lease gone, then kill -9.
+    /// Fails before the change (jo stayed online under the new process): the registry lost while
+    /// the node's device index was kept (on a cluster they can live on two shards), then kill -9.
     @Test("a process restarted under its node id reaps what the old one left when Redis had lost the registry")
     func predecessorUnlisted() async throws {
         try await EngineCluster.with { cluster in
             let killed = cluster.engine(node: "node-2")
             try await killed.registerNode()
-            try await cluster.wipe()
             _ = try await killed.connect(user: "jo", device: "phone", session: "old-1")
+            try await cluster.redis.send("DEL", RedisArgument(cluster.prefixKeys.nodes))
             let restarted = cluster.engine(node: "node-2")
             #expect(try await restarted.reapPredecessor() == 0, "jo lingers: nothing changed yet")
             cluster.clock.advance(.seconds(4))
