@@ -140,7 +140,7 @@ extension PresenceEngine {
         guard (1...Self.maxHistoryPage).contains(limit) else { throw PresenceError(.invalidRequest, "limit must be 1 to \(Self.maxHistoryPage)") }
         switch range {
         case .after(let seq), .before(let seq):
-            guard seq >= 0 else { throw PresenceError(.invalidRequest, "a seq must not be negative") }
+            guard SeqBounds.range.contains(seq) else { throw PresenceError(.invalidRequest, "a seq must be \(SeqBounds.rule)") }
         case .latest: break
         }
         return try await evaluate(ReadHistory(conversation: conversation, reader: reader, page: range, limit: limit, newEpoch: Self.newEpoch()))
@@ -176,7 +176,7 @@ extension PresenceEngine {
 
     /// Moves `user`'s `kind` cursor in `conversation` up to `seq`; returns both cursors.
     public func moveCursor(_ kind: CursorKind, of user: String, in conversation: String, to seq: Int64) async throws(PresenceError) -> Cursors {
-        guard seq >= 0 else { throw PresenceError(.invalidRequest, "seq must not be negative") }
+        guard SeqBounds.range.contains(seq) else { throw PresenceError(.invalidRequest, "seq must be \(SeqBounds.rule)") }
         return try await evaluate(MoveCursor(conversation: conversation, user: user, kind: kind, seq: seq))
     }
 

@@ -83,6 +83,15 @@ public struct MessageDraft: Sendable, Hashable {
     }
 }
 
+/// The bounds of a seq or a cursor in a request: 0 to 2^53 − 1, the largest whole number every
+/// JSON reader (a browser's among them) holds exactly (docs/API.md, "Messages").
+public enum SeqBounds {
+    public static let max: Int64 = 9_007_199_254_740_991
+    public static let range: ClosedRange<Int64> = 0...max
+    /// What a refusal says.
+    public static let rule = "a whole number from 0 to 9007199254740991 (2^53 − 1)"
+}
+
 /// Where a client stands in one conversation: `{"conversation_id","after_seq","epoch"?}`.
 public struct SyncPosition: Sendable, Hashable {
     public var conversationID: String
@@ -223,8 +232,8 @@ extension ClientMessage: Codable {
         }
 
         func seq() throws(FrameError) -> Int64 {
-            guard let seq = try? data?.decode(Int64.self, forKey: .seq), seq >= 0 else {
-                throw FrameError("seq must be a whole number from 0", id: frameID)
+            guard let seq = try? data?.decode(Int64.self, forKey: .seq), SeqBounds.range.contains(seq) else {
+                throw FrameError("seq must be \(SeqBounds.rule)", id: frameID)
             }
             return seq
         }
@@ -270,8 +279,8 @@ extension ClientMessage: Codable {
                 }
                 let fields = Fields(data: entry, ids: ids, frameID: frameID)
                 let conversation = try fields.conversationID()
-                guard let after = try? entry.decode(Int64.self, forKey: .afterSeq), after >= 0 else {
-                    throw FrameError("after_seq must be a whole number from 0", id: frameID)
+                guard let after = try? entry.decode(Int64.self, forKey: .afterSeq), SeqBounds.range.contains(after) else {
+                    throw FrameError("after_seq must be \(SeqBounds.rule)", id: frameID)
                 }
                 var epoch: String?
                 if entry.contains(.epoch), (try? entry.decodeNil(forKey: .epoch)) != true {

@@ -53,6 +53,7 @@ extension ServerMessage {
                     data.key("conversation_id"); data.id(ack.conversationID, ids)
                     data.key("created_at"); data.timestamp(ack.createdAt)
                     data.key("duplicate"); data.bool(ack.duplicate)
+                    if let epoch = ack.epoch { data.key("epoch"); data.string(epoch) }
                     data.key("id"); data.string(ack.id)
                     data.key("seq"); data.integer(ack.seq)
                 }
@@ -82,6 +83,7 @@ extension MessagePayload {
         json.key("conversation_id"); json.id(conversationID, ids)
         json.key("created_at"); json.timestamp(createdAt)
         if let duplicate { json.key("duplicate"); json.bool(duplicate) }
+        if let epoch { json.key("epoch"); json.string(epoch) }
         json.key("id"); json.string(id)
         json.key("image_url"); if let imageURL { json.string(imageURL) } else { json.null() }
         json.key("sender_id"); json.id(senderID, ids)
@@ -113,7 +115,7 @@ extension ClientMessage {
             }
         }
         func seq() -> Int64? {
-            data?["seq"]?.integer.flatMap { $0 >= 0 ? $0 : nil }
+            data?["seq"]?.integer.flatMap { SeqBounds.range.contains($0) ? $0 : nil }
         }
         switch type {
         case "ping":

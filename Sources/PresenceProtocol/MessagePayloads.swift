@@ -1,6 +1,9 @@
 /// A conversation's message as REST and the `message` frame carry it (docs/API.md, "Messages").
 public struct MessagePayload: Sendable, Hashable, Codable {
     public var conversationID: String
+    /// The life of the history the message belongs to; `(epoch, seq)` names it. `nil` only when
+    /// read from a frame that did not carry it.
+    public var epoch: String?
     public var seq: Int64
     public var id: String
     public var senderID: String
@@ -16,9 +19,10 @@ public struct MessagePayload: Sendable, Hashable, Codable {
     /// Set on a send's answer only: whether the send was a retry of one already stored.
     public var duplicate: Bool?
 
-    public init(conversationID: String, seq: Int64, id: String, senderID: String, clientMessageID: String, type: String, text: String,
-                imageURL: String?, createdAt: Int64, clientCreatedAt: Int64?, duplicate: Bool? = nil) {
+    public init(conversationID: String, epoch: String?, seq: Int64, id: String, senderID: String, clientMessageID: String, type: String,
+                text: String, imageURL: String?, createdAt: Int64, clientCreatedAt: Int64?, duplicate: Bool? = nil) {
         self.conversationID = conversationID
+        self.epoch = epoch
         self.seq = seq
         self.id = id
         self.senderID = senderID
@@ -32,13 +36,14 @@ public struct MessagePayload: Sendable, Hashable, Codable {
     }
 
     enum CodingKeys: String, CodingKey {
-        case conversationID = "conversation_id", seq, id, senderID = "sender_id", clientMessageID = "client_message_id", type, text
+        case conversationID = "conversation_id", epoch, seq, id, senderID = "sender_id", clientMessageID = "client_message_id", type, text
         case imageURL = "image_url", createdAt = "created_at", clientCreatedAt = "client_created_at", duplicate
     }
 
     public init(from decoder: any Decoder) throws {
         let container = try decoder.container(keyedBy: CodingKeys.self)
         conversationID = try container.decodeID(forKey: .conversationID)
+        epoch = try container.decodeIfPresent(String.self, forKey: .epoch)
         seq = try container.decode(Int64.self, forKey: .seq)
         id = try container.decode(String.self, forKey: .id)
         senderID = try container.decodeID(forKey: .senderID)
@@ -58,6 +63,7 @@ public struct MessagePayload: Sendable, Hashable, Codable {
         var container = encoder.container(keyedBy: CodingKeys.self)
         let format = PresenceIDFormat(userInfo: encoder.userInfo)
         try format.encode(conversationID, forKey: .conversationID, in: &container)
+        try container.encodeIfPresent(epoch, forKey: .epoch)
         try container.encode(seq, forKey: .seq)
         try container.encode(id, forKey: .id)
         try format.encode(senderID, forKey: .senderID, in: &container)
@@ -181,6 +187,8 @@ public struct ConversationEntryPayload: Sendable, Hashable, Encodable {
 public struct MessageAckPayload: Sendable, Hashable, Codable {
     public var conversationID: String
     public var clientMessageID: String
+    /// The epoch `seq` belongs to; `nil` only when read from a frame that did not carry it.
+    public var epoch: String?
     public var seq: Int64
     public var id: String
     /// Milliseconds since 1970.
@@ -188,9 +196,10 @@ public struct MessageAckPayload: Sendable, Hashable, Codable {
     /// Whether the send was a retry of a message already stored.
     public var duplicate: Bool
 
-    public init(conversationID: String, clientMessageID: String, seq: Int64, id: String, createdAt: Int64, duplicate: Bool) {
+    public init(conversationID: String, clientMessageID: String, epoch: String?, seq: Int64, id: String, createdAt: Int64, duplicate: Bool) {
         self.conversationID = conversationID
         self.clientMessageID = clientMessageID
+        self.epoch = epoch
         self.seq = seq
         self.id = id
         self.createdAt = createdAt
@@ -198,13 +207,14 @@ public struct MessageAckPayload: Sendable, Hashable, Codable {
     }
 
     enum CodingKeys: String, CodingKey {
-        case conversationID = "conversation_id", clientMessageID = "client_message_id", seq, id, createdAt = "created_at", duplicate
+        case conversationID = "conversation_id", clientMessageID = "client_message_id", epoch, seq, id, createdAt = "created_at", duplicate
     }
 
     public init(from decoder: any Decoder) throws {
         let container = try decoder.container(keyedBy: CodingKeys.self)
         conversationID = try container.decodeID(forKey: .conversationID)
         clientMessageID = try container.decode(String.self, forKey: .clientMessageID)
+        epoch = try container.decodeIfPresent(String.self, forKey: .epoch)
         seq = try container.decode(Int64.self, forKey: .seq)
         id = try container.decode(String.self, forKey: .id)
         guard let created = try container.decodeTimestamp(forKey: .createdAt) else {
@@ -218,6 +228,7 @@ public struct MessageAckPayload: Sendable, Hashable, Codable {
         var container = encoder.container(keyedBy: CodingKeys.self)
         try PresenceIDFormat(userInfo: encoder.userInfo).encode(conversationID, forKey: .conversationID, in: &container)
         try container.encode(clientMessageID, forKey: .clientMessageID)
+        try container.encodeIfPresent(epoch, forKey: .epoch)
         try container.encode(seq, forKey: .seq)
         try container.encode(id, forKey: .id)
         try container.encodeTimestamp(createdAt, forKey: .createdAt)
@@ -262,6 +273,9 @@ public struct SyncedPayload: Sendable, Hashable, Codable {
     public var more: Bool
     /// Exactly what cannot be given; empty when `complete`.
     public var missing: [MissingRange]
+    /// Seqs of the client's epoch, an ancestor of the current one, above the fork point: held by
+    /// the client, lost by Redis. Empty otherwise.
+    public var truncated: [MissingRange]
     /// Every member's cursors (`user_id` set), as read after the messages; `nil` (left out) for
     /// a conversation over ``SyncedPayload/receiptsLimit`` members.
     public var receipts: [ReceiptPayload]?
@@ -270,18 +284,19 @@ public struct SyncedPayload: Sendable, Hashable, Codable {
     public static let receiptsLimit = 100
 
     public init(conversationID: String, epoch: String, lastSeq: Int64, complete: Bool, more: Bool, missing: [MissingRange],
-                receipts: [ReceiptPayload]? = nil) {
+                truncated: [MissingRange] = [], receipts: [ReceiptPayload]? = nil) {
         self.conversationID = conversationID
         self.epoch = epoch
         self.lastSeq = lastSeq
         self.complete = complete
         self.more = more
         self.missing = missing
+        self.truncated = truncated
         self.receipts = receipts
     }
 
     enum CodingKeys: String, CodingKey {
-        case conversationID = "conversation_id", epoch, lastSeq = "last_seq", complete, more, missing, receipts
+        case conversationID = "conversation_id", epoch, lastSeq = "last_seq", complete, more, missing, truncated, receipts
     }
 
     public init(from decoder: any Decoder) throws {
@@ -292,6 +307,7 @@ public struct SyncedPayload: Sendable, Hashable, Codable {
         complete = try container.decode(Bool.self, forKey: .complete)
         more = try container.decode(Bool.self, forKey: .more)
         missing = try container.decode([MissingRange].self, forKey: .missing)
+        truncated = try container.decodeIfPresent([MissingRange].self, forKey: .truncated) ?? []
         receipts = try container.decodeIfPresent([ReceiptPayload].self, forKey: .receipts)
     }
 
@@ -303,6 +319,7 @@ public struct SyncedPayload: Sendable, Hashable, Codable {
         try container.encode(complete, forKey: .complete)
         try container.encode(more, forKey: .more)
         try container.encode(missing, forKey: .missing)
+        try container.encode(truncated, forKey: .truncated)
         try container.encodeIfPresent(receipts, forKey: .receipts)
     }
 }

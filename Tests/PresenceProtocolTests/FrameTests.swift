@@ -36,12 +36,14 @@ struct FrameTests {
             .groupPresence(GroupPresence(conversationID: "6", total: 3, online: 1, away: 1)),
             .ack, .pong, .error(ErrorPayload(code: .forbidden, message: "no")),
             .error(ErrorPayload(code: .forbidden, message: "not a member", conversationID: "77")),
-            .message(MessagePayload(conversationID: "7", seq: 3, id: "e1-3", senderID: "8", clientMessageID: "local-1", type: "image", text: "a cat",
+            .message(MessagePayload(conversationID: "7", epoch: "e1", seq: 3, id: "e1-3", senderID: "8", clientMessageID: "local-1", type: "image", text: "a cat",
                                     imageURL: "https://img.test/c.png", createdAt: 1_795_262_400_123, clientCreatedAt: nil)),
-            .messageAck(MessageAckPayload(conversationID: "7", clientMessageID: "local-1", seq: 3, id: "e1-3", createdAt: 1_795_262_400_123, duplicate: true)),
+            .messageAck(MessageAckPayload(conversationID: "7", clientMessageID: "local-1", epoch: "e1", seq: 3, id: "e1-3", createdAt: 1_795_262_400_123, duplicate: true)),
             .synced(SyncedPayload(conversationID: "7", epoch: "e2", lastSeq: 9, complete: false, more: true, missing: [
                 MissingRange(epoch: "e1", fromSeq: 4, toSeq: nil), MissingRange(epoch: "e2", fromSeq: 1, toSeq: 2),
             ])),
+            .synced(SyncedPayload(conversationID: "7", epoch: "e3", lastSeq: 9, complete: true, more: false, missing: [],
+                                  truncated: [MissingRange(epoch: "e2", fromSeq: 6, toSeq: 8)])),
             .receipt(ReceiptPayload(conversationID: "7", userID: "8", deliveredSeq: 5, readSeq: 4)),
         ]
         for coder in [strings, numbers] {

@@ -60,13 +60,13 @@ struct JSONTextTests {
             return .receipt(ReceiptPayload(conversationID: Bool.random(using: &random) ? id(&random) : nil, userID: Bool.random(using: &random) ? id(&random) : nil,
                                            deliveredSeq: Int64.random(in: 0...Int64.max, using: &random), readSeq: Int64.random(in: 0...1000, using: &random)))
         case 7:
-            return .message(MessagePayload(conversationID: id(&random), seq: Int64.random(in: 1...Int64.max, using: &random), id: text(&random),
+            return .message(MessagePayload(conversationID: id(&random), epoch: Bool.random(using: &random) ? text(&random) : nil, seq: Int64.random(in: 1...Int64.max, using: &random), id: text(&random),
                                            senderID: id(&random), clientMessageID: text(&random), type: ["text", "image"].randomElement(using: &random)!,
                                            text: text(&random), imageURL: Bool.random(using: &random) ? "https://x.test/\(text(&random))" : nil,
                                            createdAt: moment(&random), clientCreatedAt: Bool.random(using: &random) ? moment(&random) : nil,
                                            duplicate: [nil, true, false].randomElement(using: &random)!))
         default:
-            return .messageAck(MessageAckPayload(conversationID: id(&random), clientMessageID: text(&random), seq: Int64.random(in: 1...99, using: &random),
+            return .messageAck(MessageAckPayload(conversationID: id(&random), clientMessageID: text(&random), epoch: Bool.random(using: &random) ? text(&random) : nil, seq: Int64.random(in: 1...99, using: &random),
                                                  id: text(&random), createdAt: moment(&random), duplicate: Bool.random(using: &random)))
         }
     }

@@ -41,7 +41,7 @@ extension Gateway {
             let user = try context.user
             let conversation = try self.pathID(context, "conversation_id", "conversation id")
             let body = try await request.decode(as: CursorBody.self, context: context)
-            guard body.seq >= 0 else { throw APIError.invalid("seq must not be negative") }
+            guard SeqBounds.range.contains(body.seq) else { throw APIError.invalid("seq must be \(SeqBounds.rule)") }
             let cursors = try await self.engine.moveCursor(.read, of: user.userID, in: conversation, to: body.seq)
             return ReceiptPayload(deliveredSeq: cursors.deliveredSeq, readSeq: cursors.readSeq)
         }
@@ -67,7 +67,7 @@ extension Gateway {
     /// A `seq` query parameter: a whole number from 0, or absent.
     static func seqParameter(_ value: String?, _ name: String) throws(APIError) -> Int64? {
         guard let value else { return nil }
-        guard let seq = Int64(value), seq >= 0 else { throw .invalid("\(name) must be a whole number from 0") }
+        guard let seq = Int64(value), SeqBounds.range.contains(seq) else { throw .invalid("\(name) must be \(SeqBounds.rule)") }
         return seq
     }
 
@@ -116,7 +116,7 @@ extension Gateway {
 
 extension MessagePayload {
     init(_ message: StoredMessage) {
-        self.init(conversationID: message.conversationID, seq: message.seq, id: message.id, senderID: message.senderID,
+        self.init(conversationID: message.conversationID, epoch: message.epoch, seq: message.seq, id: message.id, senderID: message.senderID,
                   clientMessageID: message.clientMessageID, type: message.type.rawValue, text: message.text, imageURL: message.imageURL,
                   createdAt: message.createdAt, clientCreatedAt: message.clientCreatedAt)
     }

@@ -133,7 +133,7 @@ struct FrameHandler {
             if !sent.duplicate { GatewayMetrics.messageSent() }
             let stored = sent.message
             session.send(gateway.frames.text(.messageAck(MessageAckPayload(
-                conversationID: stored.conversationID, clientMessageID: stored.clientMessageID, seq: stored.seq, id: stored.id,
+                conversationID: stored.conversationID, clientMessageID: stored.clientMessageID, epoch: stored.epoch, seq: stored.seq, id: stored.id,
                 createdAt: stored.createdAt, duplicate: sent.duplicate
             )), id: id))
         case .sync(let positions):
