@@ -76,6 +76,36 @@ public struct HistoryPage: Sendable, Equatable {
     /// The oldest seq kept; `lastSeq + 1` when none is.
     public var firstSeq: Int64
     public var messages: [StoredMessage]
+    /// For a read after a seq of an epoch the current one forked from: where that epoch joins
+    /// this one (the read began at the lower of the two). `nil` otherwise.
+    public var forkPoint: Int64? = nil
+    /// The epochs the current one forked from, newest first.
+    public var forks: [Fork] = []
+
+    /// An epoch the current one forked from, and the last seq it had in this server's life.
+    public struct Fork: Sendable, Equatable {
+        public var epoch: String
+        public var point: Int64
+
+        /// Reads the script's `'epoch:point epoch:point'`.
+        static func list(_ text: String) -> [Fork] {
+            text.split(separator: " ").compactMap { entry in
+                guard let colon = entry.lastIndex(of: ":"), let point = Int64(entry[entry.index(after: colon)...]) else { return nil }
+                return Fork(epoch: String(entry[..<colon]), point: point)
+            }
+        }
+    }
+
+    /// Where a seq of `epoch`, one the current epoch forked from, joins it: the lowest fork point
+    /// on the way; `nil` for an epoch not among its ancestors.
+    public func joinPoint(of epoch: String) -> Int64? {
+        var lowest: Int64?
+        for fork in forks {
+            lowest = min(lowest ?? fork.point, fork.point)
+            if fork.epoch == epoch { return lowest }
+        }
+        return nil
+    }
 }
 
 /// What a send carries besides its conversation and sender.

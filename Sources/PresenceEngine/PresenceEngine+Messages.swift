@@ -12,6 +12,11 @@ public struct SyncAnswer: Sendable, Equatable {
     public var more: Bool
     /// Exactly what cannot be given: a lost epoch's rest, then the current epoch's trimmed start.
     public var missing: [MissingRange]
+    /// The seqs the client holds of an epoch the current one forked from, above the fork point:
+    /// Redis lost them (docs/API.md, "Forks").
+    public var truncated: [MissingRange] = []
+    /// The seq the answer goes on from: the position's, or the fork point below it.
+    public var after: Int64
 
     /// Reads a page of the current epoch after `after`, following `lostEpoch` (the client's, gone).
     init(page: HistoryPage, after: Int64, lostEpoch: MissingRange?) {
@@ -20,31 +25,13 @@ public struct SyncAnswer: Sendable, Equatable {
         messages = page.messages
         more = page.messages.count >= PresenceEngine.maxHistoryPage && (page.messages.last?.seq ?? page.lastSeq) < page.lastSeq
         missing = lostEpoch.map { [$0] } ?? []
+        self.after = after
         // Trimmed before what is kept (or all of it, when nothing is).
         let trimmedTo = min(page.firstSeq - 1, page.lastSeq)
         if trimmedTo > after { missing.append(MissingRange(epoch: page.epoch, fromSeq: after + 1, toSeq: trimmedTo)) }
     }
 
     public var complete: Bool { missing.isEmpty }
-
-    /// Keeps the messages that fit in `budget` bytes of text (each counted with `overhead` for
-    /// its frame), at least one while any budget is left; what is cut makes `more` true.
-    /// Returns the budget left.
-    public mutating func cut(toBytes budget: Int, overhead: Int = 256) -> Int {
-        var left = budget
-        var kept = 0
-        for message in messages {
-            let size = message.text.utf8.count + (message.imageURL?.utf8.count ?? 0) + overhead
-            guard size <= left || (kept == 0 && left > 0) else { break }
-            left -= size
-            kept += 1
-        }
-        if kept < messages.count {
-            messages.removeLast(messages.count - kept)
-            more = true
-        }
-        return max(0, left)
-    }
 }
 
 /// A message or a receipt as published on a conversation's message channel.
@@ -78,7 +65,14 @@ extension PresenceEngine {
             try await awaitReplicas(of: conversation)
             // Delivered only once the replicas have it (a retry's duplicate publishes too: the
             // first try may have stopped short of it; nodes drop a seq they delivered already).
-            _ = try await run { try await self.redis.publish(Self.messageEvent(sent.message), on: self.keys.messageChannel(conversation)) }
+            let channel = keys.messageChannel(conversation)
+            _ = try await run { try await self.redis.publish(Self.messageEvent(sent.message), on: channel) }
+            // The sender's cursors moved with it, as the send script tells when it publishes.
+            if !sent.duplicate, (try await members(of: conversation)?.count ?? 0) <= configuration.largeGroup {
+                let receipt = PublishedReceipt(conversationID: conversation, epoch: sent.message.epoch, userID: sender,
+                                               deliveredSeq: sent.message.seq, readSeq: sent.message.seq)
+                _ = try await run { try await self.redis.publish(Array((try? JSONEncoder().encode(receipt)) ?? Data()), on: channel) }
+            }
         }
         return sent
     }
@@ -148,8 +142,11 @@ extension PresenceEngine {
 
     /// A page of `conversation`'s history for this node's delivery: no member check, and an
     /// empty epoch for a conversation without history.
-    public func deliveryPage(of conversation: String, _ range: HistoryRange, limit: Int = maxHistoryPage) async throws(PresenceError) -> HistoryPage {
-        try await evaluate(ReadHistory(conversation: conversation, reader: "", page: range, limit: limit, newEpoch: ""))
+    /// With `epoch`, an `after` read of an epoch the current one forked from reads on from the
+    /// lower of the seq and its fork point (``HistoryPage/forkPoint``).
+    public func deliveryPage(of conversation: String, _ range: HistoryRange, limit: Int = maxHistoryPage,
+                             epoch: String? = nil) async throws(PresenceError) -> HistoryPage {
+        try await evaluate(ReadHistory(conversation: conversation, reader: "", page: range, limit: limit, newEpoch: "", epoch: epoch))
     }
 
     /// Where each conversation's history stands (its epoch, empty for none, and last seq), read
@@ -166,7 +163,17 @@ extension PresenceEngine {
     /// What `reader` is missing of a conversation after `position` (docs/API.md's `sync`): at most
     /// ``maxHistoryPage`` messages, and exactly what cannot be given.
     public func sync(_ position: SyncPosition, for reader: String) async throws(PresenceError) -> SyncAnswer {
-        let first = try await history(of: position.conversationID, for: reader, .after(position.afterSeq), limit: Self.maxHistoryPage)
+        guard SeqBounds.range.contains(position.afterSeq) else { throw PresenceError(.invalidRequest, "after_seq must be \(SeqBounds.rule)") }
+        let first = try await evaluate(ReadHistory(conversation: position.conversationID, reader: reader, page: .after(position.afterSeq),
+                                                   limit: Self.maxHistoryPage, newEpoch: Self.newEpoch(), epoch: position.epoch))
+        if let point = first.forkPoint, let epoch = position.epoch {
+            // An epoch the current one forked from: on from the fork point, and what the client
+            // holds above it is named.
+            let from = min(point, position.afterSeq)
+            var answer = SyncAnswer(page: first, after: from, lostEpoch: nil)
+            if position.afterSeq > point { answer.truncated = [MissingRange(epoch: epoch, fromSeq: point + 1, toSeq: position.afterSeq)] }
+            return answer
+        }
         let lost = position.epoch.map { $0 != first.epoch } ?? (position.afterSeq > first.lastSeq)
         guard lost else { return SyncAnswer(page: first, after: position.afterSeq, lostEpoch: nil) }
         // The client's history is gone: the current one from its start.

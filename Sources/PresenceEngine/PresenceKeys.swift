@@ -31,7 +31,8 @@ public struct PresenceKeys: Sendable {
     public func conversationChannel(_ conversation: String) -> String { "\(prefix):{c:\(conversation)}:events" }
     /// Stream: a conversation's kept messages, entry id `seq-0`.
     public func history(_ conversation: String) -> String { "\(prefix):{c:\(conversation)}:history" }
-    /// Hash: `epoch`, `seq` (the last seq given) of a conversation's history.
+    /// Hash: `epoch`, `seq` (the last seq given), `life` (the run id of the server that last
+    /// wrote it) and `forks` (the epochs it forked from) of a conversation's history.
     public func historyMeta(_ conversation: String) -> String { "\(prefix):{c:\(conversation)}:history_meta" }
     /// Hash: user → `epoch|delivered|read`, a member's cursors in a conversation.
     public func cursors(_ conversation: String) -> String { "\(prefix):{c:\(conversation)}:cursors" }

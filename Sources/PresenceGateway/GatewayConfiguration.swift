@@ -68,6 +68,9 @@ public struct GatewayConfiguration: Sendable {
     public var statusRate = 5.0
     /// Subscribes per second per session (burst twice).
     public var subscribeRate = 5.0
+    /// `sync` frames per second per session (burst twice), a budget apart from subscribes': a
+    /// device following hundreds of groups must still catch up.
+    public var syncRate = 5.0
     /// Typing frames or posts per second per session or REST user (burst twice).
     public var typingRate = 10.0
     /// Bytes written to a session while its connection is not writable (the socket's buffer

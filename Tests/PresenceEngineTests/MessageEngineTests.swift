@@ -158,8 +158,9 @@ struct MessageEngineTests {
                 #expect(await eventually { heard.withLockedValue { $0.count } >= 2 })
                 try await Task.sleep(for: .milliseconds(200))
                 let events = heard.withLockedValue { $0 }
-                #expect(events == [.message(sent), .receipt(conversationID: "chat", epoch: sent.epoch, userID: "bo", cursors: Cursors(deliveredSeq: 1, readSeq: 1))],
-                        "a retry and a cursor that did not move publish nothing: \(events)")
+                #expect(events == [.message(sent), .receipt(conversationID: "chat", epoch: sent.epoch, userID: "ann", cursors: Cursors(deliveredSeq: 1, readSeq: 1)),
+                                   .receipt(conversationID: "chat", epoch: sent.epoch, userID: "bo", cursors: Cursors(deliveredSeq: 1, readSeq: 1))],
+                        "the send moved the sender's cursors; a retry and a cursor that did not move publish nothing: \(events)")
             }
         }
     }

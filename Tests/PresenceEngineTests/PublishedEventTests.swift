@@ -69,6 +69,11 @@ struct PublishedEventTests {
                 let replicated = PresenceEngine.messageEvent(sent)
                 #expect(Self.keys(replicated) == Self.keys(message))
                 #expect(engine.decodeMessageEvent(replicated) == .message(sent))
+                // The send moved the sender's cursors to it, and said so.
+                let own = try #require(await next(on: keys.messageChannel("chat")))
+                #expect(Self.keys(own) == Self.keys(PublishedReceipt.CodingKeys.self), "receipt: \(String(decoding: own, as: UTF8.self))")
+                #expect(engine.decodeMessageEvent(own) == .receipt(conversationID: "chat", epoch: sent.epoch, userID: "ann",
+                                                                  cursors: Cursors(deliveredSeq: sent.seq, readSeq: sent.seq)))
 
                 _ = try await engine.moveCursor(.read, of: "bo", in: "chat", to: sent.seq)
                 let receipt = try #require(await next(on: keys.messageChannel("chat")))

@@ -126,7 +126,8 @@ final class TestSocket: Sendable {
         let url = "ws://127.0.0.1:\(port)/api/presence/subscribe" + (query.isEmpty ? "" : "?" + query.joined(separator: "&"))
         var headers = HTTPFields()
         if tokenInHeader { headers[.authorization] = "Bearer \(token)" }
-        let configuration = WebSocketClientConfiguration(additionalHeaders: headers)
+        // Frames as large as the API allows (128 KiB and more; the client's default is 16 KiB).
+        let configuration = WebSocketClientConfiguration(maxFrameSize: 1 << 20, additionalHeaders: headers)
         let (stream, continuation) = AsyncStream.makeStream(of: String?.self)
         self.outgoing = continuation
         let received = self.received

@@ -76,6 +76,10 @@ struct MessageRESTTests {
             #expect(try await status("POST", path, token: nil, good) == (401, "unauthorized"))
             #expect(try await status("POST", path, token: mallory, good) == (403, "forbidden"))
             #expect(try await status("GET", path, token: mallory) == (403, "forbidden"))
+            // Every way of reading the history checks membership, paging included.
+            for query in ["?after_seq=0", "?after_seq=5&limit=3", "?before_seq=9"] {
+                #expect(try await status("GET", path + query, token: mallory) == (403, "forbidden"), "\(query)")
+            }
             #expect(try await status("POST", "/api/conversations/room/read", token: mallory, #"{"seq":1}"#) == (403, "forbidden"))
             #expect(try await status("GET", "/api/conversations/room/receipts", token: mallory) == (403, "forbidden"))
             #expect(try await status("POST", "/api/conversations/nowhere/messages", token: alice, good) == (404, "not_found"))

@@ -27,6 +27,14 @@ struct MessageSessionTests {
 
     static func seqs(_ frames: [Frame]) -> [Int] { frames.compactMap { $0.data["seq"] as? Int } }
 
+    /// The next `receipt` of `user`'s cursors, skipping others (the sender's own, after a send).
+    static func receipt(of user: String, on socket: TestSocket) async throws -> Frame {
+        while true {
+            let frame = try await socket.next("receipt")
+            if frame.data["user_id"].map({ "\($0)" }) == user { return frame }
+        }
+    }
+
     /// Message `#number` (client id `m<number>`) sent to conversation `room` over REST with
     /// `token`, expected stored (201).
     static func restSend(_ port: Int, _ token: String, _ number: Int) async throws {
@@ -60,6 +68,8 @@ struct MessageSessionTests {
                 #expect(got.first?.data["text"] as? String == "hello" && got.first?.data["sender_id"] as? String == "alice")
                 #expect(got.first?.data["id"] as? String == ack.data["id"] as? String)
             }
+            // The send moved alice's cursors: its receipt follows the message.
+            #expect(try await Self.receipt(of: "alice", on: bobPhone).data["read_seq"] as? Int == 1)
             Self.send(alice, "local-1", "hello again", id: "retry")
             let again = try await alice.pick("message_ack")
             #expect(again.id == "retry" && again.data["seq"] as? Int == 1 && again.data["duplicate"] as? Bool == true)
@@ -347,11 +357,11 @@ struct MessageSessionTests {
             for _ in 1...3 { _ = try await alice.pick("message_ack") }
             bob.send("delivered", ["conversation_id": "room", "seq": 3], id: "d")
             #expect(try await bob.next("ack").id == "d")
-            let delivered = try await alice.next("receipt")
+            let delivered = try await Self.receipt(of: "bob", on: alice)
             #expect(delivered.data["user_id"] as? String == "bob" && delivered.data["delivered_seq"] as? Int == 3 && delivered.data["read_seq"] as? Int == 0)
             bob.send("read", ["conversation_id": "room", "seq": 99], id: "r")
             #expect(try await bob.next("ack").id == "r")
-            let read = try await alice.next("receipt")
+            let read = try await Self.receipt(of: "bob", on: alice)
             #expect(read.data["conversation_id"] as? String == "room" && read.data["read_seq"] as? Int == 3 && read.data["delivered_seq"] as? Int == 3)
             bob.send("read", ["conversation_id": "room", "seq": 1], id: "back")
             #expect(try await bob.next("ack").id == "back")
@@ -398,7 +408,7 @@ struct MessageSessionTests {
             #expect(synced.data["conversation_id"] as? Int == 77 && synced.data["last_seq"] as? Int == 1 && synced.id == "s")
             two.send("read", ["conversation_id": 77, "seq": 1], id: "r")
             #expect(try await two.next("ack").id == "r")
-            let receipt = try await one.next("receipt")
+            let receipt = try await Self.receipt(of: "2", on: one)
             #expect(receipt.data["user_id"] as? Int == 2 && receipt.data["conversation_id"] as? Int == 77 && receipt.data["read_seq"] as? Int == 1)
             two.send("sync", ["positions": [["conversation_id": 78, "after_seq": 0]]], id: "x")
             let refused = try await two.next("error")

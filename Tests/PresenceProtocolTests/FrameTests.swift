@@ -105,13 +105,17 @@ struct FrameTests {
              "client_created_at must be an ISO 8601 UTC timestamp from 1970 on, such as 2026-11-21T12:00:00.123Z", nil),
             (#"{"type":"sync","data":{}}"#, strings, #"positions must be an array of {"conversation_id","after_seq","epoch"?}"#, nil),
             (#"{"type":"sync","data":{"positions":[5]}}"#, strings, #"each position must be an object {"conversation_id","after_seq","epoch"?}"#, nil),
-            (#"{"type":"sync","data":{"positions":[{"conversation_id":"a"}]}}"#, strings, "after_seq must be a whole number from 0", nil),
+            (#"{"type":"sync","data":{"positions":[{"conversation_id":"a"}]}}"#, strings, "after_seq must be a whole number from 0 to 9007199254740991 (2^53 − 1)", nil),
+            (#"{"type":"sync","data":{"positions":[{"conversation_id":"a","after_seq":9007199254740992}]}}"#, strings,
+             "after_seq must be a whole number from 0 to 9007199254740991 (2^53 − 1)", nil),
             (#"{"type":"sync","data":{"positions":[{"conversation_id":"a","after_seq":1,"epoch":""}]}}"#, strings, "epoch must be a string of 1 to 64 bytes", nil),
             (#"{"type":"sync","data":{"positions":[{"conversation_id":"a","after_seq":1},{"conversation_id":"a","after_seq":2}]}}"#, strings, "a sync names each conversation once", nil),
             (#"{"type":"sync","data":{"positions":["# + (0...100).map { #"{"conversation_id":"c\#($0)","after_seq":0}"# }.joined(separator: ",") + "]}}", strings,
              "a sync names at most 100 conversations", nil),
-            (#"{"type":"read","data":{"conversation_id":"a","seq":-1}}"#, strings, "seq must be a whole number from 0", nil),
-            (#"{"type":"delivered","data":{"conversation_id":"a"}}"#, strings, "seq must be a whole number from 0", nil),
+            (#"{"type":"read","data":{"conversation_id":"a","seq":-1}}"#, strings, "seq must be a whole number from 0 to 9007199254740991 (2^53 − 1)", nil),
+            (#"{"type":"delivered","data":{"conversation_id":"a"}}"#, strings, "seq must be a whole number from 0 to 9007199254740991 (2^53 − 1)", nil),
+            (#"{"type":"delivered","data":{"conversation_id":"a","seq":9007199254740992}}"#, strings,
+             "seq must be a whole number from 0 to 9007199254740991 (2^53 − 1)", nil),
         ]
         for item in cases {
             #expect(throws: FrameError(item.message, id: item.id), "\(item.text.prefix(80))") { try item.coder.clientMessage(item.text) }

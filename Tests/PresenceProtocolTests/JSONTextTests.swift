@@ -108,7 +108,7 @@ struct JSONTextTests {
         case 0: .ping
         case 1: .status(PresenceStatus.allCases.randomElement(using: &random)!)
         case 2: .typing(conversationID: conversation, isTyping: Bool.random(using: &random))
-        case 3: .delivered(conversationID: conversation, seq: Int64.random(in: 0...Int64.max, using: &random))
+        case 3: .delivered(conversationID: conversation, seq: Int64.random(in: SeqBounds.range, using: &random))
         case 4: .read(conversationID: conversation, seq: Int64.random(in: 0...9, using: &random))
         case 5: .subscribe(.users([conversation, id(&random)]))
         case 6:

@@ -12,9 +12,10 @@ import RedisClient
 /// Lua the message scripts share: the conversation's checks and its history's epoch.
 enum MessageLua {
     /// `refused(members, user)`: 'missing' without the conversation, 'forbidden' for a
-    /// non-member, else nil. `current(meta)`: the epoch and last seq, both nil for no history.
-    /// `cursorOf(raw, epoch)`: a stored cursor's delivered and read seqs, 0 and 0 when it
-    /// belongs to another epoch.
+    /// non-member, else nil. `current(meta)`: the epoch, last seq and forks, forking the epoch
+    /// when the server's life changed since the history was last written (docs/API.md, "Forks").
+    /// `cursorOf(raw, epoch, forks)`: a stored cursor's delivered and read seqs: as stored in the
+    /// current epoch, kept up to the fork point in an ancestor, 0 and 0 in an epoch lost.
     /// The refusal `refused()` answered a script with, as the caller's error; `nil` otherwise.
     static func refusal(_ reply: [RESPValue]) -> PresenceError? {
         switch reply.first?.string {
@@ -30,17 +31,68 @@ enum MessageLua {
       if redis.call('SISMEMBER', members, user) == 0 then return 'forbidden' end
       return nil
     end
-    local function current(meta)
-      local m = redis.call('HMGET', meta, 'epoch', 'seq')
-      if not m[1] then return nil, nil end
-      return m[1], tonumber(m[2]) or 0
+    -- A seq as text: Lua's own conversion keeps 14 digits (1.2345678901234e+14).
+    local function whole(n) return string.format('%.0f', n) end
+    -- JSON of an event whose `keys` are seqs: written as strings, then as numbers.
+    local function encodeWhole(event, keys)
+      for _, k in ipairs(keys) do event[k] = whole(event[k]) end
+      local json = cjson.encode(event)
+      for _, k in ipairs(keys) do json = string.gsub(json, '"' .. k .. '":"(%d+)"', '"' .. k .. '":%1', 1) end
+      return json
     end
-    local function cursorOf(raw, epoch)
+    -- The history's epoch, last seq and forks (its ancestors, newest first, as
+    -- 'epoch:forkpoint' separated by spaces), nil, nil, '' for no history. A history last written
+    -- in another life of this server (a restart, a failover, a slot moved here) may have lost its
+    -- newest writes: it forks a new epoch at the last seq it still holds, named after the old
+    -- epoch, the life and that seq, so that no epoch is made twice.
+    local function current(meta)
+      local m = redis.call('HMGET', meta, 'epoch', 'seq', 'life', 'forks')
+      if not m[1] then return nil, nil, '' end
+      local epoch, last, forks = m[1], tonumber(m[2]) or 0, m[4] or ''
+      local life = string.match(redis.call('INFO', 'server'), 'run_id:(%w+)') or ''
+      if m[3] == life then return epoch, last, forks end
+      if m[3] then
+        local kept = {epoch .. ':' .. whole(last)}
+        for entry in string.gmatch(forks, '%S+') do
+          if #kept < 8 then table.insert(kept, entry) end
+        end
+        forks = table.concat(kept, ' ')
+        epoch = string.sub(redis.sha1hex(epoch .. '|' .. life .. '|' .. whole(last)), 1, 16)
+        redis.call('HSET', meta, 'epoch', epoch, 'forks', forks, 'life', life)
+      else
+        -- Written before lives were recorded: this one is taken as its own.
+        redis.call('HSET', meta, 'life', life)
+      end
+      return epoch, last, forks
+    end
+    -- Where `epoch`, an ancestor named in `forks`, joins the current epoch: the lowest fork
+    -- point on the way; false for an epoch not named (the current one, or one lost).
+    local function forkPoint(forks, epoch)
+      local point
+      for e, p in string.gmatch(forks, '(%S+):(%d+)') do
+        p = tonumber(p)
+        if point == nil or p < point then point = p end
+        if e == epoch then return point end
+      end
+      return false
+    end
+    -- A new history: its epoch, with no life of another server to fork from.
+    local function begin(meta, epoch, ttl)
+      local life = string.match(redis.call('INFO', 'server'), 'run_id:(%w+)') or ''
+      redis.call('HSET', meta, 'epoch', epoch, 'seq', 0, 'life', life)
+      redis.call('HDEL', meta, 'forks')
+      if ttl then redis.call('PEXPIRE', meta, ttl) end
+    end
+    local function cursorOf(raw, epoch, forks)
       if not raw then return 0, 0 end
       local e, d, r = string.match(raw, '^(.*)|(%d+)|(%d+)$')
-      if e ~= epoch then return 0, 0 end
-      return tonumber(d), tonumber(r)
+      d, r = tonumber(d), tonumber(r)
+      if e == epoch then return d, r end
+      local point = forkPoint(forks or '', e)
+      if not point then return 0, 0 end
+      return math.min(d, point), math.min(r, point)
     end
+    local function cursorText(epoch, delivered, read) return epoch .. '|' .. whole(delivered) .. '|' .. whole(read) end
 
     """
 }
@@ -79,6 +131,7 @@ struct SendMessage: ScriptCall {
             RedisArgument(message.clientCreatedAt.map { String($0) } ?? ""), RedisArgument(configuration.messageHistory),
             ScriptContext.milliseconds(configuration.messageTTL), ScriptContext.milliseconds(configuration.messageDedupTTL),
             RedisArgument(context.keys.messageChannel(conversation)), RedisArgument(newEpoch), publish ? "1" : "0",
+            RedisArgument(configuration.largeGroup),
         ]
     }
 
@@ -99,30 +152,40 @@ struct SendMessage: ScriptCall {
     local now, conversation, sender, clientID = clock(ARGV[1]), ARGV[2], ARGV[3], ARGV[4]
     local kind, text, image, clientAt = ARGV[5], ARGV[6], ARGV[7], ARGV[8]
     local keep, ttl, dedupTTL, channel, newEpoch, publish = ARGV[9], tonumber(ARGV[10]), tonumber(ARGV[11]), ARGV[12], ARGV[13], ARGV[14]
+    local receiptsUpTo = tonumber(ARGV[15])
     local no = refused(KEYS[1], sender)
     if no then return {no} end
-    local epoch, last = current(KEYS[2])
-    -- A retry of a send this epoch kept: the stored message, whatever the retry carries. A record
-    -- of an epoch since lost (the conversation deleted and made again) is no longer a send of
-    -- this history.
+    local epoch, last, forks = current(KEYS[2])
+    -- A retry of a send this epoch kept (at or below its fork point, for a record of an epoch it
+    -- forked from): the stored message, whatever the retry carries. A record of an epoch since
+    -- lost (the conversation deleted and made again), or of a seq Redis lost in a rollback, is
+    -- no longer a send of this history: the retry is stored as new.
     local earlier = redis.call('HGETALL', KEYS[4])
-    if #earlier > 0 then
-      local e = redis.call('HGET', KEYS[4], 'e')
-      if e == epoch then return {'duplicate', e, earlier} end
+    if #earlier > 0 and epoch then
+      local record = redis.call('HMGET', KEYS[4], 'e', 's')
+      if record[1] == epoch then return {'duplicate', epoch, earlier} end
+      local point = forkPoint(forks, record[1])
+      if point and tonumber(record[2]) <= point then
+        for i = 1, #earlier - 1, 2 do
+          if earlier[i] == 'e' then earlier[i + 1] = epoch end
+        end
+        return {'duplicate', epoch, earlier}
+      end
     end
     if not epoch then
       -- No history: a new epoch, and nothing left over from an earlier one.
       epoch, last = newEpoch, 0
       redis.call('DEL', KEYS[3], KEYS[5])
+      begin(KEYS[2], epoch, nil)
     end
     local seq = last + 1
-    local id = epoch .. '-' .. seq
+    local id = epoch .. '-' .. whole(seq)
     redis.call('HSET', KEYS[2], 'epoch', epoch, 'seq', seq)
     local fields = {'i', id, 'u', sender, 'c', clientID, 't', kind, 'x', text, 'a', now}
     if image ~= '' then table.insert(fields, 'g'); table.insert(fields, image) end
     if clientAt ~= '' then table.insert(fields, 'k'); table.insert(fields, clientAt) end
-    redis.call('XADD', KEYS[3], 'MAXLEN', keep, seq .. '-0', unpack(fields))
-    redis.call('HSET', KEYS[5], sender, epoch .. '|' .. seq .. '|' .. seq)
+    redis.call('XADD', KEYS[3], 'MAXLEN', keep, whole(seq) .. '-0', unpack(fields))
+    redis.call('HSET', KEYS[5], sender, cursorText(epoch, seq, seq))
     for _, key in ipairs({KEYS[2], KEYS[3], KEYS[5]}) do redis.call('PEXPIRE', key, ttl) end
     local record = {'e', epoch, 's', seq}
     for _, value in ipairs(fields) do table.insert(record, value) end
@@ -130,9 +193,14 @@ struct SendMessage: ScriptCall {
     redis.call('HSET', KEYS[4], unpack(record))
     redis.call('PEXPIRE', KEYS[4], dedupTTL)
     if publish == '1' then
-      redis.call(publishCommand, channel, cjson.encode({type = 'message', conversation_id = conversation, epoch = epoch,
+      redis.call(publishCommand, channel, encodeWhole({type = 'message', conversation_id = conversation, epoch = epoch,
         seq = seq, id = id, sender_id = sender, client_message_id = clientID, message_type = kind, text = text,
-        image_url = image, created_at = now, client_created_at = clientAt}))
+        image_url = image, created_at = now, client_created_at = clientAt}, {'seq'}))
+      -- The sender's cursors moved to the message (not in a group too large for receipts).
+      if redis.call('SCARD', KEYS[1]) <= receiptsUpTo then
+        redis.call(publishCommand, channel, encodeWhole({type = 'receipt', conversation_id = conversation, epoch = epoch,
+          user_id = sender, delivered_seq = seq, read_seq = seq}, {'delivered_seq', 'read_seq'}))
+      end
     end
     return {'stored', epoch, record}
     """)
@@ -148,6 +216,9 @@ struct ReadHistory: ScriptCall {
     var page: HistoryRange
     var limit: Int
     var newEpoch: String
+    /// For an `after` read: the epoch the seq belongs to, when the reader names one. An epoch
+    /// the current one forked from reads from the lower of the seq and its fork point.
+    var epoch: String? = nil
 
     func keys(_ context: ScriptContext) -> [String] {
         [context.keys.members(conversation), context.keys.historyMeta(conversation), context.keys.history(conversation)]
@@ -160,7 +231,7 @@ struct ReadHistory: ScriptCall {
         case .latest: ("latest", 0)
         }
         return [context.now, RedisArgument(reader), RedisArgument(mode), RedisArgument(Int(seq)), RedisArgument(limit),
-                RedisArgument(newEpoch), ScriptContext.milliseconds(context.configuration.messageTTL)]
+                RedisArgument(newEpoch), ScriptContext.milliseconds(context.configuration.messageTTL), RedisArgument(epoch ?? "")]
     }
 
     func decode(_ reply: RESPValue) throws(PresenceError) -> HistoryPage {
@@ -168,38 +239,48 @@ struct ReadHistory: ScriptCall {
         if let refusal = MessageLua.refusal(parts) { throw refusal }
         switch parts.first?.string {
         case "page":
-            guard parts.count == 5, let epoch = parts[1].string, let last = parts[2].int, let first = parts[3].int, let entries = parts[4].array else { break }
+            guard parts.count == 7, let epoch = parts[1].string, let last = parts[2].int, let first = parts[3].int, let entries = parts[4].array,
+                  let point = parts[5].int, let forks = parts[6].string else { break }
             let messages = entries.compactMap { StoredMessage(conversation: conversation, epoch: epoch, entry: $0) }
-            return HistoryPage(epoch: epoch, lastSeq: Int64(last), firstSeq: Int64(first), messages: messages)
+            return HistoryPage(epoch: epoch, lastSeq: Int64(last), firstSeq: Int64(first), messages: messages,
+                               forkPoint: point >= 0 ? Int64(point) : nil, forks: HistoryPage.Fork.list(forks))
         default: break
         }
         throw PresenceError(.internal, "unexpected reply from the history script: \(reply)")
     }
 
     static let script = RedisScript(ScriptLua.clock + MessageLua.common + """
-    local reader, mode, seq, limit, newEpoch, ttl = ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], ARGV[6], tonumber(ARGV[7])
+    local reader, mode, seq, limit, newEpoch, ttl, from = ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], ARGV[6], tonumber(ARGV[7]), ARGV[8]
     -- No reader: a node's own read for delivery, which neither checks nor starts anything.
     if reader ~= '' then
       local no = refused(KEYS[1], reader)
       if no then return {no} end
     end
-    local epoch, last = current(KEYS[2])
-    if not epoch and reader == '' then return {'page', '', 0, 1, {}} end
+    local epoch, last, forks = current(KEYS[2])
+    if not epoch and reader == '' then return {'page', '', 0, 1, {}, -1, ''} end
     if not epoch then
       epoch, last = newEpoch, 0
       redis.call('DEL', KEYS[3])
-      redis.call('HSET', KEYS[2], 'epoch', epoch, 'seq', 0)
-      redis.call('PEXPIRE', KEYS[2], ttl)
+      begin(KEYS[2], epoch, ttl)
+    end
+    -- A seq of an epoch this one forked from goes on from the fork point at most.
+    local point = -1
+    if from ~= '' and from ~= epoch then
+      local p = forkPoint(forks, from)
+      if p then
+        point = p
+        seq = math.min(seq, p)
+      end
     end
     local oldest = redis.call('XRANGE', KEYS[3], '-', '+', 'COUNT', 1)
     local first = last + 1
     if #oldest > 0 then first = tonumber(string.match(oldest[1][1], '^(%d+)')) end
     local entries
     if mode == 'after' then
-      entries = redis.call('XRANGE', KEYS[3], '(' .. seq .. '-0', '+', 'COUNT', limit)
+      entries = redis.call('XRANGE', KEYS[3], '(' .. whole(seq) .. '-0', '+', 'COUNT', limit)
     else
       local top = '+'
-      if mode == 'before' then top = '(' .. seq .. '-0' end
+      if mode == 'before' then top = '(' .. whole(seq) .. '-0' end
       if mode == 'before' and seq <= 1 then
         entries = {}
       else
@@ -208,7 +289,7 @@ struct ReadHistory: ScriptCall {
         for i = #newest, 1, -1 do table.insert(entries, newest[i]) end
       end
     end
-    return {'page', epoch, last, first, entries}
+    return {'page', epoch, last, first, entries, point, forks}
     """)
 }
 
@@ -245,18 +326,18 @@ struct MoveCursor: ScriptCall {
     local conversation, user, kind, seq, channel, ttl = ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[7])
     local no = refused(KEYS[1], user)
     if no then return {no} end
-    local epoch, last = current(KEYS[2])
+    local epoch, last, forks = current(KEYS[2])
     if not epoch then return {'cursors', 0, 0} end
-    local delivered, read = cursorOf(redis.call('HGET', KEYS[3], user), epoch)
+    local delivered, read = cursorOf(redis.call('HGET', KEYS[3], user), epoch, forks)
     local target = math.min(seq, last)
     local newRead = read
     if kind == 'read' then newRead = math.max(read, target) end
     local newDelivered = math.max(delivered, target, newRead)
     if newDelivered ~= delivered or newRead ~= read then
-      redis.call('HSET', KEYS[3], user, epoch .. '|' .. newDelivered .. '|' .. newRead)
+      redis.call('HSET', KEYS[3], user, cursorText(epoch, newDelivered, newRead))
       redis.call('PEXPIRE', KEYS[3], ttl)
-      redis.call(publishCommand, channel, cjson.encode({type = 'receipt', conversation_id = conversation, epoch = epoch,
-        user_id = user, delivered_seq = newDelivered, read_seq = newRead}))
+      redis.call(publishCommand, channel, encodeWhole({type = 'receipt', conversation_id = conversation, epoch = epoch,
+        user_id = user, delivered_seq = newDelivered, read_seq = newRead}, {'delivered_seq', 'read_seq'}))
     end
     return {'cursors', newDelivered, newRead}
     """)
@@ -303,11 +384,11 @@ struct ReadReceipts: ScriptCall {
     end
     local atMost = tonumber(ARGV[3])
     if atMost > 0 and redis.call('SCARD', KEYS[1]) > atMost then return {'toomany'} end
-    local epoch = current(KEYS[2])
+    local epoch, _, forks = current(KEYS[2])
     local rows = {}
     for _, member in ipairs(redis.call('SMEMBERS', KEYS[1])) do
       local delivered, read = 0, 0
-      if epoch then delivered, read = cursorOf(redis.call('HGET', KEYS[3], member), epoch) end
+      if epoch then delivered, read = cursorOf(redis.call('HGET', KEYS[3], member), epoch, forks) end
       table.insert(rows, {member, delivered, read})
     end
     return {'receipts', rows}
@@ -342,9 +423,9 @@ struct SummarizeConversation: ScriptCall {
 
     static let script = RedisScript(ScriptLua.clock + MessageLua.common + """
     if refused(KEYS[1], ARGV[2]) then return {'none'} end
-    local epoch, last = current(KEYS[2])
+    local epoch, last, forks = current(KEYS[2])
     if not epoch then return {'summary', '', 0, 0, 0, {}} end
-    local delivered, read = cursorOf(redis.call('HGET', KEYS[4], ARGV[2]), epoch)
+    local delivered, read = cursorOf(redis.call('HGET', KEYS[4], ARGV[2]), epoch, forks)
     return {'summary', epoch, last, delivered, read, redis.call('XREVRANGE', KEYS[3], '+', '-', 'COUNT', 1)}
     """)
 }
@@ -367,7 +448,7 @@ struct StartCursors: ScriptCall {
     static let script = RedisScript(ScriptLua.clock + MessageLua.common + """
     local epoch, last = current(KEYS[1])
     if not epoch or last == 0 then return 0 end
-    for i = 3, #ARGV do redis.call('HSET', KEYS[2], ARGV[i], epoch .. '|' .. last .. '|' .. last) end
+    for i = 3, #ARGV do redis.call('HSET', KEYS[2], ARGV[i], cursorText(epoch, last, last)) end
     redis.call('PEXPIRE', KEYS[2], tonumber(ARGV[2]))
     return 1
     """)

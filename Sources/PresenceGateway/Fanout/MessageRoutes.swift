@@ -157,8 +157,13 @@ final class MessageRoutes: Sendable {
         }
         if message.epoch == route.leftEpoch { return false }
         if message.epoch != route.epoch {
-            // A new life of the history (expired, deleted and made again, or lost): seqs start
-            // from 1 again. Anything else (a message of it that came first) is read from it.
+            // Another life of the history: the first one (nothing was there when the position
+            // was read), or one that began since: lost (seqs from 1 again) or forked (seqs go on
+            // from its fork point). Only the history can say which: read it.
+            guard route.epoch.isEmpty else {
+                route.waiting.append(message)
+                return true
+            }
             route.epoch = message.epoch
             route.lastSeq = 0
         }
@@ -237,12 +242,26 @@ final class MessageRoutes: Sendable {
             guard let position else { return }
             do {
                 // Unknown position: where the history stands is enough (nothing before it is owed).
-                let page = try await engine.deliveryPage(of: conversation, position.settled ? .after(position.lastSeq) : .latest, limit: position.settled ? PresenceEngine.maxHistoryPage : 1)
+                // A known one names its epoch, so that a fork reads on from its fork point.
+                let page = try await engine.deliveryPage(of: conversation, position.settled ? .after(position.lastSeq) : .latest,
+                                                         limit: position.settled ? PresenceEngine.maxHistoryPage : 1,
+                                                         epoch: position.epoch.isEmpty ? nil : position.epoch)
                 failures = 0
                 if let probe = afterDeliveryRead.withLockedValue({ $0 }) { await probe(conversation) }
                 let done = state.withLockedValue { state -> Bool in
                     guard var route = state.routes[conversation] else { return true }
                     defer { state.routes[conversation] = route }
+                    if page.epoch != route.epoch, route.settled, let point = page.forkPoint {
+                        // The history forked from the route's epoch: what was delivered up to the
+                        // fork point is the same message in the new epoch; the page was read from
+                        // the lower of the two (sessions that were sent more are told by `sync`).
+                        route.leftEpoch = route.epoch
+                        route.epoch = page.epoch
+                        route.lastSeq = min(route.lastSeq, point)
+                    }
+                    // Waiting messages of another life than the history's (older ones that came
+                    // late) are not of what is delivered from now on.
+                    if !page.epoch.isEmpty { route.waiting.removeAll { $0.epoch != page.epoch } }
                     if !route.settled {
                         Self.place(&route, epoch: page.epoch, lastSeq: page.lastSeq)
                     } else if page.epoch != route.epoch {
@@ -308,6 +327,12 @@ final class MessageRoutes: Sendable {
             }
             if message.epoch == route.leftEpoch { continue }
             if message.epoch != route.epoch {
+                // Lost or forked: only the history says which (see ``accept(_:route:)``).
+                guard route.epoch.isEmpty else {
+                    route.waiting.append(message)
+                    gap = true
+                    continue
+                }
                 route.epoch = message.epoch
                 route.lastSeq = 0
             }

@@ -105,12 +105,30 @@ final class SessionHub: Service, Sendable {
     /// catch-up reads again). A new session's first call runs once it is registered (its user's
     /// channel subscribed: a membership change from then on is heard and read again) and ends
     /// before the session handles its first frame.
-    func refreshMessageRoutes(of sessions: [Session]) async {
-        guard let user = sessions.first?.userID, let conversations = try? await engine.conversations(of: user) else { return }
+    @discardableResult
+    func refreshMessageRoutes(of sessions: [Session]) async -> Bool {
+        guard let user = sessions.first?.userID, let conversations = try? await engine.conversations(of: user) else { return false }
         for session in sessions where !session.isClosing {
             let current = messages.conversations(of: session)
             await messages.leave(session, Array(current.subtracting(conversations)))
             await messages.join(session, conversations)
+        }
+        return true
+    }
+
+    /// A new session's first read of its user's conversations. When it fails (Redis slow or
+    /// away for a moment), it is read again, with backoff up to 5 s, until it succeeds or the
+    /// session closes: nothing else would (a membership change or a pub/sub reconnect need not
+    /// come), and a session with no routes gets no live message for its whole life.
+    func openMessageRoutes(of session: Session) async {
+        guard await !refreshMessageRoutes(of: [session]) else { return }
+        Task {
+            var delay = Duration.milliseconds(100)
+            while !session.isClosing {
+                guard (try? await Task.sleep(for: delay)) != nil, !session.isClosing else { return }
+                if await refreshMessageRoutes(of: [session]) { return }
+                delay = min(delay * 2, .seconds(5))
+            }
         }
     }
 

@@ -19,6 +19,7 @@ struct FrameHandler {
     private var statusBucket: TokenBucket
     private var subscribeBucket: TokenBucket
     private var typingBucket: TokenBucket
+    private var syncBucket: TokenBucket
 
     init(gateway: Gateway, session: Session, user: AuthenticatedUser) {
         self.gateway = gateway
@@ -28,6 +29,7 @@ struct FrameHandler {
         statusBucket = TokenBucket(rate: configuration.statusRate, burst: configuration.statusRate * 2)
         subscribeBucket = TokenBucket(rate: configuration.subscribeRate, burst: configuration.subscribeRate * 2)
         typingBucket = TokenBucket(rate: configuration.typingRate, burst: configuration.typingRate * 2)
+        syncBucket = TokenBucket(rate: configuration.syncRate, burst: configuration.syncRate * 2)
     }
 
     /// Handles one text message; returns `false` once the session must close.
@@ -137,7 +139,7 @@ struct FrameHandler {
                 createdAt: stored.createdAt, duplicate: sent.duplicate
             )), id: id))
         case .sync(let positions):
-            if let wait = subscribeBucket.take() { throw APIError.rateLimited("too many syncs", retryAfter: wait) }
+            if let wait = syncBucket.take() { throw APIError.rateLimited("too many syncs", retryAfter: wait) }
             await sync(positions, id: id)
         case .delivered(let conversation, let seq):
             _ = try await gateway.engine.moveCursor(.delivered, of: user.userID, in: conversation, to: seq)
@@ -156,47 +158,64 @@ struct FrameHandler {
     }
 
     /// `sync`: for each position, the messages after it this session was not sent yet (up to
-    /// 1,000, and 128 KiB of them over the whole frame), then `synced` with what cannot be
+    /// 1,000, and 128 KiB of frames over the whole answer), then `synced` with what cannot be
     /// given; the conversation's live messages wait meanwhile (see Session+Messages.swift). A
     /// position refused (not a member, no such conversation, Redis away) is answered by an
     /// `error` naming its conversation; the others go on.
     private func sync(_ positions: [SyncPosition], id: String?) async {
         let frames = gateway.frames
-        // One answer stays well inside what a session may have waiting to be written (a slow
-        // client must not be closed for syncing): past it, `more` says to sync again.
+        // An answer is queued once the one before it has gone to the socket, and stays well
+        // inside what a session may have waiting to be written, counted as the bytes it writes:
+        // a client reading as fast as it can is never closed for syncing. Past it, `more` says
+        // to sync again.
+        if !positions.isEmpty { await session.connection.drained() }
         var budget = gateway.configuration.outboundBufferLimit / 2
         session.beginSync(positions.map(\.conversationID))
         for position in positions {
             let conversation = position.conversationID
             if let probe = gateway.hub.beforeSyncRead.withLockedValue({ $0 }) { await probe(conversation) }
             do {
-                var answer = try await gateway.engine.sync(position, for: user.userID)
-                budget = answer.cut(toBytes: budget)
+                let answer = try await gateway.engine.sync(position, for: user.userID)
+                let (encoded, cut) = Self.encode(answer.messages, within: &budget, frames: frames)
+                let more = answer.more || cut
                 var missing = answer.missing
                 // This session was sent seqs after the position before the sync (live, after or
                 // past its opening hold; a sync crossing them on the wire), so it sends none at or
                 // below them: those of the unbroken run it was sent the client has; any before
                 // that run cannot be given here, and the client reads them over REST.
                 let lost = missing.contains { $0.toSeq == nil }
-                let from = missing.last { $0.toSeq != nil && $0.epoch == answer.epoch }?.toSeq ?? (lost ? 0 : position.afterSeq)
+                let from = missing.last { $0.toSeq != nil && $0.epoch == answer.epoch }?.toSeq ?? (lost ? 0 : answer.after)
                 if let sent = session.sentPosition(conversation), sent.epoch == answer.epoch, sent.seq > from {
                     let before = min(sent.runStart - 1, answer.lastSeq)
                     if before > from { missing.append(MissingRange(epoch: answer.epoch, fromSeq: from + 1, toSeq: before)) }
                 }
                 let synced = frames.text(.synced(SyncedPayload(
                     conversationID: conversation, epoch: answer.epoch, lastSeq: answer.lastSeq, complete: missing.isEmpty,
-                    more: answer.more, missing: missing, receipts: try await receipts(of: conversation)
+                    more: more, missing: missing, truncated: answer.truncated, receipts: try await receipts(of: conversation)
                 )), id: id)
-                session.endSync(conversation, answer: (answer.messages, synced, answer.more)) { message in
-                    TextFrame(frames.bytes(.message(MessagePayload(message))))
-                }
+                session.endSync(conversation, answer: (encoded, synced, more))
             } catch {
-                session.endSync(conversation, answer: nil) { _ in TextFrame([]) }
+                session.endSync(conversation, answer: nil)
                 let apiError = APIError.from(error)
                 GatewayMetrics.errors(apiError.code.rawValue)
                 session.send(frames.text(.error(ErrorPayload(code: apiError.code, message: apiError.message, conversationID: conversation)), id: id))
             }
         }
+    }
+
+    /// The `message` frames of `messages` that fit in `budget` bytes as written (at least one
+    /// while any budget is left), and whether some were cut; takes what they use from `budget`.
+    static func encode(_ messages: [StoredMessage], within budget: inout Int, frames: FrameCoder)
+        -> (encoded: [(message: StoredMessage, frame: TextFrame)], cut: Bool) {
+        var encoded: [(message: StoredMessage, frame: TextFrame)] = []
+        for message in messages {
+            let frame = TextFrame(frames.bytes(.message(MessagePayload(message))))
+            let size = frame.bytes.readableBytes
+            guard size <= budget || (encoded.isEmpty && budget > 0) else { return (encoded, true) }
+            budget = max(0, budget - size)
+            encoded.append((message, frame))
+        }
+        return (encoded, false)
     }
 
     /// Every member's cursors for a `synced`, read after its messages (a client sets its sent

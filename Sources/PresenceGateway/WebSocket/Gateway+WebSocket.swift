@@ -236,7 +236,7 @@ final class SessionRun: Sendable {
         // client that writes at once would queue frames meanwhile), and done before
         // `initial_state`: from its first frame on, the session gets every message stored
         // after, and a `sync` finds its live messages routed.
-        async let routed: Void = gateway.hub.refreshMessageRoutes(of: [session])
+        async let routed: Void = gateway.hub.openMessageRoutes(of: session)
         do {
             let opened = try await gateway.engine.connect(user: user.userID, device: device, session: session.id, status: status)
             if opened.change.changed { GatewayMetrics.transition() }

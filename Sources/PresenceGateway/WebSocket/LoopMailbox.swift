@@ -14,6 +14,9 @@ final class LoopMailbox: Sendable {
         case send(TextFrame)
         case close(code: UInt16, reason: String)
         case expire(at: NIODeadline)
+        /// Completes the promise once what was sent before is taken by the socket (below NIO's
+        /// high-water mark), or the connection is gone.
+        case drained(EventLoopPromise<Void>)
     }
 
     /// An operation for a handler of this loop. The handler is touched only on the loop, in
@@ -67,6 +70,8 @@ final class LoopMailbox: Sendable {
                 posted.handler.close(code, reason: reason)
             case .expire(let deadline):
                 posted.handler.expire(at: deadline)
+            case .drained(let promise):
+                posted.handler.whenDrained(promise)
             }
         }
         for handler in written { handler.flush() }

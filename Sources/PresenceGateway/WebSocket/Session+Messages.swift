@@ -122,12 +122,12 @@ extension Session {
     /// Ends a `sync` of one conversation: sends its messages not sent yet, then `synced`, then
     /// the live messages held meanwhile, all in one step so that nothing comes in between. A
     /// failed sync passes `nil` and sends nothing of its own.
-    func endSync(_ conversation: String, answer: (messages: [StoredMessage], synced: String, more: Bool)?, encode: (StoredMessage) -> TextFrame) {
+    func endSync(_ conversation: String, answer: (messages: [(message: StoredMessage, frame: TextFrame)], synced: String, more: Bool)?) {
         messageState.withLockedValue { state in
             let openingHold = state.openingHold
             state.update(conversation) { entry in
                 if let answer {
-                    for message in answer.messages where entry.take(message) { send(encode(message)) }
+                    for (message, frame) in answer.messages where entry.take(message) { send(frame) }
                     send(answer.synced)
                     entry.behind = answer.more
                 }

@@ -76,6 +76,8 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
     private var writable = true
     /// Written since the last flush.
     private var unflushed = false
+    /// Waiting for the channel to be writable again (``whenDrained(_:)``).
+    private var drainWaiters: [EventLoopPromise<Void>] = []
     /// Pongs written during the read under way, flushed when it completes.
     private var pongsUnflushed = false
     private var pinger: Scheduled<Void>?
@@ -129,12 +131,14 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
 
     func handlerRemoved(context: ChannelHandlerContext) {
         cancelTimers()
+        releaseDrainWaiters()
         self.context = nil
         rawContext = nil
     }
 
     func channelInactive(context: ChannelHandlerContext) {
         cancelTimers()
+        releaseDrainWaiters()
         events.ended(ending)
         context.fireChannelInactive()
     }
@@ -151,8 +155,29 @@ final class SessionChannelHandler: ChannelDuplexHandler, RemovableChannelHandler
 
     func channelWritabilityChanged(context: ChannelHandlerContext) {
         writable = context.channel.isWritable
-        if writable { unwritableBytes = 0 }
+        if writable {
+            unwritableBytes = 0
+            releaseDrainWaiters()
+        }
         context.fireChannelWritabilityChanged()
+    }
+
+    /// Completes `promise` once the channel is writable: at once if it is (or the connection is
+    /// gone), else when it becomes so. A large answer waits on it before it is queued, so that
+    /// answers follow one another as the socket drains instead of piling up past the slow-reader
+    /// budget.
+    func whenDrained(_ promise: EventLoopPromise<Void>) {
+        guard writable, context != nil else {
+            if context == nil { promise.succeed() } else { drainWaiters.append(promise) }
+            return
+        }
+        promise.succeed()
+    }
+
+    private func releaseDrainWaiters() {
+        let waiting = drainWaiters
+        drainWaiters = []
+        for promise in waiting { promise.succeed() }
     }
 
     private func cancelTimers() {
@@ -437,5 +462,13 @@ struct SessionConnection: Sendable {
     /// Closes with 4001 at `deadline`.
     func expire(at deadline: NIODeadline) {
         mailbox.post(.expire(at: deadline), to: handler)
+    }
+
+    /// Returns once what was sent before is taken by the socket (the channel is writable), or
+    /// the connection is gone.
+    func drained() async {
+        let promise = mailbox.eventLoop.makePromise(of: Void.self)
+        mailbox.post(.drained(promise), to: handler)
+        try? await promise.futureResult.get()
     }
 }
