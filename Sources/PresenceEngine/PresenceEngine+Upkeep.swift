@@ -30,6 +30,17 @@ extension PresenceEngine {
         unrestored.withLockedValue { $0.owed = Set(local.withLockedValue { $0.keys }) }
         try await registerNode()
         reportLoss()
+        // Redis restarted, perhaps from an older snapshot: a device it has under an older session
+        // of this node's is this node's again before the write-back, which would take it for
+        // another session's and close the live one.
+        if takeNewLife() {
+            do {
+                try await settleNewLife()
+            } catch {
+                newLifeFound.withLockedValue { $0 = true }
+                throw error
+            }
+        }
         return try await restorePending()
     }
 
@@ -326,5 +337,85 @@ extension PresenceEngine {
             report.restored = try await restorePending()
         }
         return report
+    }
+}
+
+extension PresenceEngine {
+    /// Whether a renewal found Redis in a new life since the last ``settleNewLife()``; taking it.
+    public func takeNewLife() -> Bool {
+        newLifeFound.withLockedValue { found in
+            defer { found = false }
+            return found
+        }
+    }
+
+    /// Redis began a new life since this node last renewed (a restart, perhaps from an older
+    /// snapshot, or a failover to a replica that lagged): it may hold what this node's sessions
+    /// were long ago. Every device the node's index names, and every device its sessions hold,
+    /// is checked against them (``SettleNewLife``): one no session here holds lingers and then
+    /// goes offline; one held under an older session of this node is this session's again; one
+    /// lost is written again. Watchers read everything again (``UpkeepEvent/dataLost``), and an
+    /// audit follows. Returns how many devices it changed.
+    @discardableResult
+    public func settleNewLife() async throws(PresenceError) -> Int {
+        let node = configuration.nodeID
+        var members = Set<String>()
+        var cursor = "0"
+        repeat {
+            let page = try await run { try await self.redis.execute(SSCAN(key: self.keys.nodeDevices(node), cursor: cursor, count: 1000)) }
+            cursor = page.cursor
+            members.formUnion(page.members)
+        } while cursor != "0"
+        let held = local.withLockedValue { $0 }
+        members.formUnion(held.keys)
+        var byUser: [String: [(device: String, held: (session: String, status: PresenceStatus)?)]] = [:]
+        for member in members.sorted() {
+            guard let (user, device) = keys.splitDeviceMember(member) else { continue }
+            byUser[user, default: []].append((device, held[member].map { ($0.session, $0.status) }))
+        }
+        reportLoss()
+        let users = byUser.keys.sorted()
+        var changedDevices = 0
+        var lost: [String] = []
+        for start in stride(from: 0, to: users.count, by: Self.restoreBatch) {
+            let batch = Array(users[start..<min(start + Self.restoreBatch, users.count)])
+            // A device that may linger is indexed at its deadline before it is given one.
+            let unheld = batch.map { user in (user: user, devices: byUser[user, default: []].filter { $0.held == nil }.map(\.device)) }
+            try await indexDeadlines(unheld.filter { !$0.devices.isEmpty }, after: configuration.linger)
+            let calls = batch.map { SettleNewLife(user: $0, node: node, devices: byUser[$0] ?? []) }
+            var lingering: [DeadlineEntry] = []
+            var released: [String] = []
+            for (call, result) in zip(calls, try await evaluate(calls)) {
+                guard case .success(let outcome) = result else { continue }
+                for (entry, finding) in zip(call.devices, outcome.findings) {
+                    let member = keys.deviceMember(user: call.user, device: entry.device)
+                    switch finding {
+                    case .kept: break
+                    case .lost: lost.append(member)
+                    case .retaken: changedDevices += 1
+                    case .lingering(let until):
+                        changedDevices += 1
+                        lingering.append(deviceDeadline(of: call.user, device: entry.device, at: until))
+                    }
+                    if entry.held == nil { released.append(member) }
+                }
+                if let change = outcome.change { await settle(change) }
+            }
+            await reindex(lingering)
+            if !released.isEmpty {
+                _ = try? await run { try await self.redis.execute(SREM(key: self.keys.nodeDevices(node), members: released)) }
+                // A session that opened meanwhile holds its device again: indexed again.
+                let back = released.filter { member in local.withLockedValue { $0[member] != nil } }
+                if !back.isEmpty { _ = try? await run { try await self.redis.execute(SADD(key: self.keys.nodeDevices(node), members: back)) } }
+            }
+        }
+        if !lost.isEmpty {
+            unrestored.withLockedValue { $0.owed.formUnion(lost) }
+            changedDevices += try await restorePending()
+        }
+        logger.info("Redis began a new life; this node's devices settled against its sessions", metadata: [
+            "presence.node_id": "\(node)", "presence.devices": "\(changedDevices)",
+        ])
+        return changedDevices
     }
 }

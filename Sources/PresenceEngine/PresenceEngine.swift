@@ -54,6 +54,8 @@ public final class PresenceEngine: Sendable {
     let sharedKeysKept = NIOLockedValueBox<ContinuousClock.Instant?>(nil)
     /// The last device the scheduled audit checked: the next one goes on after it.
     let auditCursor = NIOLockedValueBox("")
+    /// A renewal found Redis in a new life, and ``settleNewLife()`` has not run since.
+    let newLifeFound = NIOLockedValueBox(false)
     /// When the audits asked for outside the schedule are due (``requestAudit(after:)``).
     let auditsRequested = NIOLockedValueBox<[ContinuousClock.Instant]>([])
     /// Runs at the start of every audit, when set: tests make an audit slow there.

@@ -1,4 +1,5 @@
 import Logging
+import NIOConcurrencyHelpers
 import RedisClient
 import ServiceLifecycle
 
@@ -69,6 +70,16 @@ public struct PresenceLeaseService: Service {
                     try await engine.reregister()
                 } else if engine.restoreOwed {
                     try await engine.restorePending()
+                }
+                // Redis restarted or failed over since the last renewal: it may have gone back in
+                // time, and holds devices of sessions this node no longer has.
+                if registered, engine.takeNewLife() {
+                    do {
+                        try await engine.settleNewLife()
+                    } catch {
+                        engine.newLifeFound.withLockedValue { $0 = true }
+                        throw error
+                    }
                 }
                 failures = 0
             } catch let mismatch as PubSubMismatch {

@@ -106,3 +106,92 @@ struct AuditDevices: ScriptCall {
     return codes
     """)
 }
+
+/// After Redis began a new life (a restart, perhaps from an older snapshot, or a failover to a
+/// replica that lagged), checks the devices of one user that name this node, or that a session
+/// here holds, against this node's sessions. A device no session here holds, which Redis still
+/// has as held by one of this node's sessions, is a device that went away after the snapshot: it
+/// lingers as after a drop (the engine indexed its deadline first), so that a device that moved
+/// to another node meanwhile, which that node writes again, shows no offline. A device a session
+/// here holds, which Redis has as held by an older session of this node, is its session's again.
+struct SettleNewLife: ScriptCall {
+    enum Finding: Equatable {
+        /// As it should be, or not this node's (another node's session, a REST device).
+        case kept
+        /// Held here, and Redis has no live record of it: the node writes it again.
+        case lost
+        /// Held here under an older session of this node's in Redis: written with this session.
+        case retaken
+        /// No session here holds it; lingers until this deadline (ms).
+        case lingering(until: Int64)
+    }
+
+    struct Outcome {
+        var findings: [Finding]
+        /// The aggregate worked out again, when a record changed.
+        var change: PresenceChange?
+    }
+
+    var user: String
+    var node: String
+    /// Each device to check, with the session and status that hold it here (`nil`: none).
+    var devices: [(device: String, held: (session: String, status: PresenceStatus)?)]
+
+    func keys(_ context: ScriptContext) -> [String] { [context.keys.devices(user), context.keys.state(user)] }
+
+    func arguments(_ context: ScriptContext) -> [RedisArgument] {
+        [context.now, RedisArgument(user), RedisArgument(node), ScriptContext.milliseconds(context.configuration.linger),
+         RedisArgument(context.keys.userChannel(user)), context.deviceTTL]
+            + devices.flatMap { [RedisArgument($0.device), RedisArgument($0.held?.session ?? ""), RedisArgument($0.held?.status.rawValue ?? "")] }
+    }
+
+    func decode(_ reply: RESPValue) throws(PresenceError) -> Outcome {
+        let values = reply.array ?? []
+        guard values.count == devices.count + 1, let codes = values.first?.array, codes.count == devices.count else {
+            throw PresenceError(.internal, "unexpected reply from the new-life script")
+        }
+        let findings: [Finding] = codes.map { code in
+            switch code.string {
+            case "lost": .lost
+            case "retaken": .retaken
+            case let text? where text.hasPrefix("linger:"): .lingering(until: Int64(text.dropFirst(7)) ?? 0)
+            default: .kept
+            }
+        }
+        let change = values[1].array.flatMap { $0.isEmpty ? nil : try? ScriptLua.change($0, user: user) }
+        return Outcome(findings: findings, change: change)
+    }
+
+    /// Returns {a code per device, the aggregate's change as `finish()` gives it, or {}}.
+    static let script = RedisScript(ScriptLua.devices + """
+    local now = clock(ARGV[1])
+    local user, node, linger, channel, ttl = ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], ARGV[6]
+    local codes = {}
+    local changed = false
+    for base = 6, #ARGV - 3, 3 do
+      local device, session, status = ARGV[base + 1], ARGV[base + 2], ARGV[base + 3]
+      local raw = redis.call('HGET', KEYS[1], device)
+      local code = 'kept'
+      if raw then
+        local d = parse(raw)
+        if session ~= '' and d.session ~= session and d.node == node and d.session ~= '' then
+          d.session, d.status, d.deadline, d.alive = session, status, 0, now
+          redis.call('HSET', KEYS[1], device, encode(d))
+          code, changed = 'retaken', true
+        elseif session ~= '' and d.session == '' then
+          code = 'lost'
+        elseif session == '' and d.node == node and d.session ~= '' then
+          d.node, d.session, d.deadline, d.alive = '', '', now + linger, now
+          redis.call('HSET', KEYS[1], device, encode(d))
+          code, changed = 'linger:' .. tostring(d.deadline), true
+        end
+      elseif session ~= '' then
+        code = 'lost'
+      end
+      codes[#codes + 1] = code
+    end
+    local change = {}
+    if changed then change = finish(KEYS[2], KEYS[1], channel, now, 0, user, ttl) end
+    return {codes, change}
+    """)
+}

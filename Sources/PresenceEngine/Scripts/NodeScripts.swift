@@ -14,7 +14,10 @@ struct RenewLease: ScriptCall {
     enum Outcome {
         /// Renewed at this moment, until `ends`; the node's device index holds this many devices.
         /// An index smaller than the node's sessions says Redis lost some of it: the caller audits.
-        case renewed(at: Int64, ends: Int64, indexed: Int)
+        /// `newLife`: the server is not the one the node last renewed on (it restarted, perhaps
+        /// from an older snapshot, or a replica took over): what it holds may be older than what
+        /// the node knows, and the caller settles it (``PresenceEngine/settleNewLife()``).
+        case renewed(at: Int64, ends: Int64, indexed: Int, newLife: Bool)
         /// A renewal found the lease gone (reaped, or Redis lost its data): the caller registers again.
         case gone
     }
@@ -39,23 +42,30 @@ struct RenewLease: ScriptCall {
         let values = reply.array ?? []
         guard let at = values.first?.int else { throw PresenceError(.internal, "unexpected reply from the lease script") }
         guard at > 0 else { return .gone }
-        guard values.count == 3, let ends = values[1].int, let indexed = values[2].int else {
+        guard values.count == 4, let ends = values[1].int, let indexed = values[2].int else {
             throw PresenceError(.internal, "unexpected reply from the lease script")
         }
-        return .renewed(at: Int64(at), ends: Int64(ends), indexed: indexed)
+        return .renewed(at: Int64(at), ends: Int64(ends), indexed: indexed, newLife: values[3].int == 1)
     }
 
-    /// Returns {the renewal's moment, the lease's end, how many devices the index holds}, or {0}
-    /// when gone.
+    /// Returns {the renewal's moment, the lease's end, how many devices the index holds, 1 if
+    /// the server's run id is not the one of the node's last renewal}, or {0} when gone. The run
+    /// id changes on every restart and on a failover to another server. A registration compares
+    /// too: a node that found its lease gone may find Redis restarted from an older snapshot (one
+    /// where the lease had run out).
     static let script = RedisScript(ScriptLua.clock + """
     local now = clock(ARGV[1])
     local lease, node, sessions, ttl, mode, pubsub = tonumber(ARGV[2]), ARGV[3], ARGV[4], ARGV[5], ARGV[6], ARGV[7]
     local ends = now + lease
     if mode ~= 'register' and not leaseLeft(KEYS[1], ARGV[1]) then return {0} end
+    local life = string.match(redis.call('INFO', 'server'), 'run_id:(%w+)') or ''
+    local before = redis.call('HGET', KEYS[2], 'life')
+    local newLife = 0
+    if before and before ~= life then newLife = 1 end
     redis.call('SET', KEYS[1], ends, 'PX', lease)
-    redis.call('HSET', KEYS[2], 'renewed_at', now, 'sessions', sessions, 'pubsub', pubsub, 'messages', ARGV[8])
+    redis.call('HSET', KEYS[2], 'renewed_at', now, 'sessions', sessions, 'pubsub', pubsub, 'messages', ARGV[8], 'life', life)
     redis.call('PEXPIRE', KEYS[2], ttl)
-    return {now, ends, redis.call('SCARD', KEYS[3])}
+    return {now, ends, redis.call('SCARD', KEYS[3]), newLife}
     """)
 }
 

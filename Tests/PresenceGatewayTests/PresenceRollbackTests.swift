@@ -1,0 +1,63 @@
+import Foundation
+import PresenceEngine
+import RedisTestSupport
+import Testing
+
+@testable import PresenceGateway
+
+/// Presence across a Redis that went back in time (DESIGN.md invariants 1, 2, 3 and 5; the
+/// failure table of docs/operations.md): a restart from a snapshot taken before devices came
+/// and went.
+@Suite("Presence across a Redis rollback")
+struct PresenceRollbackTests {
+    /// `user`'s status over REST, as `viewer` sees it.
+    static func status(_ port: Int, _ user: String, viewer: String = "bob") async -> String? {
+        guard let read = try? await call(port, "GET", "/api/presence/users/\(user)", token: try await token(viewer)), read.status == 200 else { return nil }
+        return (read.json as? [String: Any])?["status"] as? String
+    }
+
+    @Test("a restart from an older snapshot: a device gone since goes offline, one that reconnected since keeps its session, and watchers see no flicker")
+    func restartFromSnapshot() async throws {
+        let server = try RedisServerProcess()
+        let prefix = TestRedis.uniquePrefix("rollback")
+        try await withNodes(1, prefix: prefix, configure: { $0.redisURL = server.url() }) { ports in
+            let port = ports[0]
+            try await ConversationTests.setUp(port, ["alice", "bob", "carol", "erin"])
+            let bob = try await MessageSessionTests.open(port, "bob", device: "phone")
+            bob.send("subscribe", ["user_ids": ["alice", "carol", "erin"]], id: "w")
+            _ = try await bob.next("initial_state")
+            let carol = try await MessageSessionTests.open(port, "carol", device: "laptop")
+            let alice = try await MessageSessionTests.open(port, "alice", device: "phone")
+            let erin = try await MessageSessionTests.open(port, "erin", device: "desk")
+            #expect(await eventually {
+                let alice = await Self.status(port, "alice"), erin = await Self.status(port, "erin")
+                return alice == "online" && erin == "online"
+            })
+            try server.cli("SAVE")
+
+            // After the snapshot: alice signs off; erin's device drops and comes back at once on
+            // a new session.
+            alice.closeNormally()
+            #expect(await eventually { await Self.status(port, "alice") == "offline" })
+            erin.closeAbruptly()
+            let erinAgain = try await MessageSessionTests.open(port, "erin", device: "desk")
+            _ = await bob.drain(for: .milliseconds(300))
+
+            server.stop()
+            try server.start()
+            // The snapshot has alice live on this node, and erin's device under its first session.
+            #expect(try server.cli("HLEN", "\(prefix):{u:alice}:devices").contains("1"))
+
+            // Offline within a lease (3 s) plus a second, counted from Redis coming back.
+            let settled = await eventually(timeout: .seconds(8)) { await Self.status(port, "alice") == "offline" }
+            #expect(settled, "alice, gone before the rollback, is offline again")
+            let erinNow = await Self.status(port, "erin"), carolNow = await Self.status(port, "carol")
+            #expect(erinNow == "online" && carolNow == "online")
+            let seen = await bob.drain(for: .seconds(2))
+            let flickers = seen.filter { $0.type == "presence_update" && ($0.userID == "carol" || $0.userID == "erin") && $0.status == "offline" }
+            #expect(flickers.isEmpty, "\(flickers.map(\.data))")
+            #expect(await erinAgain.closed(timeout: .milliseconds(100)) == nil, "erin's session is not taken for another's")
+            #expect(await carol.closed(timeout: .milliseconds(100)) == nil)
+        }
+    }
+}
