@@ -71,6 +71,13 @@ export interface PresenceClientEventMap {
   messagestatus: CustomEvent<MessageStatusChange>;
   /** A `sync` could not give these messages (trimmed, or a history Redis lost). */
   messagegap: CustomEvent<MessageGap>;
+  /**
+   * Redis lost these seqs of `epoch`, which this device held (it went back in time: the epoch
+   * forked). Other members' messages in the range are out of `messages()`; this device's own are
+   * back in the outbox, `sending` again (a `messagestatus` says so), and go again with the same
+   * `clientMessageId`.
+   */
+  messagetruncated: CustomEvent<MessageGap>;
 }
 
 /** `sending` (in the outbox), `sent` (stored), `delivered` and `read` (by every other member), `failed` (kept for `retry`). */
@@ -84,6 +91,10 @@ export interface ChatMessage {
   /** Null until the gateway stored it. */
   readonly seq: number | null;
   readonly id: string | null;
+  /**
+   * Null until stored. The frame's `epoch` (never read from `id`); a message kept across a fork
+   * takes the new epoch, with the same `seq` and `id`.
+   */
   readonly epoch: string | null;
   /** Null for this device's messages until the gateway's copy names the sender. */
   readonly senderId: string | null;
@@ -109,6 +120,7 @@ export interface MemberReceipt {
   readonly readSeq: number;
 }
 
+/** Seqs `fromSeq` to `toSeq` of a conversation's `epoch`: what a sync could not give, or what Redis lost. */
 export interface MessageGap {
   readonly conversationId: string;
   readonly epoch: string | null;
@@ -282,7 +294,10 @@ export declare class PresenceClient extends EventTarget {
 
   /** Writes a message: returned at once as `sending` (not a Promise); it goes out when a session is open. */
   send(conversationId: string, text: string, options?: { type?: "text" | "image"; imageUrl?: string }): ChatMessage;
-  /** The conversation's messages: stored ones in seq order, then this device's unsent ones. */
+  /**
+   * The conversation's messages: stored ones in seq order (a message that came past a gap is
+   * kept in its place), then this device's unsent ones in the order they go out.
+   */
   messages(conversationId: string): ChatMessage[];
   /** Every member's cursors, as last heard. */
   receipts(conversationId: string): MemberReceipt[];

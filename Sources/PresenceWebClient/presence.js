@@ -93,7 +93,9 @@
 /**
  * A conversation's message on this device: one it wrote (in the outbox until the gateway stores
  * it) or one the gateway delivered. `seq`, `id` and `epoch` are null until stored; `senderId` is
- * null for this device's messages until the gateway's copy names it.
+ * null for this device's messages until the gateway's copy names it. `epoch` is the frame's (a
+ * gateway too old to send one: the conversation's as known here); a message kept across a fork
+ * takes the new epoch, with the same seq and id.
  * @typedef {Readonly<{ conversationId: string, clientMessageId: string, seq: number | null, id: string | null,
  *   epoch: string | null, senderId: string | null, type: string, text: string, imageUrl: string | null,
  *   createdAt: Date, status: MessageStatus, failure: string | null }>} ChatMessage
@@ -123,8 +125,29 @@ const ID_PATTERN = /^[A-Za-z0-9._:@-]{1,128}$/;
 const ID_RULE = "1-128 characters of A-Z a-z 0-9 . _ : @ -";
 /** Ids per `subscribe` frame, as the Swift client sends them. */
 const SUBSCRIBE_CHUNK = 500;
+/**
+ * `subscribe` frames a session may send: the gateway's subscribe budget (5 a second, a burst of
+ * 10), mirrored so that following hundreds of conversations never meets a refusal.
+ */
+const SUBSCRIBE_RATE = 5;
+const SUBSCRIBE_BURST = 10;
 /** Positions per `sync` frame (the gateway's limit). */
 const SYNC_CHUNK = 100;
+/** `sync` frames a session may send: the gateway's sync budget (5 a second, a burst of 10), mirrored. */
+const SYNC_RATE = 5;
+const SYNC_BURST = 10;
+/**
+ * Frames of every kind a session may send, under the gateway's frame rate (50 a second, a burst
+ * of 100). Not mirrored exactly: the gateway counts frames as they arrive, and the network may
+ * bunch frames sent apart; a frame it refuses for the rate is answered without its id (its
+ * content is not kept), so the request is lost, and the 51st refusal in a row closes with 4029.
+ */
+const FRAME_RATE = 40;
+const FRAME_BURST = 80;
+/** Codes a `sync` (or one of its positions) may get past by being sent again later. */
+const SYNC_RETRIED = ["rate_limited", "unavailable", "internal"];
+/** Waits (s) before a refused or failed `sync` goes again: 1 s doubling up to 30 s, each ±20 %. */
+const SYNC_BACKOFF = { initial: 1, maximum: 30, jitter: 0.2 };
 /** Attempts per message on live sessions, and the waits (s) before the second and third. */
 const MESSAGE_ATTEMPTS = 3;
 const ATTEMPT_DELAYS = [1, 2];
@@ -361,6 +384,62 @@ export class ReconnectBackoff {
   reset() { this.#attempts = 0; }
 }
 
+/**
+ * A budget of `rate` frames a second with a burst of `burst`, as the gateway keeps one per
+ * session: the client spends from its own copy before it writes, so the gateway's never refuses.
+ * Moments are milliseconds.
+ */
+class TokenBucket {
+  #tokens;
+  #updated;
+
+  /**
+   * @param {number} rate tokens a second
+   * @param {number} burst the most it holds (it starts full, as the gateway's does)
+   * @param {number} now
+   */
+  constructor(rate, burst, now) {
+    this.rate = rate;
+    this.burst = burst;
+    this.#tokens = burst;
+    this.#updated = now;
+  }
+
+  /** @param {number} now */
+  #refill(now) {
+    // Milliseconds times the rate first: whole milliseconds then add whole tokens exactly.
+    this.#tokens = Math.min(this.burst, this.#tokens + (Math.max(0, now - this.#updated) * this.rate) / 1000);
+    this.#updated = Math.max(this.#updated, now);
+  }
+
+  /**
+   * Whether a token is there at `now`.
+   * @param {number} now
+   */
+  ready(now) {
+    this.#refill(now);
+    return this.#tokens >= 1 - 1e-9;
+  }
+
+  /**
+   * Spends a token; call after `ready(now)`.
+   * @param {number} now
+   */
+  take(now) {
+    this.#refill(now);
+    this.#tokens = Math.max(0, this.#tokens - 1);
+  }
+
+  /**
+   * When (ms) a token will be there: `now` if it is.
+   * @param {number} now
+   */
+  readyAt(now) {
+    if (this.ready(now)) return now;
+    return now + Math.ceil(((1 - this.#tokens) * 1000) / this.rate);
+  }
+}
+
 /** @typedef {{ conversationId: string, isTyping: boolean }} TypingSend */
 
 /**
@@ -462,7 +541,7 @@ export class TypingDebouncer {
  *   | { type: "removed", detail: RemovedUser } | { type: "typing", detail: TypingChange }
  *   | { type: "group", detail: GroupPresence } | { type: "error", detail: PresenceErrorDetail }
  *   | { type: "message", detail: ChatMessage } | { type: "messagestatus", detail: MessageStatusChange }
- *   | { type: "messagegap", detail: MessageGap }} ClientEvent
+ *   | { type: "messagegap", detail: MessageGap } | { type: "messagetruncated", detail: MessageGap }} ClientEvent
  */
 
 /**
@@ -865,15 +944,17 @@ class ClientLifecycle {
  *   | { type: "typing_update", id: string | null, userId: string, conversationId: string, isTyping: boolean }
  *   | { type: "group_presence", id: string | null, group: GroupPresence }
  *   | { type: "ack" | "pong", id: string | null }
- *   | { type: "error", id: string | null, code: string, message: string, conversationId: string | null }
+ *   | { type: "error", id: string | null, code: string, message: string, conversationId: string | null, retryAfter: number | null }
  *   | { type: "message", id: string | null, message: ChatMessage }
  *   | { type: "message_ack", id: string | null, conversationId: string, clientMessageId: string, seq: number, messageId: string,
- *       epoch: string, createdAt: Date }
+ *       epoch: string | null, createdAt: Date }
  *   | { type: "synced", id: string | null, conversationId: string, epoch: string, lastSeq: number, more: boolean,
- *       missing: Array<{ epoch: string | null, fromSeq: number, toSeq: number | null }>, receipts: MemberReceipt[] | null }
+ *       missing: SeqRange[], truncated: SeqRange[], receipts: MemberReceipt[] | null }
  *   | { type: "receipt", id: string | null, conversationId: string, receipt: MemberReceipt }
  *   | { type: "unknown", id: string | null, name: string }} ServerMessage
  */
+
+/** @typedef {{ epoch: string | null, fromSeq: number, toSeq: number | null }} SeqRange */
 
 /** A frame that does not read as the protocol says. */
 class Unreadable extends Error {}
@@ -929,7 +1010,18 @@ function readString(value, what) {
 }
 
 /**
- * A `message` frame's data (epoch from its id, `epoch-seq`).
+ * A frame's `epoch`: the field itself, never read from a message's `id` (whose text the API does
+ * not promise). `null` from a gateway older than the field.
+ * @param {unknown} value
+ * @returns {string | null}
+ */
+function readEpoch(value) {
+  if (value === undefined || value === null) return null;
+  return readString(value, "epoch");
+}
+
+/**
+ * A `message` frame's data.
  * @param {Record<string, unknown>} record
  * @param {MessageStatus} status
  * @returns {ChatMessage}
@@ -940,9 +1032,25 @@ function readMessage(record, status) {
   if (created === null) throw new Unreadable("created_at is not an ISO 8601 UTC timestamp");
   return Object.freeze({
     conversationId: readId(record.conversation_id), clientMessageId: readString(record.client_message_id, "client_message_id"),
-    seq: readSeq(record.seq), id, epoch: id.split("-")[0], senderId: readId(record.sender_id),
+    seq: readSeq(record.seq), id, epoch: readEpoch(record.epoch), senderId: readId(record.sender_id),
     type: readString(record.type, "type"), text: readString(record.text, "text"),
     imageUrl: typeof record.image_url === "string" ? record.image_url : null, createdAt: new Date(created), status, failure: null,
+  });
+}
+
+/**
+ * The ranges of `missing` or `truncated`.
+ * @param {unknown} value
+ * @param {string} what
+ * @returns {SeqRange[]}
+ */
+function readRanges(value, what) {
+  if (!Array.isArray(value)) throw new Unreadable(`${what} is not an array`);
+  return value.map((range) => {
+    if (!isObject(range)) throw new Unreadable(`a ${what} range is not an object`);
+    const entry = /** @type {Record<string, unknown>} */ (range);
+    return { epoch: typeof entry.epoch === "string" ? entry.epoch : null, fromSeq: readSeq(entry.from_seq),
+      toSeq: entry.to_seq === null || entry.to_seq === undefined ? null : readSeq(entry.to_seq) };
   });
 }
 
@@ -1002,7 +1110,10 @@ function readServerMessage(text) {
         // A code from a newer gateway reads as `internal`, so the page still sees the error.
         const code = ERROR_CODES.includes(record.code) ? record.code : "internal";
         const conversationId = record.conversation_id === undefined || record.conversation_id === null ? null : readId(record.conversation_id);
-        return { type, id, code, message: record.message, conversationId };
+        // Seconds until the refused budget has room again, where the gateway says.
+        const retryAfter = typeof record.retry_after === "number" && Number.isFinite(record.retry_after) && record.retry_after >= 0
+          ? record.retry_after : null;
+        return { type, id, code, message: record.message, conversationId, retryAfter };
       }
       case "message":
         return { type, id, message: readMessage(record, "delivered") };
@@ -1012,21 +1123,18 @@ function readServerMessage(text) {
         if (created === null) throw new Unreadable("created_at is not an ISO 8601 UTC timestamp");
         return {
           type, id, conversationId: readId(record.conversation_id), clientMessageId: readString(record.client_message_id, "client_message_id"),
-          seq: readSeq(record.seq), messageId, epoch: messageId.split("-")[0], createdAt: new Date(created),
+          seq: readSeq(record.seq), messageId, epoch: readEpoch(record.epoch), createdAt: new Date(created),
         };
       }
       case "synced": {
         if (typeof record.more !== "boolean" || !Array.isArray(record.missing)) throw new Unreadable("synced needs more and missing");
-        const missing = record.missing.map((range) => {
-          if (!isObject(range)) throw new Unreadable("a missing range is not an object");
-          const entry = /** @type {Record<string, unknown>} */ (range);
-          return { epoch: typeof entry.epoch === "string" ? entry.epoch : null, fromSeq: readSeq(entry.from_seq),
-            toSeq: entry.to_seq === null || entry.to_seq === undefined ? null : readSeq(entry.to_seq) };
-        });
+        const missing = readRanges(record.missing, "missing");
+        // A gateway older than `truncated` never forks an epoch.
+        const truncated = record.truncated === undefined || record.truncated === null ? [] : readRanges(record.truncated, "truncated");
         const receipts = Array.isArray(record.receipts) ? record.receipts.map(readReceipt) : null;
         return {
           type, id, conversationId: readId(record.conversation_id), epoch: readString(record.epoch, "epoch"),
-          lastSeq: readSeq(record.last_seq), more: record.more, missing, receipts,
+          lastSeq: readSeq(record.last_seq), more: record.more, missing, truncated, receipts,
         };
       }
       case "receipt":
@@ -1317,14 +1425,24 @@ function sameState(a, b) {
 /**
  * What a request sent under a frame id was, until the gateway answers it.
  * @typedef {{ kind: "status" } | { kind: "users", users: string[] } | { kind: "conversation", conversationId: string }
- *   | { kind: "typing" } | { kind: "message", clientMessageId: string } | { kind: "sync" } | { kind: "other" }} Request
+ *   | { kind: "typing" } | { kind: "message", clientMessageId: string } | { kind: "sync", waiting: Set<string> } | { kind: "other" }} Request
  */
+
+/** @typedef {{ conversationId: string, afterSeq: number, epoch: string | null }} SyncPosition */
 
 /**
  * One conversation as this device knows it.
  * @typedef {object} ConversationLog
  * @property {string | null} epoch The history's epoch; null before any message.
- * @property {number} lastSeq The last seq received in order.
+ * @property {number} lastSeq The highest seq of the epoch such that every seq up to it is held
+ *   here or was named unrecoverable (`missing`): where the next `sync` starts, and what
+ *   `delivered` says. Never moved past a gap this device was neither given nor told about.
+ * @property {Set<number>} above Seqs of the epoch held here above `lastSeq` (past a gap).
+ * @property {Array<{ fromSeq: number, toSeq: number }>} named Ranges of the epoch above `lastSeq` a
+ *   `synced` named as missing.
+ * @property {number | null} stuckAt A complete `synced` of this session left `lastSeq` here
+ *   below its `last_seq` (the gateway counts the gap as given and never sends a seq twice on a
+ *   session): the gap is not asked for again until the next session.
  * @property {ChatMessage[]} messages Stored messages, in history order.
  * @property {Set<string>} seen Their ids.
  * @property {Map<string, MemberReceipt>} receipts Members' cursors.
@@ -1341,7 +1459,8 @@ function sameState(a, b) {
 
 /** @returns {ConversationLog} */
 const newLog = () => ({
-  epoch: null, lastSeq: 0, messages: [], seen: new Set(), receipts: new Map(), receiptsComplete: false, deliveredSent: 0, readUpTo: 0, readSent: 0,
+  epoch: null, lastSeq: 0, above: new Set(), named: [], stuckAt: null, messages: [], seen: new Set(), receipts: new Map(),
+  receiptsComplete: false, deliveredSent: 0, readUpTo: 0, readSent: 0,
 });
 
 /**
@@ -1350,6 +1469,15 @@ const newLog = () => ({
  * @returns {ChatMessage}
  */
 const changed = (message, changes) => Object.freeze({ ...message, ...changes });
+
+/**
+ * A frame waiting to be written. Frames of a lane go in the order they were made; a lane whose
+ * budget is spent does not hold up the others (a `sync` never waits behind `subscribe`s).
+ * `unsubscribe` shares the `subscribe` lane without spending its budget, so it never overtakes
+ * the `subscribe` it undoes.
+ * @typedef {{ id: string, text: string, lane: "subscribe" | "sync" | "other", bucket: "subscribe" | "sync" | null,
+ *   request: Request, onWrite: (() => void) | null }} PacedFrame
+ */
 
 /**
  * One WebSocket attempt, from its creation to its close.
@@ -1363,7 +1491,13 @@ const changed = (message, changes) => Object.freeze({ ...message, ...changes });
  * @property {Map<string, Request>} pending
  * @property {Set<string>} catchUp Ids of the catch-up's requests not yet answered.
  * @property {Array<{ due: number, type: string, data: Record<string, unknown>, request: Request, catchingUp: boolean }>} retries
- * @property {string[]} queued Frames written before the socket opened.
+ * @property {PacedFrame[]} paced Frames not written yet, oldest first: the socket is not open, or
+ *   the budgets (`buckets`) have no room.
+ * @property {{ frame: TokenBucket, subscribe: TokenBucket, sync: TokenBucket }} buckets The
+ *   gateway's budgets for this session, as the client spends them.
+ * @property {Map<string, number>} syncRetries Conversations whose refused or failed `sync` goes
+ *   again at that moment (ms).
+ * @property {Map<string, ReconnectBackoff>} syncBackoffs Their waits, growing with each failure.
  * @property {boolean} closing
  * @property {unknown} closeTimer
  * @property {Array<() => void>} endWaiters
@@ -1651,7 +1785,8 @@ export class PresenceClient extends EventTarget {
       const stop = this.#debouncer.stop(conversationId);
       if (stop) this.#sendTyping(stop);
       if (!this.#joined.delete(conversationId)) return;
-      this.#send("unsubscribe", { conversation_id: conversationId }, { kind: "other" });
+      // A `subscribe` still waiting for the budget never reached the gateway: nothing to undo.
+      if (!this.#unqueueSubscribe(conversationId)) this.#send("unsubscribe", { conversation_id: conversationId }, { kind: "other" });
       this.#emit(this.#cache.removeConversation(conversationId));
     });
   }
@@ -1714,8 +1849,9 @@ export class PresenceClient extends EventTarget {
   }
 
   /**
-   * A conversation's messages, at once: those the gateway stored, in order, then this device's
-   * not stored yet (sending or failed).
+   * A conversation's messages, at once: those the gateway stored, in seq order (a message that
+   * came past a gap keeps its place, and what fills the gap goes before it), then this device's
+   * not stored yet (sending or failed), in the order they go out.
    * @param {string} conversationId
    * @returns {ChatMessage[]}
    */
@@ -2103,21 +2239,24 @@ export class PresenceClient extends EventTarget {
       this.#pause(this.#backoff.nextDelay(this.#random));
       return;
     }
+    const now = this.#clock.now();
     /** @type {Session} */
     const session = {
       serial: this.#serial, socket, opened: false, awaitingInitialState: true, openedWith,
-      openDeadline: this.#clock.now() + this.#openTimeout * 1000,
-      pending: new Map(), catchUp: new Set(), retries: [], queued: [],
+      openDeadline: now + this.#openTimeout * 1000,
+      pending: new Map(), catchUp: new Set(), retries: [], paced: [],
+      buckets: {
+        frame: new TokenBucket(FRAME_RATE, FRAME_BURST, now),
+        subscribe: new TokenBucket(SUBSCRIBE_RATE, SUBSCRIBE_BURST, now),
+        sync: new TokenBucket(SYNC_RATE, SYNC_BURST, now),
+      },
+      syncRetries: new Map(), syncBackoffs: new Map(),
       closing: false, closeTimer: null, endWaiters: [], detach: () => {},
     };
     const onOpen = () => this.#act(() => {
       if (this.#session !== session) return;
       session.opened = true;
-      try {
-        for (const text of session.queued.splice(0)) socket.send(text);
-      } catch (error) {
-        this.#log("debug", "a frame could not be written", error);
-      }
+      this.#writePaced(session);
     });
     /** @param {MessageEvent} event */
     const onMessage = (event) => this.#act(() => {
@@ -2230,6 +2369,8 @@ export class PresenceClient extends EventTarget {
       this.#lifecycle.statusRetryAt,
       session?.awaitingInitialState ? session.openDeadline : null,
       ...(session?.retries.map((retry) => retry.due) ?? []),
+      ...(session?.syncRetries.values() ?? []),
+      session ? this.#pacedDeadline(session, this.#clock.now()) : null,
       this.#outboxDeadline(this.#clock.now()),
     ].filter((deadline) => deadline !== null);
     const next = deadlines.length > 0 ? Math.min(.../** @type {number[]} */ (deadlines)) : null;
@@ -2256,12 +2397,15 @@ export class PresenceClient extends EventTarget {
     this.#emit(this.#cache.expireTyping(now));
     const session = this.#session;
     if (session) {
+      // What waited for the budgets goes before what is made now.
+      this.#writePaced(session);
       const due = session.retries.filter((retry) => retry.due <= now);
       session.retries = session.retries.filter((retry) => retry.due > now);
       for (const retry of due) {
         const id = this.#send(retry.type, retry.data, retry.request);
         if (id !== null && retry.catchingUp) session.catchUp.add(id);
       }
+      this.#syncRetriesDue(session, now);
     }
     this.#sendOwedStatus();
     this.#outboxTimers(now);
@@ -2270,29 +2414,76 @@ export class PresenceClient extends EventTarget {
   // MARK: Sending
 
   /**
-   * Writes a frame with a fresh id if there is a session; returns the id.
+   * Sends a frame with a fresh id if there is a session; returns the id. It is written now if
+   * the socket is open and the session's budgets have room, else as soon as they do.
    * @param {string} type
    * @param {Record<string, unknown>} data keys in sorted order
    * @param {Request} request
+   * @param {(() => void) | null} [onWrite] called when the frame is written
    * @returns {string | null}
    */
-  #send(type, data, request) {
+  #send(type, data, request, onWrite = null) {
     const session = this.#session;
     if (!session) return null;
     this.#nextFrameId += 1;
     const id = `${session.serial}.${this.#nextFrameId}`;
     session.pending.set(id, request);
     const text = frameText(type, data, id);
-    if (!session.opened) {
-      session.queued.push(text);
-      return id;
-    }
-    try {
-      session.socket.send(text);
-    } catch (error) {
-      this.#log("debug", "a frame could not be written", error);
-    }
+    const lane = type === "subscribe" || type === "unsubscribe" ? "subscribe" : type === "sync" ? "sync" : "other";
+    const bucket = type === "subscribe" ? "subscribe" : type === "sync" ? "sync" : null;
+    session.paced.push({ id, text, lane, bucket, request, onWrite });
+    this.#writePaced(session);
     return id;
+  }
+
+  /**
+   * Writes the waiting frames the budgets have room for, oldest first in each lane.
+   * @param {Session} session
+   */
+  #writePaced(session) {
+    if (!session.opened || session.paced.length === 0) return;
+    const now = this.#clock.now();
+    const { buckets } = session;
+    /** @type {Set<string>} */
+    const held = new Set();
+    /** @type {PacedFrame[]} */
+    const waiting = [];
+    for (const frame of session.paced) {
+      if (held.has(frame.lane) || !buckets.frame.ready(now) || (frame.bucket !== null && !buckets[frame.bucket].ready(now))) {
+        held.add(frame.lane);
+        waiting.push(frame);
+        continue;
+      }
+      buckets.frame.take(now);
+      if (frame.bucket !== null) buckets[frame.bucket].take(now);
+      try {
+        session.socket.send(frame.text);
+      } catch (error) {
+        this.#log("debug", "a frame could not be written", error);
+      }
+      frame.onWrite?.();
+    }
+    session.paced = waiting;
+  }
+
+  /**
+   * When (ms) the budgets have room for a waiting frame, or `null`.
+   * @param {Session} session
+   * @param {number} now
+   */
+  #pacedDeadline(session, now) {
+    if (!session.opened) return null;
+    let next = null;
+    /** @type {Set<string>} */
+    const lanes = new Set();
+    for (const frame of session.paced) {
+      if (lanes.has(frame.lane)) continue;
+      lanes.add(frame.lane);
+      let at = session.buckets.frame.readyAt(now);
+      if (frame.bucket !== null) at = Math.max(at, session.buckets[frame.bucket].readyAt(now));
+      if (next === null || at < next) next = at;
+    }
+    return next;
   }
 
   /** @param {TypingSend} typing */
@@ -2326,6 +2517,29 @@ export class PresenceClient extends EventTarget {
   #subscribeConversation(conversationId, catchingUp) {
     const id = this.#send("subscribe", { conversation_id: conversationId }, { kind: "conversation", conversationId });
     if (id !== null && catchingUp) this.#session?.catchUp.add(id);
+  }
+
+  /**
+   * Drops a conversation's `subscribe` that was not written yet (waiting for the budget, or to be
+   * sent again after a refusal); returns whether there was one.
+   * @param {string} conversationId
+   */
+  #unqueueSubscribe(conversationId) {
+    const session = this.#session;
+    if (!session) return false;
+    /** @param {Request} request */
+    const isIt = (request) => request.kind === "conversation" && request.conversationId === conversationId;
+    const queued = session.paced.filter((frame) => isIt(frame.request));
+    const refused = session.retries.filter((retry) => isIt(retry.request));
+    if (queued.length === 0 && refused.length === 0) return false;
+    session.paced = session.paced.filter((frame) => !isIt(frame.request));
+    session.retries = session.retries.filter((retry) => !isIt(retry.request));
+    for (const frame of queued) {
+      session.pending.delete(frame.id);
+      session.catchUp.delete(frame.id);
+    }
+    this.#answered(null);
+    return true;
   }
 
   // MARK: The outbox
@@ -2381,7 +2595,8 @@ export class PresenceClient extends EventTarget {
 
   /**
    * Sends what is due: per conversation, its oldest `sending` message, unless another of the
-   * conversation is under way. Nothing without an open session, or before the outbox is read.
+   * conversation is under way (so a conversation's messages are stored in the outbox's order).
+   * Nothing without an open session, or before the outbox is read.
    */
   #sendOutbox() {
     const session = this.#session;
@@ -2401,8 +2616,15 @@ export class PresenceClient extends EventTarget {
       if (message.imageUrl !== null) data.image_url = message.imageUrl;
       data.text = message.text;
       data.type = message.type;
-      entry.frameId = this.#send("send", data, { kind: "message", clientMessageId: message.clientMessageId });
-      entry.deadline = now + ACK_TIMEOUT * 1000;
+      // The wait for the answer starts when the frame is written, not while it waits for the frame budget.
+      entry.deadline = null;
+      /** @type {string | null} */
+      let id = null;
+      id = this.#send("send", data, { kind: "message", clientMessageId: message.clientMessageId }, () => {
+        // Written at once (its id not returned yet), or later and still this attempt.
+        if (id === null || entry.frameId === id) entry.deadline = this.#clock.now() + ACK_TIMEOUT * 1000;
+      });
+      entry.frameId = id;
     }
   }
 
@@ -2439,11 +2661,13 @@ export class PresenceClient extends EventTarget {
       entry.deadline = null;
       entry.due = null;
     }
+    // Syncs under way, and those waiting to go again, end with the session: the next one syncs anyway.
     this.#chat.syncing.clear();
     // What was said on the ended session may not have arrived: said again on the next.
     for (const log of this.#chat.logs.values()) {
       log.deliveredSent = 0;
       log.readSent = 0;
+      log.stuckAt = null;
     }
   }
 
@@ -2508,20 +2732,27 @@ export class PresenceClient extends EventTarget {
   // MARK: Sync and receipts
 
   /**
-   * The session opened: every conversation this device knows is synced (from its last seq and
-   * epoch, or from the start of what the gateway keeps), then the outbox goes out.
+   * The session opened: every conversation this device knows is synced at once (from its last
+   * seq and epoch, or from the start of what the gateway keeps), then the outbox goes out. Each
+   * conversation's `synced` says its cursors.
    */
   #messagesSessionOpened() {
     const conversations = [...new Set([...this.#chat.logs.keys(), ...this.#joined])].sort();
-    this.#sync(conversations.map((conversationId) => {
-      const log = this.#chat.logs.get(conversationId);
-      return { conversationId, afterSeq: log?.lastSeq ?? 0, epoch: log?.epoch ?? null };
-    }));
-    for (const conversationId of [...this.#chat.logs.keys()].sort()) this.#sendCursors(conversationId);
+    this.#sync(conversations.map((conversationId) => this.#position(conversationId)));
     this.#sendOutbox();
   }
 
-  /** @param {Array<{ conversationId: string, afterSeq: number, epoch: string | null }>} positions */
+  /**
+   * Where a conversation's next `sync` starts: its last seq and epoch, or the start.
+   * @param {string} conversationId
+   * @returns {SyncPosition}
+   */
+  #position(conversationId) {
+    const log = this.#chat.logs.get(conversationId);
+    return { conversationId, afterSeq: log?.lastSeq ?? 0, epoch: log?.epoch ?? null };
+  }
+
+  /** @param {SyncPosition[]} positions */
   #sync(positions) {
     // Nothing to sync: the empty `sync` ends the session's opening hold of live messages.
     if (positions.length === 0) this.#send("sync", { positions: [] }, { kind: "other" });
@@ -2532,8 +2763,84 @@ export class PresenceClient extends EventTarget {
         positions: chunk.map((position) => (position.epoch === null
           ? { after_seq: position.afterSeq, conversation_id: position.conversationId }
           : { after_seq: position.afterSeq, conversation_id: position.conversationId, epoch: position.epoch })),
-      }, { kind: "sync" });
+      }, { kind: "sync", waiting: new Set(chunk.map((position) => position.conversationId)) });
     }
+  }
+
+  /**
+   * A position of a `sync` was answered, by its `synced` or by an `error` naming it; the frame's
+   * request is done once every position is.
+   * @param {string | null} id
+   * @param {string} conversationId
+   */
+  #syncAnswered(id, conversationId) {
+    const session = this.#session;
+    const request = id === null ? undefined : session?.pending.get(id);
+    if (!session || id === null || request?.kind !== "sync") return;
+    request.waiting.delete(conversationId);
+    if (request.waiting.size === 0) session.pending.delete(id);
+  }
+
+  /**
+   * The gateway refused or failed a `sync`: the whole frame (`conversationId` null: every
+   * position not answered yet) or one position. What may succeed later (`rate_limited`,
+   * `unavailable`, `internal`) goes again after a wait; a position refused for good (not a
+   * member, no such conversation) is not synced again.
+   * @param {string} id
+   * @param {Extract<Request, { kind: "sync" }>} request
+   * @param {string} code
+   * @param {string} message
+   * @param {string | null} conversationId
+   * @param {number | null} retryAfter
+   */
+  #syncFailed(id, request, code, message, conversationId, retryAfter) {
+    const conversations = conversationId === null ? [...request.waiting].sort() : [conversationId];
+    for (const conversation of conversations) this.#syncAnswered(id, conversation);
+    if (SYNC_RETRIED.includes(code)) {
+      this.#log("info", "a sync was refused; it goes again", code, message, conversations);
+      for (const conversation of conversations) this.#retrySync(conversation, retryAfter);
+      return;
+    }
+    for (const conversation of conversations) {
+      if (conversationId !== null) this.#syncRefused(conversation);
+      else this.#chat.syncing.delete(conversation);
+    }
+    this.#emit([{ type: "error", detail: Object.freeze({ code, message }) }]);
+  }
+
+  /**
+   * Sends a conversation's `sync` again after a wait: the gateway's `retry_after` where it gave
+   * one (never before it, and spread up to a fifth after it, so that clients refused together
+   * do not come back together), else the backoff, which grows with each failure of this session.
+   * Until then the conversation counts as syncing, so live messages start no other sync.
+   * @param {string} conversationId
+   * @param {number | null} retryAfter seconds
+   */
+  #retrySync(conversationId, retryAfter) {
+    const session = this.#session;
+    if (!session) return;
+    let backoff = session.syncBackoffs.get(conversationId);
+    if (!backoff) {
+      backoff = new ReconnectBackoff(SYNC_BACKOFF);
+      session.syncBackoffs.set(conversationId, backoff);
+    }
+    const delay = backoff.nextDelay(this.#random);
+    const wait = retryAfter === null ? delay : retryAfter * (1 + SYNC_BACKOFF.jitter * this.#random());
+    this.#chat.syncing.add(conversationId);
+    session.syncRetries.set(conversationId, this.#clock.now() + wait * 1000);
+  }
+
+  /**
+   * Sends the `sync`s whose wait is over, from where each conversation is now (live messages may
+   * have moved it meanwhile), together.
+   * @param {Session} session
+   * @param {number} now
+   */
+  #syncRetriesDue(session, now) {
+    const due = [...session.syncRetries].filter(([, at]) => at <= now).map(([conversationId]) => conversationId).sort();
+    if (due.length === 0) return;
+    for (const conversationId of due) session.syncRetries.delete(conversationId);
+    this.#sync(due.map((conversationId) => this.#position(conversationId)));
   }
 
   /**
@@ -2541,13 +2848,15 @@ export class PresenceClient extends EventTarget {
    * @param {string} clientMessageId
    * @param {number} seq
    * @param {string} messageId
-   * @param {string} epoch
+   * @param {string | null} epoch
    */
   #acknowledged(conversationId, clientMessageId, seq, messageId, epoch) {
     const index = this.#chat.outbox.findIndex((entry) => entry.message.clientMessageId === clientMessageId);
     if (index < 0) return;
     const [entry] = this.#chat.outbox.splice(index, 1);
-    const message = changed(entry.message, { seq, id: messageId, epoch, status: "sent", failure: null });
+    // A gateway too old to say the epoch: the conversation's as known here.
+    const stored = { seq, id: messageId, epoch: epoch ?? this.#chat.logs.get(conversationId)?.epoch ?? null };
+    const message = changed(entry.message, { ...stored, status: "sent", failure: null });
     this.#saveOutbox();
     this.#place(message);
     this.#messageStatusChanged(message);
@@ -2560,8 +2869,17 @@ export class PresenceClient extends EventTarget {
     const conversationId = received.conversationId;
     if (this.#chat.written.has(received.clientMessageId)) this.#chat.ownUserId = received.senderId;
     const own = received.senderId === this.#chat.ownUserId;
-    let message = changed(received, { status: own ? "sent" : this.#isReadHere(conversationId) ? "read" : "delivered" });
     const isNew = !this.#chat.logs.has(conversationId);
+    const log = this.#logOf(conversationId);
+    if (log.epoch === null && received.epoch !== null) this.#adoptEpoch(log, received.epoch);
+    // A gateway too old to say the epoch: the message is of the history as known here.
+    const epoch = received.epoch ?? log.epoch;
+    const seq = /** @type {number} */ (received.seq);
+    // A session gets an epoch's messages in seq order, and is told of every gap: a seq past the
+    // next one means something was skipped. It is kept (messages() stays in seq order), but the
+    // last seq stays before the gap.
+    const gap = epoch === log.epoch && seq > log.lastSeq + 1;
+    let message = changed(received, { epoch, status: own ? "sent" : this.#isReadHere(conversationId) ? "read" : "delivered" });
     // The gateway's copy of a message this device wrote may come before its ack.
     const index = own ? this.#chat.outbox.findIndex((entry) => entry.message.clientMessageId === received.clientMessageId) : -1;
     if (index >= 0) {
@@ -2573,45 +2891,264 @@ export class PresenceClient extends EventTarget {
     } else if (this.#place(message)) {
       this.#emit([{ type: "message", detail: message }]);
     }
-    const log = /** @type {ConversationLog} */ (this.#chat.logs.get(conversationId));
-    if (log.epoch !== message.epoch) {
-      log.epoch = message.epoch;
-      log.lastSeq = 0;
-    }
-    log.lastSeq = Math.max(log.lastSeq, /** @type {number} */ (message.seq));
     if (this.#isReadHere(conversationId)) log.readUpTo = log.lastSeq;
     this.#refreshStatuses(conversationId);
-    if (isNew) {
+    if (this.#chat.syncing.has(conversationId)) {
+      // The sync under way answers for it (a conversation joined but not heard of yet included).
+    } else if (isNew) {
       // First heard of here: what came before, and every member's cursors.
       this.#sync([{ conversationId, afterSeq: 0, epoch: null }]);
-    } else if (!this.#chat.syncing.has(conversationId)) {
+    } else if (epoch !== log.epoch) {
+      // Another epoch: Redis lost the history, or went back in time. A sync from where this
+      // device is (not from nothing) says which, and what of its history carried over.
+      this.#sync([this.#position(conversationId)]);
+    } else if (gap && log.stuckAt !== log.lastSeq) {
+      // The sync from the last seq gives the gap, or names it in `missing`.
+      this.#sync([this.#position(conversationId)]);
+    } else {
       this.#sendCursors(conversationId);
     }
     this.#sendOutbox();
   }
 
-  /** @param {Extract<ServerMessage, { type: "synced" }>} synced */
-  #synced(synced) {
+  /**
+   * @param {string | null} id
+   * @param {Extract<ServerMessage, { type: "synced" }>} synced
+   */
+  #synced(id, synced) {
     const conversationId = synced.conversationId;
+    this.#syncAnswered(id, conversationId);
+    this.#session?.syncBackoffs.delete(conversationId);
+    this.#session?.syncRetries.delete(conversationId);
     this.#chat.syncing.delete(conversationId);
-    const log = this.#chat.logs.get(conversationId) ?? newLog();
-    this.#chat.logs.set(conversationId, log);
-    if (log.epoch !== synced.epoch) {
-      log.epoch = synced.epoch;
-      log.lastSeq = 0;
+    const log = this.#logOf(conversationId);
+    if (log.epoch !== synced.epoch) this.#epochChanged(log, synced);
+    for (const range of synced.missing) {
+      this.#emit([{ type: "messagegap", detail: Object.freeze({ conversationId, epoch: range.epoch, fromSeq: range.fromSeq, toSeq: range.toSeq }) }]);
+      // What Redis cannot give of this epoch no longer holds the last seq (and `delivered`) back.
+      if (range.toSeq !== null && (range.epoch ?? synced.epoch) === synced.epoch && range.toSeq > log.lastSeq) {
+        log.named.push({ fromSeq: range.fromSeq, toSeq: range.toSeq });
+      }
     }
-    if (!synced.more) log.lastSeq = Math.max(log.lastSeq, synced.lastSeq);
     if (synced.receipts) {
       for (const receipt of synced.receipts) this.#mergeReceipt(log, receipt);
       log.receiptsComplete = true;
     }
-    for (const range of synced.missing) {
-      this.#emit([{ type: "messagegap", detail: Object.freeze({ conversationId, epoch: range.epoch, fromSeq: range.fromSeq, toSeq: range.toSeq }) }]);
-    }
+    this.#advanceLastSeq(log);
+    // A complete answer can leave a gap only where this session was sent seqs this device does
+    // not hold (a frame that did not read): the gateway counts them as given and never sends a
+    // seq twice on a session, so asking again would be answered the same. The next session's
+    // sync starts from here and gets them.
+    log.stuckAt = !synced.more && log.lastSeq < synced.lastSeq ? log.lastSeq : null;
     if (this.#isReadHere(conversationId)) log.readUpTo = log.lastSeq;
     this.#refreshStatuses(conversationId);
-    if (synced.more) this.#sync([{ conversationId, afterSeq: log.lastSeq, epoch: log.epoch }]);
+    if (synced.more) this.#sync([this.#position(conversationId)]);
     else this.#sendCursors(conversationId);
+    this.#sendOutbox();
+  }
+
+  /**
+   * A conversation's log, made if it has none.
+   * @param {string} conversationId
+   * @returns {ConversationLog}
+   */
+  #logOf(conversationId) {
+    let log = this.#chat.logs.get(conversationId);
+    if (!log) {
+      log = newLog();
+      this.#chat.logs.set(conversationId, log);
+    }
+    return log;
+  }
+
+  /**
+   * Moves the last seq over what follows it that is held here or was named as missing.
+   * @param {ConversationLog} log
+   */
+  #advanceLastSeq(log) {
+    for (;;) {
+      const next = log.lastSeq + 1;
+      if (log.above.delete(next)) {
+        log.lastSeq = next;
+        continue;
+      }
+      const range = log.named.find((candidate) => candidate.fromSeq <= next && next <= candidate.toSeq);
+      if (!range) break;
+      log.lastSeq = range.toSeq;
+    }
+    log.named = log.named.filter((range) => range.toSeq > log.lastSeq);
+    for (const seq of log.above) if (seq <= log.lastSeq) log.above.delete(seq);
+  }
+
+  /**
+   * The seqs of the log's epoch held above its last seq.
+   * @param {ConversationLog} log
+   */
+  #heldAbove(log) {
+    return new Set(log.messages.filter((message) => message.epoch === log.epoch && message.seq !== null && message.seq > log.lastSeq)
+      .map((message) => /** @type {number} */ (message.seq)));
+  }
+
+  /**
+   * A `synced` in an epoch other than the one this device knows of the conversation.
+   * @param {ConversationLog} log
+   * @param {Extract<ServerMessage, { type: "synced" }>} synced
+   */
+  #epochChanged(log, synced) {
+    const old = log.epoch;
+    if (old === null) {
+      this.#adoptEpoch(log, synced.epoch);
+    } else if (synced.missing.some((range) => (range.epoch ?? old) === old && range.toSeq === null)) {
+      // `missing` names the rest of this device's epoch, with no end: it was lost as a whole.
+      this.#epochLost(log, synced.epoch);
+    } else {
+      // Not lost: the new epoch forked from it (directly or through earlier forks).
+      this.#epochForked(log, synced.conversationId, synced.epoch, synced.truncated.filter((range) => (range.epoch ?? old) === old));
+    }
+  }
+
+  /**
+   * The first epoch heard of a conversation.
+   * @param {ConversationLog} log
+   * @param {string} epoch
+   */
+  #adoptEpoch(log, epoch) {
+    log.epoch = epoch;
+    // Messages stored while it was not known (a gateway too old to say) are of it.
+    log.messages = log.messages.map((message) => (message.epoch === null && message.seq !== null ? changed(message, { epoch }) : message));
+    log.above = this.#heldAbove(log);
+    this.#advanceLastSeq(log);
+  }
+
+  /**
+   * The history this device knew is gone (lost, expired, or the conversation made again): seqs
+   * start again from 1 and every cursor from 0, as docs/API.md says, so the members' cursors
+   * heard of it are forgotten (they would mark the new history's messages delivered or read).
+   * Its messages stay in messages() with their epoch, and their statuses as they were.
+   * @param {ConversationLog} log
+   * @param {string} epoch
+   */
+  #epochLost(log, epoch) {
+    log.epoch = epoch;
+    log.lastSeq = 0;
+    log.named = [];
+    log.stuckAt = null;
+    log.receipts = new Map();
+    log.receiptsComplete = false;
+    log.deliveredSent = 0;
+    log.readSent = 0;
+    log.readUpTo = 0;
+    log.above = this.#heldAbove(log);
+  }
+
+  /**
+   * The history forked (Redis went back in time): what is at or below the fork point carried
+   * over unchanged and is the new epoch's now (same seqs and ids), and so are the cursors up to
+   * it. What this device holds above it Redis lost: `truncated` names it, from the fork point + 1.
+   * Without `truncated`, the position synced was at or below the fork point and everything
+   * carried over, unless the new epoch gives a seq held here to another message.
+   * @param {ConversationLog} log
+   * @param {string} conversationId
+   * @param {string} epoch
+   * @param {SeqRange[]} truncated
+   */
+  #epochForked(log, conversationId, epoch, truncated) {
+    const old = /** @type {string} */ (log.epoch);
+    const forkPoint = truncated.length > 0 ? Math.min(...truncated.map((range) => range.fromSeq)) - 1 : null;
+    // The new epoch's messages this sync gave already (they came before its `synced`).
+    const given = new Map(log.messages.filter((message) => message.epoch === epoch).map((message) => [message.seq, message.id]));
+    /** @type {ChatMessage[]} */
+    const lost = [];
+    /** @type {ChatMessage[]} */
+    const current = [];
+    /** @type {ChatMessage[]} */
+    const earlier = [];
+    for (const message of log.messages) {
+      if (message.epoch === epoch) {
+        current.push(message);
+      } else if (message.epoch !== old || message.seq === null) {
+        earlier.push(message);
+      } else if ((forkPoint !== null && message.seq > forkPoint) || (given.has(message.seq) && given.get(message.seq) !== message.id)) {
+        lost.push(message);
+      } else {
+        current.push(changed(message, { epoch }));
+      }
+    }
+    // Carried-over messages come before the new epoch's, in seq order (sort is stable).
+    log.messages = [...earlier, ...current.sort((a, b) => (a.seq ?? 0) - (b.seq ?? 0))];
+    log.epoch = epoch;
+    const point = forkPoint ?? log.lastSeq;
+    log.lastSeq = Math.min(log.lastSeq, point);
+    log.named = log.named.filter((range) => range.fromSeq <= point).map((range) => ({ fromSeq: range.fromSeq, toSeq: Math.min(range.toSeq, point) }));
+    log.above = this.#heldAbove(log);
+    log.stuckAt = null;
+    for (const receipt of [...log.receipts.values()]) {
+      log.receipts.set(receipt.userId, Object.freeze({
+        userId: receipt.userId, deliveredSeq: Math.min(receipt.deliveredSeq, point), readSeq: Math.min(receipt.readSeq, point),
+      }));
+    }
+    log.deliveredSent = Math.min(log.deliveredSent, point);
+    log.readSent = Math.min(log.readSent, point);
+    log.readUpTo = Math.min(log.readUpTo, point);
+    this.#lose(log, conversationId, old, lost, truncated);
+  }
+
+  /**
+   * Messages this device holds that Redis lost. Other members' leave messages(); this device's
+   * own go back in the outbox and are sent again with the same `client_message_id` (the gateway
+   * stores them as new, with a new seq and id). `messagetruncated` names the ranges: those the
+   * gateway gave, and alone each lost message outside them.
+   * @param {ConversationLog} log
+   * @param {string} conversationId
+   * @param {string} epoch the epoch they were lost from
+   * @param {ChatMessage[]} lost
+   * @param {SeqRange[]} ranges
+   */
+  #lose(log, conversationId, epoch, lost, ranges) {
+    const told = ranges.map((range) => ({ epoch: range.epoch ?? epoch, fromSeq: range.fromSeq, toSeq: range.toSeq }));
+    for (const message of lost) {
+      if (message.id !== null) log.seen.delete(message.id);
+      const seq = /** @type {number} */ (message.seq);
+      const covered = told.some((range) => range.epoch === message.epoch && range.fromSeq <= seq && (range.toSeq === null || seq <= range.toSeq));
+      if (!covered) told.push({ epoch: /** @type {string} */ (message.epoch), fromSeq: seq, toSeq: seq });
+    }
+    this.#emit(told.map((range) => /** @type {ClientEvent} */ ({ type: "messagetruncated", detail: Object.freeze({ conversationId, ...range }) })));
+    this.#requeue(conversationId, lost.filter((message) => this.#isOwn(message)));
+  }
+
+  /**
+   * Puts this device's own stored messages back in the outbox, as `sending`. They were written
+   * before anything of the conversation still in the outbox (which is stored one message at a
+   * time, in order), so they go back ahead of it, in their old order; a message already under
+   * way is answered first.
+   * @param {string} conversationId
+   * @param {ChatMessage[]} messages
+   */
+  #requeue(conversationId, messages) {
+    const queued = new Set(this.#chat.outbox.map((entry) => entry.message.clientMessageId));
+    /** @type {Outgoing[]} */
+    const entries = [...messages].sort((a, b) => (a.seq ?? 0) - (b.seq ?? 0))
+      .filter((message) => !queued.has(message.clientMessageId))
+      .map((message) => ({
+        message: changed(message, { seq: null, id: null, epoch: null, status: "sending", failure: null }), attempts: 0, frameId: null, deadline: null, due: null,
+      }));
+    if (entries.length === 0) return;
+    const first = this.#chat.outbox.findIndex((entry) => entry.message.conversationId === conversationId);
+    this.#chat.outbox.splice(first < 0 ? this.#chat.outbox.length : first, 0, ...entries);
+    for (const entry of entries) {
+      this.#chat.written.add(entry.message.clientMessageId);
+      this.#messageStatusChanged(entry.message);
+    }
+    this.#log("info", "messages Redis lost go again", entries.length);
+    this.#saveOutbox();
+  }
+
+  /**
+   * Whether a message is this user's (written on this device, or by the user elsewhere).
+   * @param {ChatMessage} message
+   */
+  #isOwn(message) {
+    return (message.senderId !== null && message.senderId === this.#chat.ownUserId) || this.#chat.written.has(message.clientMessageId);
   }
 
   /**
@@ -2650,31 +3187,40 @@ export class PresenceClient extends EventTarget {
   }
 
   /**
-   * Puts a stored message in its conversation's log (once), in history order; returns whether
-   * it is new there.
+   * Puts a stored message in its conversation's log (once), in history order, and moves the
+   * last seq over it when it is the next; returns whether it is new there.
    * @param {ChatMessage} message
    */
   #place(message) {
     if (message.id === null) return false;
-    let log = this.#chat.logs.get(message.conversationId);
-    if (!log) {
-      log = newLog();
-      this.#chat.logs.set(message.conversationId, log);
-    }
+    const log = this.#logOf(message.conversationId);
     if (log.seen.has(message.id)) {
       // Already there (the ack and the gateway's copy): the sender's id is learned.
       const index = log.messages.findIndex((candidate) => candidate.id === message.id);
       if (index >= 0 && log.messages[index].senderId === null) log.messages[index] = changed(log.messages[index], { senderId: message.senderId });
       return false;
     }
+    if (log.epoch === null && message.epoch !== null) this.#adoptEpoch(log, message.epoch);
     log.seen.add(message.id);
     let position = log.messages.length;
+    let taken = -1;
     while (position > 0) {
       const before = log.messages[position - 1];
       if (before.epoch !== message.epoch || (before.seq ?? 0) < (message.seq ?? 0)) break;
+      if (before.seq === message.seq) taken = position - 1;
       position -= 1;
     }
+    if (taken >= 0) {
+      // The same (epoch, seq) with another id: the one held here was carried across a fork
+      // whose point was not known, and Redis had lost it.
+      const [gone] = log.messages.splice(taken, 1);
+      this.#lose(log, message.conversationId, /** @type {string} */ (gone.epoch), [gone], []);
+    }
     log.messages.splice(position, 0, message);
+    if (message.epoch === log.epoch && message.seq !== null && message.seq > log.lastSeq) {
+      log.above.add(message.seq);
+      this.#advanceLastSeq(log);
+    }
     return true;
   }
 
@@ -2798,13 +3344,13 @@ export class PresenceClient extends EventTarget {
         this.#acknowledged(message.conversationId, message.clientMessageId, message.seq, message.messageId, message.epoch);
         break;
       case "synced":
-        this.#synced(message);
+        this.#synced(id, message);
         break;
       case "receipt":
         this.#receivedReceipt(message.conversationId, message.receipt);
         break;
       case "error":
-        this.#refused(session, id, message.code, message.message, message.conversationId);
+        this.#refused(session, id, message.code, message.message, message.conversationId, message.retryAfter);
         break;
       default:
         this.#log("debug", "a frame this client does not know", message.name);
@@ -2818,8 +3364,9 @@ export class PresenceClient extends EventTarget {
    * @param {string} code
    * @param {string} message
    * @param {string | null} conversationId
+   * @param {number | null} retryAfter
    */
-  #refused(session, id, code, message, conversationId) {
+  #refused(session, id, code, message, conversationId, retryAfter) {
     this.#log("info", "the gateway refused a request", code, message);
     const error = /** @type {ClientEvent} */ ({ type: "error", detail: Object.freeze({ code, message }) });
     const request = id === null ? undefined : session.pending.get(id);
@@ -2833,9 +3380,7 @@ export class PresenceClient extends EventTarget {
       return;
     }
     if (request.kind === "sync") {
-      // One `sync` names several conversations: it is answered once for each.
-      if (conversationId !== null) this.#syncRefused(conversationId);
-      this.#emit([error]);
+      this.#syncFailed(id, request, code, message, conversationId, retryAfter);
       return;
     }
     session.pending.delete(id);
@@ -2860,18 +3405,21 @@ export class PresenceClient extends EventTarget {
   }
 
   /**
-   * The session's first `initial_state` arrived: the device is live. Ask again for what the
-   * page follows, and send a status owed since the session opened.
+   * The session's first `initial_state` arrived: the device is live. Sync the conversations,
+   * ask again for what the page follows, and send a status owed since the session opened.
    * @param {Session} session
    */
   #sessionOpened(session) {
     this.#lifecycle.opened(session.openedWith);
     this.#backoff.reset();
+    // The syncs first: the gateway holds live messages until the first one (at most 2 s), and
+    // they have a budget of their own, so they never wait behind the subscribes (which, for
+    // hundreds of conversations, take a minute of the subscribe budget). Before the outbox is
+    // read, its reading does this.
+    if (this.#chat.loaded) this.#messagesSessionOpened();
     this.#subscribeUsers([...this.#watched], true);
     for (const conversation of [...this.#joined].sort()) this.#subscribeConversation(conversation, true);
     this.#sendOwedStatus();
-    // Before the outbox is read, its reading does this.
-    if (this.#chat.loaded) this.#messagesSessionOpened();
     this.#answered(null);
   }
 

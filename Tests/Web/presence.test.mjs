@@ -31,18 +31,25 @@ function fakeWebSocket() {
     /** Whether a close from the client is answered (as the gateway does). */
     static answersClose = true;
 
+    /** The test's clock, so that each frame written has its moment. */
+    static clock = null;
+
     constructor(url) {
       super();
       this.url = url;
       this.readyState = 0;
       this.sent = [];
+      this.sentAt = [];
       this.closeCalls = [];
       sockets.push(this);
     }
 
     send(text) {
       if (this.readyState === 0) throw new Error("InvalidStateError: still connecting");
-      if (this.readyState === 1) this.sent.push(text);
+      if (this.readyState === 1) {
+        this.sent.push(text);
+        this.sentAt.push(FakeSocket.clock?.now() ?? null);
+      }
     }
 
     close(code) {
@@ -94,12 +101,13 @@ function memoryStorage(entries = {}) {
   return { getItem: (key) => map.get(key) ?? null, setItem: (key, value) => map.set(key, String(value)), map };
 }
 
-const EVENT_NAMES = ["connection", "presence", "removed", "typing", "group", "error", "message", "messagestatus", "messagegap"];
+const EVENT_NAMES = ["connection", "presence", "removed", "typing", "group", "error", "message", "messagestatus", "messagegap", "messagetruncated"];
 
 /** A client on fakes, its page, and what it announced. */
 function setup(options = {}) {
   const clock = new FakeClock();
   const WebSocket = fakeWebSocket();
+  WebSocket.clock = clock;
   const document = Object.assign(new EventTarget(), { visibilityState: "visible" });
   const window = Object.assign(new EventTarget(), { navigator: { onLine: true } });
   const tokenCalls = [];
@@ -385,16 +393,16 @@ describe("catching up", () => {
     let socket = h.last();
     socket.open([presence("carol", "online")]);
     await settle();
-    // The joined conversation's messages are synced too (from the start: none known yet).
+    // The joined conversation's messages are synced too (from the start: none known yet), first.
     assert.deepEqual(socket.sent, [
-      '{"data":{"user_ids":["alice","bob"]},"id":"1.1","type":"subscribe"}',
-      '{"data":{"conversation_id":"room"},"id":"1.2","type":"subscribe"}',
-      '{"data":{"positions":[{"after_seq":0,"conversation_id":"room"}]},"id":"1.3","type":"sync"}',
+      '{"data":{"positions":[{"after_seq":0,"conversation_id":"room"}]},"id":"1.1","type":"sync"}',
+      '{"data":{"user_ids":["alice","bob"]},"id":"1.2","type":"subscribe"}',
+      '{"data":{"conversation_id":"room"},"id":"1.3","type":"subscribe"}',
     ]);
     assert.equal(h.client.connectionState.state, "connecting", "connected only once the catch-up is answered");
-    socket.deliver({ type: "initial_state", id: "1.1", data: { presences: [presence("alice", "online"), presence("bob", "away")] } });
-    socket.deliver({ type: "group_presence", id: "1.2", data: { conversation_id: "room", total: 3, online: 2, away: 1 } });
-    socket.deliver({ type: "initial_state", id: "1.2", data: { presences: [presence("alice", "online"), presence("carol", "online")] } });
+    socket.deliver({ type: "initial_state", id: "1.2", data: { presences: [presence("alice", "online"), presence("bob", "away")] } });
+    socket.deliver({ type: "group_presence", id: "1.3", data: { conversation_id: "room", total: 3, online: 2, away: 1 } });
+    socket.deliver({ type: "initial_state", id: "1.3", data: { presences: [presence("alice", "online"), presence("carol", "online")] } });
     socket.deliver({ type: "presence_update", data: presence("dave", "online") });
     await settle();
     assert.equal(h.client.connectionState.state, "connected");
@@ -809,14 +817,14 @@ test("timestamps: ISO 8601 UTC, the fraction optional and cut at milliseconds", 
 
 /** A `message` frame's data as the gateway writes it. */
 const stored = (seq, sender, text, clientMessageId = `${sender}-${seq}`, epoch = "e1") => ({
-  conversation_id: "room", seq, id: `${epoch}-${seq}`, sender_id: sender, client_message_id: clientMessageId, type: "text", text,
+  conversation_id: "room", epoch, seq, id: `${epoch}-${seq}`, sender_id: sender, client_message_id: clientMessageId, type: "text", text,
   image_url: null, created_at: "2026-11-21T12:00:00.000Z", client_created_at: null,
 });
 
 /** The answer to a `send` frame. */
 const ackOf = (frame, seq, epoch = "e1") => ({
   type: "message_ack", id: frame.id, data: {
-    conversation_id: frame.data.conversation_id, client_message_id: frame.data.client_message_id, seq, id: `${epoch}-${seq}`,
+    conversation_id: frame.data.conversation_id, client_message_id: frame.data.client_message_id, epoch, seq, id: `${epoch}-${seq}`,
     created_at: "2026-11-21T12:00:00.000Z", duplicate: false,
   },
 });
@@ -1004,5 +1012,367 @@ describe("messages", () => {
     await after.client.outboxSaved();
     assert.deepEqual(await store.load(), []);
     assert.equal(socket.framesOf("send").length, 2, "each sent once");
+  });
+});
+
+describe("syncing: retries, pacing, gaps and epochs", () => {
+  /** A sync frame's positions as `conversation:after_seq[:epoch]`. */
+  const positionsOf = (frame) => frame.data.positions.map((p) => `${p.conversation_id}:${p.after_seq}${p.epoch ? `:${p.epoch}` : ""}`);
+  const syncedFor = (frame, conversation, lastSeq, extra = {}) => ({
+    type: "synced", id: frame.id, data: { conversation_id: conversation, epoch: "e1", last_seq: lastSeq, complete: true, more: false, missing: [], ...extra },
+  });
+  const errorFor = (frame, code, extra = {}) => ({ type: "error", id: frame.id, data: { code, message: `${code} here`, ...extra } });
+  const deliveredSeqs = (socket) => socket.framesOf("delivered").map((frame) => frame.data.seq);
+
+  /** Starts a client following `conversations` and opens its session (not caught up: nothing answers the subscribes). */
+  async function opened(conversations, options = {}) {
+    const h = setup({ outboxStore: new MemoryOutboxStore(), ...options });
+    for (const conversation of conversations) h.client.join(conversation);
+    h.client.start();
+    await settle();
+    h.last().open();
+    await settle();
+    return h;
+  }
+
+  /** The gateway's budget as FrameHandler keeps it: full at first, `rate` tokens a second. */
+  function gatewayBucket(rate, burst) {
+    let tokens = burst;
+    let updated = null;
+    return {
+      take(at) {
+        if (updated !== null) tokens = Math.min(burst, tokens + ((at - updated) * rate) / 1000);
+        updated = at;
+        if (tokens < 1) return false;
+        tokens -= 1;
+        return true;
+      },
+    };
+  }
+
+  test("a refused or failed sync goes again: a position after its backoff with jitter, a refused frame after its retry_after; forbidden does not", async () => {
+    const h = await opened(["a", "b", "c", "d"], { random: () => 0.75 });
+    const socket = h.last();
+    const syncs = () => socket.framesOf("sync");
+    assert.deepEqual(syncs().map(positionsOf), [["a:0", "b:0", "c:0", "d:0"]]);
+    const [first] = syncs();
+    socket.deliver(syncedFor(first, "a", 0));
+    socket.deliver(errorFor(first, "unavailable", { conversation_id: "b" }));
+    socket.deliver(errorFor(first, "forbidden", { conversation_id: "c" }));
+    socket.deliver(errorFor(first, "internal", { conversation_id: "d" }));
+    await settle();
+    assert.deepEqual(h.of("error"), [{ code: "forbidden", message: "forbidden here" }], "only the refusal for good is an error event");
+    // The first wait is 1 s moved by up to ±20 %: random() 0.75 makes it 1.1 s.
+    await h.clock.advance(1.09);
+    assert.equal(syncs().length, 1);
+    await h.clock.advance(0.02);
+    assert.deepEqual(syncs().map(positionsOf).slice(1), [["b:0", "d:0"]], "both again, in one frame; c never");
+    // The whole frame refused (no conversation_id): every position of it goes again, after the
+    // gateway's retry_after (2 s) and up to a fifth more: 2.3 s.
+    socket.deliver(errorFor(syncs()[1], "rate_limited", { retry_after: 2 }));
+    await settle();
+    await h.clock.advance(2.29);
+    assert.equal(syncs().length, 2);
+    await h.clock.advance(0.02);
+    assert.deepEqual(positionsOf(syncs()[2]), ["b:0", "d:0"]);
+    // b fails a third time: its wait has grown to 4 s (× 1.1); d is answered.
+    socket.deliver(errorFor(syncs()[2], "unavailable", { conversation_id: "b" }));
+    socket.deliver(syncedFor(syncs()[2], "d", 0));
+    await settle();
+    await h.clock.advance(4.39);
+    assert.equal(syncs().length, 3);
+    await h.clock.advance(0.02);
+    assert.deepEqual(positionsOf(syncs()[3]), ["b:0"]);
+    socket.deliver(syncedFor(syncs()[3], "b", 0));
+    await h.clock.advance(120);
+    assert.equal(syncs().length, 4, "answered: nothing more");
+    assert.deepEqual(h.of("error").map((error) => error.code), ["forbidden"]);
+  });
+
+  test("a sync's retries end with its session; the next session syncs anyway", async () => {
+    const h = await opened(["room"]);
+    const socket = h.last();
+    socket.deliver(errorFor(socket.framesOf("sync")[0], "unavailable", { conversation_id: "room" }));
+    await settle();
+    await h.clock.advance(1);
+    assert.equal(socket.framesOf("sync").length, 2, "sent again after 1 s");
+    // Failed again: the next try would be in 2 s, but the session ends first.
+    socket.deliver(errorFor(socket.framesOf("sync")[1], "unavailable", { conversation_id: "room" }));
+    await settle();
+    socket.serverClose(1006);
+    await settle();
+    await h.clock.advance(h.waitingDelay());
+    const next = h.last();
+    assert.notEqual(next, socket);
+    next.open();
+    await settle();
+    await h.clock.advance(60);
+    assert.equal(socket.framesOf("sync").length, 2, "nothing more on the session that ended");
+    assert.deepEqual(next.framesOf("sync").map(positionsOf), [["room:0"]], "one sync on the next, at its opening");
+  });
+
+  test("300 conversations: the opening's 3 syncs go at once, first; subscribes, syncs and all frames stay within the gateway's budgets", async () => {
+    const conversations = Array.from({ length: 300 }, (_, index) => `c${String(index).padStart(3, "0")}`);
+    const h = await opened(conversations);
+    const socket = h.last();
+    const start = h.clock.now();
+    const syncs = socket.framesOf("sync");
+    assert.equal(syncs.length, 3);
+    assert.deepEqual(syncs.flatMap((frame) => frame.data.positions.map((position) => position.conversation_id)), conversations);
+    assert.deepEqual(socket.frames.slice(0, 3).map((frame) => frame.type), ["sync", "sync", "sync"], "the syncs first");
+    assert.deepEqual(socket.sentAt.slice(0, 3), [start, start, start], "at once");
+    // Each conversation has two seqs to say delivered: 300 frames more on top of the subscribes.
+    for (const frame of syncs) {
+      for (const position of frame.data.positions) {
+        socket.deliver(syncedFor(frame, position.conversation_id, 2, { complete: false, missing: [{ epoch: "e1", from_seq: 1, to_seq: 2 }] }));
+      }
+    }
+    // The gateway answers each subscribe as it arrives.
+    let answered = 0;
+    for (let second = 0; second < 90; second += 1) {
+      for (const frame of socket.framesOf("subscribe").slice(answered)) {
+        const conversation = frame.data.conversation_id;
+        socket.deliver({ type: "group_presence", id: frame.id, data: { conversation_id: conversation, total: 2, online: 1, away: 0 } });
+        socket.deliver({ type: "initial_state", id: frame.id, data: { presences: [] } });
+      }
+      answered = socket.framesOf("subscribe").length;
+      await h.clock.advance(1);
+    }
+    assert.equal(socket.framesOf("subscribe").length, 300, "every conversation followed");
+    assert.equal(deliveredSeqs(socket).length, 300);
+    assert.equal(h.client.connectionState.state, "connected");
+    assert.deepEqual(h.of("error"), []);
+    // Frames per one-second window: at most the burst and a second's worth.
+    const frames = socket.frames.map((frame, index) => ({ type: frame.type, at: socket.sentAt[index] }));
+    for (const { at } of frames) {
+      const window = frames.filter((frame) => frame.at >= at && frame.at < at + 1000);
+      assert.ok(window.filter((frame) => frame.type === "subscribe").length <= 10 + 5, `subscribes in the second from ${at - start} ms`);
+      assert.ok(window.filter((frame) => frame.type === "sync").length <= 10 + 5, `syncs in the second from ${at - start} ms`);
+      assert.ok(window.length <= 100 + 50, `frames in the second from ${at - start} ms`);
+    }
+    // And exactly as the gateway counts: none of them would be refused.
+    const gateway = { frame: gatewayBucket(50, 100), subscribe: gatewayBucket(5, 10), sync: gatewayBucket(5, 10) };
+    for (const [index, { type, at }] of frames.entries()) {
+      assert.ok(gateway.frame.take(at), `frame ${index} (${type}) at ${at - start} ms is over the frame rate`);
+      if (type === "subscribe") assert.ok(gateway.subscribe.take(at), `subscribe ${index} at ${at - start} ms is over the subscribe budget`);
+      if (type === "sync") assert.ok(gateway.sync.take(at), `sync ${index} at ${at - start} ms is over the sync budget`);
+    }
+  });
+
+  test("leaving a conversation whose subscribe still waits for the budget drops it: never written, no unsubscribe", async () => {
+    const conversations = Array.from({ length: 12 }, (_, index) => `c${String(index).padStart(2, "0")}`);
+    const h = await opened(conversations);
+    const socket = h.last();
+    const subscribed = () => socket.framesOf("subscribe").map((frame) => frame.data.conversation_id);
+    assert.deepEqual(subscribed(), conversations.slice(0, 10), "the burst of 10");
+    h.client.leave("c11");
+    await h.clock.advance(5);
+    assert.deepEqual(subscribed(), conversations.slice(0, 11));
+    assert.deepEqual(socket.framesOf("unsubscribe"), []);
+    for (const frame of socket.framesOf("subscribe")) {
+      socket.deliver({ type: "group_presence", id: frame.id, data: { conversation_id: frame.data.conversation_id, total: 2, online: 1, away: 0 } });
+      socket.deliver({ type: "initial_state", id: frame.id, data: { presences: [] } });
+    }
+    await settle();
+    assert.equal(h.client.connectionState.state, "connected", "the dropped subscribe is not waited for");
+  });
+
+  test("a live message past a gap keeps the last seq before it: kept in order, synced from the last seq, delivered only up to what is held or named", async () => {
+    const h = await opened(["room"]);
+    const socket = h.last();
+    const [first] = socket.framesOf("sync");
+    socket.deliver({ type: "message", data: stored(1, "bob", "b1") });
+    socket.deliver({ type: "message", data: stored(2, "bob", "b2") });
+    socket.deliver(syncedOf(first, 2));
+    await settle();
+    assert.deepEqual(deliveredSeqs(socket), [2]);
+    // 3 and 4 never came (a node that missed them); 5 does.
+    socket.deliver({ type: "message", data: stored(5, "bob", "b5") });
+    await settle();
+    assert.deepEqual(deliveredSeqs(socket), [2], "not past the gap");
+    assert.deepEqual(h.client.messages("room").map((message) => message.seq), [1, 2, 5], "kept, in order");
+    const again = socket.framesOf("sync").at(-1);
+    assert.deepEqual(again.data, { positions: [{ after_seq: 2, conversation_id: "room", epoch: "e1" }] }, "synced from the last seq");
+    // While that sync is under way, a live message starts no other.
+    socket.deliver({ type: "message", data: stored(6, "bob", "b6") });
+    await settle();
+    assert.equal(socket.framesOf("sync").length, 2);
+    // The session was sent 5 and 6 already: the gateway names 3-4, for the page to read over REST.
+    socket.deliver(syncedOf(again, 6, { complete: false, missing: [{ epoch: "e1", from_seq: 3, to_seq: 4 }] }));
+    await settle();
+    assert.deepEqual(h.of("messagegap"), [{ conversationId: "room", epoch: "e1", fromSeq: 3, toSeq: 4 }]);
+    assert.deepEqual(deliveredSeqs(socket), [2, 6]);
+    socket.deliver({ type: "message", data: stored(7, "bob", "b7") });
+    await settle();
+    assert.equal(socket.framesOf("sync").length, 2, "no gap: no sync");
+    assert.deepEqual(deliveredSeqs(socket), [2, 6, 7]);
+    assert.deepEqual(h.of("message").map((message) => message.seq), [1, 2, 5, 6, 7]);
+  });
+
+  test("a live message of another epoch syncs from the old position (epoch and last seq) instead of starting again", async () => {
+    const h = await opened(["room"]);
+    const socket = h.last();
+    const [first] = socket.framesOf("sync");
+    for (const seq of [1, 2, 3]) socket.deliver({ type: "message", data: stored(seq, "bob", `b${seq}`) });
+    socket.deliver(syncedOf(first, 3));
+    await settle();
+    // Redis restarted without losing anything: the next message is in a new epoch.
+    socket.deliver({ type: "message", data: stored(4, "bob", "b4", "bob-4", "e2") });
+    await settle();
+    const again = socket.framesOf("sync").at(-1);
+    assert.deepEqual(again.data, { positions: [{ after_seq: 3, conversation_id: "room", epoch: "e1" }] });
+    assert.deepEqual(deliveredSeqs(socket), [3], "nothing said of the new epoch before the answer");
+    // The answer: e2 forked from e1 at or past 3, so everything here carried over.
+    socket.deliver(syncedOf(again, 4, { epoch: "e2" }));
+    await settle();
+    assert.deepEqual(h.client.messages("room").map((message) => `${message.epoch}:${message.seq}`), ["e2:1", "e2:2", "e2:3", "e2:4"]);
+    assert.deepEqual(h.of("messagetruncated"), []);
+    assert.deepEqual(deliveredSeqs(socket), [3, 4]);
+  });
+
+  test("delivered after a synced with missing: the highest seq up to which every seq is held or named, never past one that did not arrive", async () => {
+    const h = await opened(["room"]);
+    let socket = h.last();
+    const [first] = socket.framesOf("sync");
+    for (const seq of [1, 2, 6, 7]) socket.deliver({ type: "message", data: stored(seq, "bob", `b${seq}`) });
+    // 8 is sent in a frame that does not read: dropped.
+    const { created_at: _dropped, ...unreadable } = stored(8, "bob", "b8");
+    socket.deliver({ type: "message", data: unreadable });
+    socket.deliver(syncedOf(first, 8, { complete: false, missing: [{ epoch: "e1", from_seq: 3, to_seq: 5 }] }));
+    await settle();
+    assert.deepEqual(h.of("messagegap"), [{ conversationId: "room", epoch: "e1", fromSeq: 3, toSeq: 5 }]);
+    assert.deepEqual(deliveredSeqs(socket), [7], "past the named range 3-5, not past 8");
+    // This session counts 8 as given and will not send it again: a live 9 asks for nothing more.
+    socket.deliver({ type: "message", data: stored(9, "bob", "b9") });
+    await settle();
+    assert.equal(socket.framesOf("sync").length, 1);
+    assert.deepEqual(deliveredSeqs(socket), [7]);
+    assert.deepEqual(h.client.messages("room").map((message) => message.seq), [1, 2, 6, 7, 9]);
+    // The next session syncs from 7 and gets it.
+    socket.serverClose(1006);
+    await settle();
+    await h.clock.advance(h.waitingDelay());
+    socket = h.last();
+    socket.open();
+    await settle();
+    const next = socket.framesOf("sync")[0];
+    assert.deepEqual(next.data, { positions: [{ after_seq: 7, conversation_id: "room", epoch: "e1" }] });
+    socket.deliver({ type: "message", data: stored(8, "bob", "b8") });
+    socket.deliver({ type: "message", data: stored(9, "bob", "b9") });
+    socket.deliver(syncedOf(next, 9));
+    await settle();
+    assert.deepEqual(deliveredSeqs(socket), [9]);
+    assert.deepEqual(h.client.messages("room").map((message) => message.seq), [1, 2, 6, 7, 8, 9]);
+  });
+
+  test("the epoch is the frame's (message and message_ack), never read from the id", async () => {
+    const h = await opened(["room"]);
+    const socket = h.last();
+    const [first] = socket.framesOf("sync");
+    socket.deliver({ type: "message", data: { ...stored(1, "bob", "b1"), id: "4b1d-77", epoch: "blue" } });
+    socket.deliver(syncedOf(first, 1, { epoch: "blue" }));
+    await settle();
+    const local = h.client.send("room", "mine");
+    await settle();
+    const send = socket.framesOf("send")[0];
+    const ack = ackOf(send, 2, "blue");
+    socket.deliver({ ...ack, data: { ...ack.data, id: "9f3e" } });
+    await settle();
+    assert.deepEqual(h.client.messages("room").map((message) => `${message.epoch}:${message.seq}:${message.id}`), ["blue:1:4b1d-77", "blue:2:9f3e"]);
+    assert.equal(h.client.messages("room")[1].clientMessageId, local.clientMessageId);
+  });
+
+  test("a fork with truncated: others' lost messages leave messages(); own ones go back in the outbox ahead of its unsent ones and are sent again with the same client_message_id", async () => {
+    const h = await opened(["room"]);
+    let socket = h.last();
+    const [first] = socket.framesOf("sync");
+    for (let seq = 1; seq <= 8; seq += 1) socket.deliver({ type: "message", data: stored(seq, "bob", `b${seq}`) });
+    socket.deliver(syncedOf(first, 8, { receipts: [{ user_id: "bob", delivered_seq: 8, read_seq: 8 }, { user_id: "me", delivered_seq: 8, read_seq: 8 }] }));
+    await settle();
+    const mine = h.client.send("room", "mine");
+    await settle();
+    socket.deliver(ackOf(socket.framesOf("send")[0], 9));
+    socket.deliver({ type: "message", data: stored(9, "me", "mine", mine.clientMessageId) });
+    socket.deliver({ type: "message", data: stored(10, "bob", "b10") });
+    socket.deliver({ type: "receipt", data: { conversation_id: "room", user_id: "bob", delivered_seq: 10, read_seq: 9 } });
+    await settle();
+    assert.equal(h.client.messages("room").find((message) => message.text === "mine").status, "read");
+    // Two messages written while the connection is down.
+    socket.serverClose(1006);
+    await settle();
+    h.client.send("room", "later 1");
+    h.client.send("room", "later 2");
+    await h.clock.advance(h.waitingDelay());
+    socket = h.last();
+    socket.open();
+    await settle();
+    const sync = socket.framesOf("sync")[0];
+    assert.deepEqual(sync.data, { positions: [{ after_seq: 10, conversation_id: "room", epoch: "e1" }] });
+    const sends = () => socket.framesOf("send");
+    assert.deepEqual(sends().map((frame) => frame.data.text), ["later 1"], "the outbox went at the opening, one message at a time");
+    // Redis came back from a snapshot that had up to 8: e2 forked from e1 at 8, and carol's new message took seq 9.
+    h.events.length = 0;
+    socket.deliver({ type: "message", data: stored(9, "carol", "c9", "carol-9", "e2") });
+    socket.deliver(syncedOf(sync, 9, {
+      epoch: "e2", truncated: [{ epoch: "e1", from_seq: 9, to_seq: 10 }],
+      receipts: [{ user_id: "bob", delivered_seq: 8, read_seq: 8 }, { user_id: "carol", delivered_seq: 9, read_seq: 9 }, { user_id: "me", delivered_seq: 8, read_seq: 8 }],
+    }));
+    await settle();
+    const shown = () => h.client.messages("room").map((message) => `${message.epoch}:${message.seq}:${message.text}:${message.status}`);
+    assert.deepEqual(shown(), [
+      ...[1, 2, 3, 4, 5, 6, 7, 8].map((seq) => `e2:${seq}:b${seq}:delivered`), "e2:9:c9:delivered",
+      "null:null:mine:sending", "null:null:later 1:sending", "null:null:later 2:sending",
+    ], "kept up to the fork point (now e2's), b10 gone, mine back in the outbox ahead of what was written after it");
+    assert.deepEqual(h.of("messagetruncated"), [{ conversationId: "room", epoch: "e1", fromSeq: 9, toSeq: 10 }]);
+    assert.deepEqual(h.of("messagestatus").map((change) => `${change.clientMessageId === mine.clientMessageId ? "mine" : "?"}:${change.status}`), ["mine:sending"]);
+    assert.deepEqual(deliveredSeqs(socket), [9], "the fork point, and the new epoch's 9");
+    // "later 1" was under way: answered first; then mine, once, with its client_message_id; then "later 2".
+    socket.deliver(ackOf(sends()[0], 10, "e2"));
+    await settle();
+    assert.deepEqual(sends().map((frame) => frame.data.text), ["later 1", "mine"]);
+    assert.equal(sends()[1].data.client_message_id, mine.clientMessageId);
+    socket.deliver(ackOf(sends()[1], 11, "e2"));
+    await settle();
+    socket.deliver(ackOf(sends()[2], 12, "e2"));
+    await settle();
+    assert.deepEqual(sends().map((frame) => frame.data.text), ["later 1", "mine", "later 2"]);
+    assert.deepEqual(shown().slice(9), ["e2:10:later 1:sent", "e2:11:mine:sent", "e2:12:later 2:sent"]);
+  });
+
+  test("a new epoch that is no fork (the old one lost): last seq, cursors and receipts start again from 0; the old messages stay as they were", async () => {
+    const h = await opened(["room"]);
+    const socket = h.last();
+    const [first] = socket.framesOf("sync");
+    for (const seq of [1, 2, 3]) socket.deliver({ type: "message", data: stored(seq, "bob", `b${seq}`) });
+    socket.deliver(syncedOf(first, 3, { receipts: [{ user_id: "bob", delivered_seq: 3, read_seq: 3 }] }));
+    await settle();
+    const old = h.client.send("room", "old");
+    await settle();
+    socket.deliver(ackOf(socket.framesOf("send")[0], 4));
+    socket.deliver({ type: "message", data: stored(4, "me", "old", old.clientMessageId) });
+    socket.deliver({ type: "receipt", data: { conversation_id: "room", user_id: "bob", delivered_seq: 4, read_seq: 4 } });
+    await settle();
+    assert.deepEqual(deliveredSeqs(socket), [3, 4]);
+    // The history expired; bob starts a new one.
+    socket.deliver({ type: "message", data: stored(1, "bob", "new b1", "bob-new-1", "e2") });
+    await settle();
+    const again = socket.framesOf("sync").at(-1);
+    assert.deepEqual(again.data, { positions: [{ after_seq: 4, conversation_id: "room", epoch: "e1" }] });
+    socket.deliver(syncedOf(again, 1, {
+      epoch: "e2", complete: false, missing: [{ epoch: "e1", from_seq: 5, to_seq: null }],
+      receipts: [{ user_id: "bob", delivered_seq: 1, read_seq: 0 }, { user_id: "me", delivered_seq: 0, read_seq: 0 }],
+    }));
+    await settle();
+    assert.deepEqual(h.of("messagegap"), [{ conversationId: "room", epoch: "e1", fromSeq: 5, toSeq: null }]);
+    assert.deepEqual(deliveredSeqs(socket), [3, 4, 1], "the new history's cursor from 0");
+    assert.deepEqual(h.client.receipts("room"), [{ userId: "bob", deliveredSeq: 1, readSeq: 0 }, { userId: "me", deliveredSeq: 0, readSeq: 0 }]);
+    const next = h.client.send("room", "new");
+    await settle();
+    socket.deliver(ackOf(socket.framesOf("send")[1], 2, "e2"));
+    await settle();
+    assert.deepEqual(h.client.messages("room").map((message) => `${message.epoch}:${message.seq}:${message.text}:${message.status}`), [
+      "e1:1:b1:delivered", "e1:2:b2:delivered", "e1:3:b3:delivered", "e1:4:old:read", "e2:1:new b1:delivered", "e2:2:new:sent",
+    ], "bob read 4 of the old history, not 2 of the new");
+    assert.equal(h.client.messages("room").at(-1).clientMessageId, next.clientMessageId);
   });
 });
