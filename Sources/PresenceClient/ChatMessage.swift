@@ -88,8 +88,10 @@ public struct MemberReceipt: Sendable, Hashable {
     public var readSeq: Int64
 }
 
-/// Messages a `sync` could not give (trimmed from the history, or a history Redis lost): the app
-/// may page them over REST (`GET /api/conversations/{id}/messages`) or show that they are gone.
+/// A range of a conversation's messages. In ``PresenceClientEvent/messageGap(_:)``, messages a
+/// `sync` could not give (trimmed from the history, or a history Redis lost): the app may page
+/// them over REST (`GET /api/conversations/{id}/messages`) or show that they are gone. In
+/// ``PresenceClientEvent/messageTruncated(_:)``, messages this device held that Redis lost.
 public struct MessageGap: Sendable, Hashable {
     public var conversationID: String
     /// The epoch of the range (`nil`: the device had none).

@@ -65,6 +65,7 @@ extension PresenceClient {
         serial += 1
         let current = serial
         outbox = continuation
+        pacer = FramePacer(now: clock.now)
         pending = [:]
         catchUp = []
         retries = []
@@ -93,12 +94,15 @@ extension PresenceClient {
         attempt = nil
         continuation.finish()
         outbox = nil
+        // Frames not written yet were this session's: the next one asks afresh.
+        pacer = FramePacer(now: clock.now)
         // An attempt that never became a session (refused, unreachable, given up) leaves the
         // code of the last session as it was.
         if code != nil || !awaitingInitialState { lastCloseCode = code }
         // Nothing answered: no close code, no refusal, no session (a node down or gone while
         // the attempt opened).
         let unreachable = code == nil && !refused && awaitingInitialState
+        let opened = !awaitingInitialState
         awaitingInitialState = false
         pending = [:]
         retries = []
@@ -109,9 +113,13 @@ extension PresenceClient {
         logger.info("session ended", metadata: ["presence.close_code": "\(code.map(String.init) ?? "none")", "presence.refused": "\(refused)"])
         guard lifecycle.shouldConnect else {
             _ = lifecycle.closed(code: code, upgradeRefused: refused)
+            emit([.sessionEnded(SessionEnd(closeCode: code, upgradeRefused: refused, unreachable: unreachable, opened: opened, next: nil))])
             return
         }
-        switch lifecycle.closed(code: code, upgradeRefused: refused, unreachable: unreachable, gateways: configuration.gatewayURLs.count) {
+        let next = lifecycle.closed(code: code, upgradeRefused: refused, unreachable: unreachable, gateways: configuration.gatewayURLs.count)
+        // Why, before the state that says what comes next (an app, or the terminal client, shows it).
+        emit([.sessionEnded(SessionEnd(closeCode: code, upgradeRefused: refused, unreachable: unreachable, opened: opened, next: next))])
+        switch next {
         case .stop(let reason):
             setState(.stopped(reason))
         case .reconnectNow(let newToken):
@@ -139,14 +147,15 @@ extension PresenceClient {
     }
 
     /// Runs the timed work: typing that went idle, typing indicators that ran out, refused
-    /// requests due again.
+    /// requests due again, frames waiting for the budgets.
     private func timerLoop() async {
         while !Task.isCancelled {
             let seen = timers.generation
             let openDeadline = awaitingInitialState ? attempt?.deadline : nil
+            let now = clock.now
             let deadlines = [
                 debouncer.nextDeadline, cache.nextTypingExpiry, retries.map(\.due).min(), lifecycle.statusRetryAt, openDeadline,
-                lifecycle.backgroundDeadline, chat.nextDeadline(after: clock.now),
+                lifecycle.backgroundDeadline, chat.nextDeadline(after: now), chat.syncRetries.values.min(), pacer.nextDeadline(after: now),
             ].compactMap { $0 }
             await timers.wait(after: seen, until: deadlines.min(), clock: clock)
             fireTimers()
@@ -161,6 +170,8 @@ extension PresenceClient {
             attempt.task.cancel()
             self.attempt = nil
         }
+        // What waited for the budgets goes before what is made now.
+        writePaced()
         for send in debouncer.expire(at: now) {
             self.send(.typing(conversationID: send.conversationID, isTyping: false), request: .typing)
         }
@@ -170,6 +181,7 @@ extension PresenceClient {
         for retry in due {
             if let id = send(retry.frame, request: retry.request), retry.catchingUp { catchUp.insert(id) }
         }
+        syncRetriesDue(at: now)
         sendOwedStatus()
         outboxTimers(at: now)
     }
@@ -226,7 +238,7 @@ extension PresenceClient {
             if let id { pending[id] = nil }
             received(ack: ack)
         case .synced(let synced):
-            received(synced: synced)
+            received(synced: synced, id: id)
         case .receipt(let receipt):
             received(receipt: receipt)
         case .error(let error):
@@ -245,10 +257,9 @@ extension PresenceClient {
             pending[id] = nil
             messageRefused(clientMessageID, code: code, message: message)
             return
-        case .sync:
-            // One `sync` names several conversations: it is answered once for each.
-            if let conversation { syncRefused(conversation) }
-            emit([.error(code: code, message: message)])
+        case .sync(let waiting):
+            // One `sync` names several conversations: the refusal is of one, or of the whole frame.
+            syncFailed(id: id, waiting: waiting, code: code, message: message, conversation: conversation)
             return
         default:
             pending[id] = nil
@@ -277,20 +288,23 @@ extension PresenceClient {
         emit([.error(code: code, message: message)])
     }
 
-    /// The session's first `initial_state` arrived: the device is live. Ask again for what the
-    /// app follows, and send a status owed since the session opened.
+    /// The session's first `initial_state` arrived: the device is live. Sync the conversations,
+    /// ask again for what the app follows, and send a status owed since the session opened.
     private func sessionOpened() {
         lifecycle.opened(with: openedWith)
         backoff.reset()
+        // The syncs first: the gateway holds live messages until the first one (at most 2 s),
+        // and they have a budget of their own, so they never wait behind the subscribes (which,
+        // for hundreds of conversations, take a minute of the subscribe budget).
+        messagesSessionOpened()
         subscribe(users: Array(watchedUsers), catchingUp: true)
         for conversation in joinedConversations.sorted() { subscribe(conversation: conversation, catchingUp: true) }
         sendOwedStatus()
-        messagesSessionOpened()
         answered(nil)
     }
 
     /// A request of the catch-up was answered; when the last one is, the cache is current.
-    private func answered(_ id: String?) {
+    func answered(_ id: String?) {
         if let id { catchUp.remove(id) }
         guard catchUp.isEmpty, !retries.contains(where: \.catchingUp), !awaitingInitialState, connectionState != .connected else { return }
         emit(cache.endCatchUp())

@@ -7,12 +7,24 @@ import Logging
 struct ChatState {
     /// One conversation as this device knows it.
     struct Log {
-        /// The history's epoch and the last seq received; `nil` epoch before any.
+        /// The history's epoch; `nil` before any.
         var epoch: String?
+        /// The highest seq of the epoch such that every seq up to it is held here or was named
+        /// unrecoverable (`missing`): where the next `sync` starts, and what `delivered` says.
+        /// Never moved past a gap this device was neither given nor told about.
         var lastSeq: Int64 = 0
+        /// Seqs of the epoch held here above `lastSeq` (past a gap).
+        var above: Set<Int64> = []
+        /// Ranges of the epoch above `lastSeq` that a `synced` named as missing.
+        var named: [ClosedRange<Int64>] = []
+        /// A complete `synced` of this session left `lastSeq` here, below its `last_seq`: the
+        /// session was sent seqs this device does not hold (a frame that did not read), which the
+        /// gateway counts as given and never sends again on the session, so the gap is not asked
+        /// for again until the next session.
+        var stuckAt: Int64?
         /// Stored messages received, in the order of the history.
         var messages: [ChatMessage] = []
-        /// Ids (`epoch-seq`) of those.
+        /// The gateway's ids of those (opaque: the epoch is the frame's, never read from them).
         var seen: Set<String> = []
         /// Members' cursors.
         var receipts: [String: MemberReceipt] = [:]
@@ -30,7 +42,8 @@ struct ChatState {
         var message: ChatMessage
         /// Attempts used on live sessions.
         var attempts = 0
-        /// The frame of the attempt under way, and when it counts as unanswered.
+        /// The frame of the attempt under way, and when it counts as unanswered (`nil` while the
+        /// frame waits for the session's budget: the wait starts when it is written).
         var frameID: String?
         var deadline: Date?
         /// Not sent again before this.
@@ -44,8 +57,12 @@ struct ChatState {
     var ownUserID: String?
     /// Client message ids written on this device.
     var written: Set<String> = []
-    /// Conversations whose `sync` is under way.
+    /// Conversations whose `sync` is under way, or waits to be sent again.
     var syncing: Set<String> = []
+    /// Conversations whose refused or failed `sync` goes again at that moment (this session's).
+    var syncRetries: [String: Date] = [:]
+    /// Their waits, growing with each failure; a conversation's `synced` resets its own.
+    var syncBackoffs: [String: ReconnectBackoff] = [:]
     /// Whether the store's outbox was read.
     var loaded = false
 
@@ -116,7 +133,7 @@ extension PresenceClient {
     }
 
     /// The conversation is on screen: everything received in it counts as read (sent now, or
-    /// when a session opens).
+    /// once a session has synced the conversation).
     public func markRead(_ conversation: String) {
         guard var log = chat.logs[conversation] else { return }
         log.readUpTo = log.lastSeq
@@ -216,8 +233,12 @@ extension PresenceClient {
             let draft = MessageDraft(conversationID: conversation, clientMessageID: entry.message.clientMessageID, text: entry.message.text,
                                      type: entry.message.type, imageURL: entry.message.imageURL,
                                      clientCreatedAt: Int64(entry.message.createdAt.timeIntervalSince1970 * 1000))
-            chat.outbox[index].frameID = send(.send(draft), request: .message(entry.message.clientMessageID))
-            chat.outbox[index].deadline = now.addingTimeInterval(Self.ackTimeout)
+            let id = send(.send(draft), request: .message(entry.message.clientMessageID))
+            chat.outbox[index].frameID = id
+            // The wait for the answer starts when the frame is written: now, or when the frame
+            // budget has room (`frameWritten`).
+            let waiting = pacer.waiting.contains { $0.id == id }
+            chat.outbox[index].deadline = waiting ? nil : now.addingTimeInterval(Self.ackTimeout)
         }
         timers.signal()
     }
@@ -239,11 +260,17 @@ extension PresenceClient {
             chat.outbox[index].deadline = nil
             chat.outbox[index].due = nil
         }
+        // Syncs under way, and those waiting to go again, end with the session: the next one
+        // syncs every conversation anyway.
         chat.syncing = []
-        // What was said on the ended session may not have arrived: said again on the next.
+        chat.syncRetries = [:]
+        chat.syncBackoffs = [:]
+        // What was said on the ended session may not have arrived: said again on the next. A gap
+        // this session could not fill is asked for again on the next.
         for conversation in chat.logs.keys {
             chat.logs[conversation]?.deliveredSent = 0
             chat.logs[conversation]?.readSent = 0
+            chat.logs[conversation]?.stuckAt = nil
         }
     }
 

@@ -21,7 +21,8 @@ public actor PresenceClient {
         case typing
         /// A `send` of the outbox message with this client message id.
         case message(String)
-        case sync
+        /// A `sync` of these conversations: those whose `synced` (or refusal) has not come yet.
+        case sync(Set<String>)
         case other
     }
 
@@ -52,6 +53,8 @@ public actor PresenceClient {
     public internal(set) var joinedConversations: Set<String> = []
 
     var outbox: AsyncStream<OutgoingFrame>.Continuation?
+    /// The open session's frames not written yet, and its budgets.
+    var pacer = FramePacer(now: .distantPast)
     var serial = 0
     var nextFrameID = 0
     var pending: [String: Request] = [:]
@@ -261,7 +264,8 @@ public actor PresenceClient {
         try ClientID.check([conversation], "conversation id")
         if let send = debouncer.stop(in: conversation) { sendTyping(send) }
         guard joinedConversations.remove(conversation) != nil else { return }
-        send(.unsubscribe(.conversation(conversation)), request: .other)
+        // A `subscribe` the gateway never got needs no `unsubscribe`.
+        if !unqueueSubscribe(conversation) { send(.unsubscribe(.conversation(conversation)), request: .other) }
         emit(cache.removeConversation(conversation))
     }
 
@@ -291,15 +295,54 @@ public actor PresenceClient {
     /// id format takes.
     static let frames = FrameCoder(ids: .string)
 
-    /// Writes a frame with a fresh id if a session is open; returns the id.
+    /// Sends a frame with a fresh id if a session is open; returns the id. It is written now if
+    /// the session's budgets have room, else as soon as they do (``FramePacer``).
     @discardableResult
     func send(_ frame: ClientFrame, request: Request) -> String? {
-        guard let outbox else { return nil }
+        guard outbox != nil else { return nil }
         nextFrameID += 1
         let id = "\(serial).\(nextFrameID)"
         pending[id] = request
-        outbox.yield(.text(Self.frames.text(ClientMessage(frame, id: id))))
+        let (lane, spendsLane) = FramePacer.lane(of: frame)
+        pacer.enqueue(FramePacer.Frame(id: id, text: Self.frames.text(ClientMessage(frame, id: id)), lane: lane, spendsLane: spendsLane, request: request))
+        writePaced()
         return id
+    }
+
+    /// Writes the waiting frames the budgets have room for, oldest first in each lane; the timer
+    /// loop comes back for the others when the budgets have room.
+    func writePaced() {
+        guard let outbox else { return }
+        for frame in pacer.due(at: clock.now) {
+            outbox.yield(.text(frame.text))
+            frameWritten(frame)
+        }
+        if !pacer.waiting.isEmpty { timers.signal() }
+    }
+
+    /// A message's wait for its `message_ack` starts when its `send` is written, not while it
+    /// waits for the budget.
+    private func frameWritten(_ frame: FramePacer.Frame) {
+        guard case .message = frame.request, let index = chat.outbox.firstIndex(where: { $0.frameID == frame.id }) else { return }
+        chat.outbox[index].deadline = clock.now.addingTimeInterval(Self.ackTimeout)
+    }
+
+    /// Drops a conversation's `subscribe` not written yet (waiting for the budget, or to be sent
+    /// again after a refusal); returns whether there was one.
+    func unqueueSubscribe(_ conversation: String) -> Bool {
+        func isIt(_ request: Request) -> Bool {
+            if case .conversation(let subscribed) = request { subscribed == conversation } else { false }
+        }
+        let queued = pacer.remove { isIt($0.request) }
+        let refused = retries.filter { isIt($0.request) }
+        guard !queued.isEmpty || !refused.isEmpty else { return false }
+        retries.removeAll { isIt($0.request) }
+        for frame in queued {
+            pending[frame.id] = nil
+            catchUp.remove(frame.id)
+        }
+        answered(nil)
+        return true
     }
 
     func sendOwedStatus() {

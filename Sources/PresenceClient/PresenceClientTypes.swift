@@ -73,6 +73,14 @@ public enum PresenceClientEvent: Sendable, Hashable {
     case messageStatus(MessageStatusChange)
     /// A `sync` could not give some messages (trimmed, or a history Redis lost).
     case messageGap(MessageGap)
+    /// Messages this device held that Redis lost (it went back in time: the history forked, and
+    /// `synced` named them in `truncated`). Other members' messages in the range left
+    /// ``PresenceClient/messages(in:)``; this device's own went back to the outbox as `sending`
+    /// (a ``messageStatus(_:)``) and are sent again with the same `client_message_id`.
+    case messageTruncated(MessageGap)
+    /// A session (or an attempt at one) ended: why, and what the client does next. Comes before
+    /// the ``connection(_:)`` state that follows.
+    case sessionEnded(SessionEnd)
 }
 
 /// An error of the client library.

@@ -12,15 +12,21 @@ struct PresenceClientCommand: AsyncParsableCommand {
         abstract: "Connect to a presence gateway as a user and watch presence live.",
         discussion: """
         Type commands on standard input: online, away, offline, watch USER..., unwatch USER...,
-        join CONVERSATION, leave CONVERSATION, type CONVERSATION, send CONVERSATION, list,
-        background, foreground, help, quit. End of input signs out cleanly.
+        join CONVERSATION, leave CONVERSATION, type CONVERSATION, send CONVERSATION,
+        read CONVERSATION, list, background, foreground, help, quit. End of input signs out
+        cleanly.
 
         With --chat CONVERSATION, each line typed is a message to that conversation, and
         messages print with their status as it changes (sending, sent, delivered, read,
-        failed). Commands then start with a slash: /offline (the app's offline switch: the
-        session closes, messages wait in the outbox), /online, /retry ID, /list, /quit, and the
-        others above. The outbox is kept in --outbox (by default a file per device), so
-        messages written before a quit go out on the next run.
+        failed); what it prints counts as read (the others see it read). Commands then start
+        with a slash: /offline (the app's offline switch: the session closes, messages wait in
+        the outbox), /online, /retry ID, /read (marks the conversation read now), /list, /help,
+        /quit, and the others above. The outbox is kept in --outbox (by default a file per
+        device), so messages written before a quit go out on the next run.
+
+        Each reconnect says why (a refused token, a refused connection, a node starting or
+        full, a dropped connection). A token refused twice in a row (close 4001) stops the
+        client with exit status 77, as does a refused --token, which cannot be refreshed.
 
         Example, with a gateway from `make run`:
           presence-client --url ws://127.0.0.1:8080 --token-command 'scripts/token alice' --device laptop
@@ -72,7 +78,7 @@ struct PresenceClientCommand: AsyncParsableCommand {
         logger.logLevel = level
         let store = FileMessageOutboxStore(url: outbox.map { URL(fileURLWithPath: $0) } ?? FileMessageOutboxStore.defaultURL(deviceID: device))
         let client = PresenceClient(configuration: configuration, tokenProvider: provider, outboxStore: store, logger: logger)
-        let display = Display(chat: chat)
+        let display = Display(chat: chat, stopsOnRefusedToken: tokenCommand != nil)
         if let chat { try await display.apply(client, "/join \(chat)") }
         if let watch {
             try await display.apply(client, "watch " + watch.split(separator: ",").joined(separator: " "))
@@ -80,7 +86,7 @@ struct PresenceClientCommand: AsyncParsableCommand {
         if let join { try await display.apply(client, "join \(join)") }
         let events = await client.events()
         StandardOutput.exitWhenReaderCloses()
-        say("connecting to \(urls.joined(separator: ", ")) as device \(device); type help for commands")
+        say("connecting to \(urls.joined(separator: ", ")) as device \(device); \(Display.banner(chat: chat))")
         await withTaskGroup(of: Void.self) { group in
             group.addTask { await client.run() }
             group.addTask {
@@ -152,9 +158,26 @@ struct PresenceClientCommand: AsyncParsableCommand {
 actor Display {
     /// The conversation typed lines go to, in chat mode.
     let chat: String?
+    /// Whether a token refused twice in a row ends the client (the token comes from a command,
+    /// run again after each refusal; a fixed token ends it at the first refusal, in its provider).
+    let stopsOnRefusedToken: Bool
+    private var refusals = TokenRefusals(limit: 2)
+    /// Others' messages in the chat printed and marked read: their change to `read` is not
+    /// printed again.
+    private var readHere: Set<String> = []
+    /// A `read` for the chat is about to be sent: the messages printed meanwhile go with it.
+    private var readPending = false
 
-    init(chat: String?) {
+    init(chat: String?, stopsOnRefusedToken: Bool = false) {
         self.chat = chat
+        self.stopsOnRefusedToken = stopsOnRefusedToken
+    }
+
+    /// What the first line says about commands: in chat mode a bare word is a message, so the
+    /// commands are named with their slash.
+    static func banner(chat: String?) -> String {
+        guard let chat else { return "type help for commands" }
+        return "lines you type are sent to \(chat); type /help for commands"
     }
 
     private func stamp() -> String {
@@ -178,13 +201,49 @@ actor Display {
             say("\(stamp()) ! \(code.rawValue): \(message)")
         case .message(let message):
             say("\(stamp()) \(Self.describe(message))")
+            // Others' messages in the chat are on screen: read.
+            if message.conversationID == chat, message.status == .delivered {
+                readHere.insert(message.clientMessageID)
+                markShownRead(client)
+            }
         case .messageStatus(let change):
+            if change.status == .read, readHere.remove(change.clientMessageID) != nil { return }
             let reason = change.failure.map { ": \($0)" } ?? ""
             let message = await client.messages(in: change.conversationID).last { $0.clientMessageID == change.clientMessageID }
             say("\(stamp()) \(message.map(Self.describe) ?? "\(change.conversationID) (\(change.clientMessageID.prefix(8)))")\(reason)")
         case .messageGap(let gap):
             say("\(stamp()) \(gap.conversationID): messages \(gap.fromSeq)…\(gap.toSeq.map(String.init) ?? "end") of epoch \(gap.epoch ?? "?") cannot be given")
+        case .messageTruncated(let range):
+            say("\(stamp()) \(range.conversationID): messages \(range.fromSeq)…\(range.toSeq.map(String.init) ?? "end") of epoch \(range.epoch ?? "?") were lost by the gateway's Redis; yours among them are sent again")
+        case .sessionEnded(let end):
+            say("\(stamp()) [\(Self.describe(end))]")
+            if stopsOnRefusedToken, refusals.record(end) {
+                FileHandle.standardError.write(Data("presence-client: the token from --token-command was refused twice in a row (4001); check the command and the gateway's secret\n".utf8))
+                // EX_NOPERM (77): the credentials were not accepted.
+                Foundation.exit(77)
+            }
         }
+    }
+
+    /// "the gateway refused the token (4001); reconnecting now with a new token".
+    static func describe(_ end: SessionEnd) -> String {
+        end.outcome.isEmpty ? "session ended: \(end.reason)" : "session ended: \(end.reason); \(end.outcome)"
+    }
+
+    /// Marks the chat read a moment after a message of it was printed, once for all printed
+    /// meanwhile (a sync of hundreds of messages sends one `read`, not hundreds).
+    private func markShownRead(_ client: PresenceClient) {
+        guard let chat, !readPending else { return }
+        readPending = true
+        Task {
+            try? await Task.sleep(for: .milliseconds(200))
+            await self.markRead(client, chat)
+        }
+    }
+
+    private func markRead(_ client: PresenceClient, _ conversation: String) async {
+        readPending = false
+        await client.markRead(conversation)
     }
 
     /// `room #3 alice: hi  [delivered] (1c0e2b7a)`; `me` for this device's messages until the
@@ -231,6 +290,10 @@ actor Display {
             await client.setOffline(false)
         case "offline" where chat != nil:
             await client.setOffline(true)
+        case "read":
+            guard let conversation = arguments.first ?? chat, arguments.count <= 1 else { throw ValidationError("read takes one conversation id") }
+            await client.markRead(conversation)
+            say("\(stamp()) \(conversation): marked read")
         case "retry":
             let prefix = try one()
             let matching = await client.messages(in: chat ?? "").filter { $0.status == .failed && $0.clientMessageID.hasPrefix(prefix) }
@@ -250,7 +313,7 @@ actor Display {
         case "list": await list(client)
         case "quit", "exit": return false
         case "help": say(PresenceClientCommand.configuration.discussion)
-        default: say("! unknown command \(command); type help")
+        default: say("! unknown command \(command); type \(chat == nil ? "help" : "/help")")
         }
         return true
     }

@@ -513,6 +513,56 @@ extension ClientLiveTests {
     }
 }
 
+extension ClientLiveTests {
+    /// Fails before the change: the chat's banner said to type `help` (sent as a message in chat
+    /// mode), nothing it printed was marked read, and a `--token-command` whose token the gateway
+    /// refused was run again for ever.
+    @Test("presence-client --chat names /help, marks what it prints read (and /read); says why a session ended; a --token-command token refused twice in a row stops it with 77")
+    func terminalChatRead() async throws {
+        let prefix = TestRedis.uniquePrefix("sdk-chat-read")
+        let node = try await GatewayProcess(nodeID: "node", environment: nodeEnvironment(prefix: prefix))
+        #expect(admin(node, "PUT", "/api/admin/conversations/room", #"{"member_ids":["alice","bob"]}"#)?.status == 200)
+        let terminal = try await TerminalClient(node, user: "bob", ["--chat", "room"])
+        defer { terminal.stop() }
+        #expect(await terminal.printedLine("connecting to ", "type /help for commands"))
+        #expect(await terminal.printed("[connected]"))
+        let alice = try await LiveClient("alice", device: "phone", nodes: [node])
+        #expect(await alice.connected())
+        try await alice.client.send("read me", to: "room")
+        #expect(await terminal.printed("alice: read me  [delivered]"))
+        // Bob's read cursor reaches alice as a receipt.
+        #expect(await alice.waitUntil { client in await client.receipts(in: "room").first { $0.userID == "bob" }?.readSeq == 1 },
+                "what it printed is read")
+        terminal.type("/read")
+        #expect(await terminal.printed("room: marked read"))
+        terminal.type("/quit")
+        #expect(await eventually(timeout: .seconds(5)) { !terminal.process.isRunning })
+
+        // A token command that prints a token signed with another secret: refused twice, then 77.
+        let binary = GatewayProcess.binary.deletingLastPathComponent().appendingPathComponent("presence-client")
+        let directory = FileManager.default.temporaryDirectory.appendingPathComponent("presence-client-\(UUID().uuidString)")
+        try FileManager.default.createDirectory(at: directory, withIntermediateDirectories: true)
+        defer { try? FileManager.default.removeItem(at: directory) }
+        let output = directory.appendingPathComponent("out")
+        let errors = directory.appendingPathComponent("err")
+        for file in [output, errors] { _ = FileManager.default.createFile(atPath: file.path, contents: nil) }
+        let refused = Process()
+        refused.executableURL = binary
+        refused.arguments = ["--url", "ws://127.0.0.1:\(node.port)", "--device", "terminal", "--outbox", directory.appendingPathComponent("outbox.json").path,
+                             "--token-command", "echo eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJib2IifQ.c2lnbmVkIHdpdGggYW5vdGhlciBzZWNyZXQ"]
+        refused.standardInput = Pipe()
+        refused.standardOutput = try FileHandle(forWritingTo: output)
+        refused.standardError = try FileHandle(forWritingTo: errors)
+        try refused.run()
+        defer { if refused.isRunning { kill(refused.processIdentifier, SIGKILL) } }
+        #expect(await eventually(timeout: .seconds(10)) { !refused.isRunning }, "two refusals in a row end the client")
+        #expect(!refused.isRunning && refused.terminationStatus == 77)
+        #expect(((try? String(contentsOf: errors, encoding: .utf8)) ?? "").contains("refused twice in a row"))
+        let printed = (try? String(contentsOf: output, encoding: .utf8)) ?? ""
+        #expect(printed.contains("[session ended: the gateway refused the token (4001); reconnecting now with a new token]"), "\(printed)")
+    }
+}
+
 /// `presence-client` run against a node as `user`, with `arguments` besides the URL, token, device
 /// and an outbox of its own; what it prints goes to a file the checks read.
 final class TerminalClient {

@@ -29,6 +29,45 @@ struct ClientMessagingTests {
         await client.client.messages(in: conversation).map(\.status)
     }
 
+    @Test("30 followed conversations (12 written to while offline, 18 more groups): back online, every message is shown once, in order")
+    func manyConversations() async throws {
+        let node = try await GatewayProcess(nodeID: "n1", environment: nodeEnvironment(prefix: TestRedis.uniquePrefix("msg-many")))
+        let talks = (0..<12).map { "talk\($0)" }
+        let groups = (0..<18).map { "group\($0)" }
+        for talk in talks { #expect(admin(node, "PUT", "/api/admin/conversations/\(talk)", #"{"member_ids":["alice","bob"]}"#)?.status == 200) }
+        for group in groups {
+            #expect(admin(node, "PUT", "/api/admin/conversations/\(group)", #"{"member_ids":["alice","bob","carol"]}"#)?.status == 200)
+        }
+        let alice = try await LiveClient("alice", device: "phone", nodes: [node])
+        for conversation in talks + groups { try await alice.client.join(conversation: conversation) }
+        #expect(await alice.connected(.seconds(20)))
+        await alice.client.setOffline(true)
+        #expect(await alice.waitUntil { await $0.connectionState == .idle })
+        let bob = try await mint("bob")
+        for talk in talks {
+            for number in 1...2 {
+                let body = #"{"client_message_id":"\#(talk)-\#(number)","text":"\#(talk) #\#(number)"}"#
+                let sent = GatewayProcess.http(port: node.port, method: "POST", path: "/api/conversations/\(talk)/messages",
+                                               headers: ["Authorization": "Bearer \(bob)"], body: body)
+                #expect(sent?.status == 201)
+            }
+        }
+        await alice.client.setOffline(false)
+        let caughtUp = await alice.waitUntil(.seconds(15)) { client in
+            for talk in talks {
+                if await client.messages(in: talk).count < 2 { return false }
+            }
+            return true
+        }
+        #expect(caughtUp, "every conversation's two messages arrived")
+        for talk in talks {
+            let messages = await alice.client.messages(in: talk)
+            #expect(messages.map(\.text) == ["\(talk) #1", "\(talk) #2"] && messages.compactMap(\.seq) == [1, 2], "\(talk): \(messages.map(\.text))")
+        }
+        let errors = alice.events.filter { if case .error = $0 { true } else { false } }
+        #expect(errors.isEmpty, "\(errors)")
+    }
+
     @Test("seed 004, case 1: typing is neither sent nor shown while offline, and works again after")
     func typingOffline() async throws {
         let node = try await Self.node("msg-typing")

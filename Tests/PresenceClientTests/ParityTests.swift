@@ -137,6 +137,15 @@ struct ParityTests {
                 "from_seq": .number(Double(gap.fromSeq)),
                 "to_seq": gap.toSeq.map { .number(Double($0)) } ?? .null,
             ]
+        case .messageTruncated(let range):
+            return [
+                "event": "message_truncated", "conversation_id": .string(range.conversationID), "epoch": range.epoch.map { .string($0) } ?? .null,
+                "from_seq": .number(Double(range.fromSeq)),
+                "to_seq": range.toSeq.map { .number(Double($0)) } ?? .null,
+            ]
+        case .sessionEnded(let end):
+            // Not in the fixture (one session throughout); named for a failure message.
+            return ["event": "session_ended", "close_code": end.closeCode.map { .number(Double($0)) } ?? .null, "reason": .string(end.reason)]
         }
     }
 
