@@ -158,22 +158,23 @@ struct FrameHandler {
     }
 
     /// `sync`: for each position, the messages after it this session was not sent yet (up to
-    /// 1,000, and 128 KiB of frames over the whole answer), then `synced` with what cannot be
-    /// given; the conversation's live messages wait meanwhile (see Session+Messages.swift). A
-    /// position refused (not a member, no such conversation, Redis away) is answered by an
-    /// `error` naming its conversation; the others go on.
+    /// 1,000, and 128 KiB of frames), then `synced` with what cannot be given; the conversation's
+    /// live messages wait meanwhile (see Session+Messages.swift). A position refused (not a
+    /// member, no such conversation, Redis away) is answered by an `error` naming its
+    /// conversation; the others go on.
     private func sync(_ positions: [SyncPosition], id: String?) async {
         let frames = gateway.frames
-        // An answer is queued once the one before it has gone to the socket, and stays well
-        // inside what a session may have waiting to be written, counted as the bytes it writes:
-        // a client reading as fast as it can is never closed for syncing. Past it, `more` says
-        // to sync again.
-        if !positions.isEmpty { await session.connection.drained() }
-        var budget = gateway.configuration.outboundBufferLimit / 2
+        // Each conversation's part is queued once what came before it has gone to the socket,
+        // and stays well inside what a session may have waiting to be written, counted as the
+        // bytes it writes: the answer goes out as the socket drains, and a client reading as fast
+        // as it can is never closed for syncing. A part cut at the budget says `more`.
+        let limit = gateway.configuration.outboundBufferLimit / 2
         session.beginSync(positions.map(\.conversationID))
         for position in positions {
             let conversation = position.conversationID
             if let probe = gateway.hub.beforeSyncRead.withLockedValue({ $0 }) { await probe(conversation) }
+            await session.connection.drained()
+            var budget = limit
             do {
                 let answer = try await gateway.engine.sync(position, for: user.userID)
                 let (encoded, cut) = Self.encode(answer.messages, within: &budget, frames: frames)
