@@ -29,7 +29,9 @@ HEAVY_TESTS = GatewayFaultTests
 # A test run that fails prints its failures again at its end (scripts/test-run).
 # Then the browser client's logic under Node's test runner, the browser end-to-end test in headless
 # Chromium (two nodes, two pages and the dashboard; alone, as its bounds are in seconds), the soak
-# (60 s), schemathesis on the REST routes and a bounded run of each libFuzzer target.
+# (60 s), a small sync storm (the Swift SDK catching up on 30 conversations, 30 more groups
+# followed: it fails on a refusal, an error frame or a message missing or out of order),
+# schemathesis on the REST routes and a bounded run of each libFuzzer target.
 # Last, against a throwaway 6-node Redis Cluster (scripts/with-redis-cluster): the cluster router's
 # tests, then the engine and gateway suites again with the cluster as their Redis (one test at a
 # time: on 2 cores, six servers beside the parallel suite starve the 3 s leases; the model test
@@ -52,7 +54,8 @@ test: check-links check-contract build-tests check-deploy fuzz-build
 	  && scripts/test-run web timeout --kill-after=10 120 node --test Tests/Web/ \
 	  && scripts/test-run browser timeout --kill-after=10 300 Tests/Browser/e2e.py \
 	  && scripts/test-run browser-messaging timeout --kill-after=10 300 Tests/Browser/messaging.py \
-	  && timeout --kill-after=10 300 .build/debug/presence-bench soak --duration 60 --seed $(TEST_SEED)'
+	  && timeout --kill-after=10 300 .build/debug/presence-bench soak --duration 60 --seed $(TEST_SEED) \
+	  && timeout --kill-after=10 120 .build/debug/presence-bench sync-storm --conversations 30 --groups 30 --messages 5'
 	API_FUZZ_SEED=$(TEST_SEED) timeout --kill-after=10 300 scripts/api-fuzz
 	timeout --kill-after=10 300 scripts/fuzz --runs 30000 --seed $(TEST_SEED) resp
 	timeout --kill-after=10 300 scripts/fuzz --runs 15000 --seed $(TEST_SEED) frames

@@ -169,7 +169,7 @@ let package = Package(
         .executableTarget(
             name: "presence-bench",
             dependencies: [
-                "PresenceGateway", "PresenceEngine", "PresenceProtocol", "RedisClient", "RedisTestSupport",
+                "PresenceClient", "PresenceGateway", "PresenceEngine", "PresenceProtocol", "RedisClient", "RedisTestSupport",
                 .product(name: "ArgumentParser", package: "swift-argument-parser"),
                 .product(name: "HummingbirdWSClient", package: "hummingbird-websocket"),
                 .product(name: "JWTKit", package: "jwt-kit"),

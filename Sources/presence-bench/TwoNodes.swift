@@ -58,6 +58,11 @@ struct TwoNodes {
         return TwoNodes(ports: ports, prefix: prefix, logger: logger, keys: keys, group: group, running: running)
     }
 
+    /// A token for `user`, valid for an hour.
+    func token(_ user: String) async throws -> String {
+        try await keys.sign(Claims(sub: .init(value: user), exp: .init(value: Date(timeIntervalSinceNow: 3600))))
+    }
+
     /// Opens a session on node `node` (0 or 1); every text frame received goes to `onText`.
     /// Returns the continuation that sends frames.
     func connect(node: Int, user: String, device: String, onText: @escaping @Sendable (String) -> Void) async throws -> (AsyncStream<String>.Continuation, Task<Void, any Error>) {
