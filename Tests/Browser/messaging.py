@@ -20,7 +20,10 @@ Alice's page (Tests/Browser/chat.*) talks to node A, Bob's to node B (one Redis)
      and Bob's typing is not shown; the cut removed and `online` told, the five reach Bob in
      order within 3 s;
   6. the dashboard's conversation card shows the newest 50 messages as the pages have them, each
-     "read" (both pages show the conversation), and the members' cursors at the last seq.
+     "read" (both pages show the conversation), and the members' cursors at the last seq;
+  7. Alice's page follows 30 more conversations (12 with Bob, 18 groups), goes offline while Bob
+     writes two messages in each of the 12, and comes back: all 24 are shown once, in order, and
+     no error reaches the page (the catch-up is never refused).
 A check that cannot run (Chromium does not start, iptables refuses) is a failure with its reason.
 """
 import os
@@ -246,6 +249,35 @@ def main():
         last = str(len(history))
         check(cursors == {"alice": [last, last], "bob": [last, last]}, f"both members' cursors are at {last}: {cursors}")
         screenshot(board, arguments.screenshots, "dashboard-conversation", ["conversation-result"])
+
+        # 7. Thirty conversations followed (12 written to while offline, 18 more groups): back
+        # online, every message shown once, in order, and no refusal.
+        talks = [f"talk{number}" for number in range(12)]
+        groups = [f"group{number}" for number in range(18)]
+        for conversation in talks:
+            request("PUT", f"{b.url}/api/admin/conversations/{conversation}", {"member_ids": ["alice", "bob"]})
+        for conversation in groups:
+            request("PUT", f"{b.url}/api/admin/conversations/{conversation}", {"member_ids": ["alice", "bob", "carol"]})
+        alice.execute_script("window.presenceErrors = []; window.presenceClient.addEventListener('error', (event) => window.presenceErrors.push(event.detail));")
+        for conversation in talks + groups:
+            alice.execute_script("window.presenceClient.join(arguments[0])", conversation)
+        switch_offline(alice, True)
+        wait_until(lambda: connection(alice) == "idle", 10, "Alice's page goes offline with 30 more conversations")
+        for conversation in talks:
+            for number in (1, 2):
+                request("POST", f"{a.url}/api/conversations/{conversation}/messages",
+                        {"client_message_id": f"{conversation}-{number}", "text": f"{conversation} #{number}"}, bearer=token("bob"))
+        back_at = time.monotonic()
+        switch_offline(alice, False)
+
+        def shown(conversation):
+            return alice.execute_script("return window.presenceClient.messages(arguments[0]).map((m) => [m.seq, m.text])", conversation)
+        wait_until(lambda: all(len(shown(conversation)) >= 2 for conversation in talks), 15, "each of the 12 conversations shows its two messages")
+        check(True, f"the 24 messages written while Alice was offline were all shown {time.monotonic() - back_at:.2f} s after she went online")
+        check(all(shown(conversation) == [[1, f"{conversation} #1"], [2, f"{conversation} #2"]] for conversation in talks),
+              "once each, in order, in every conversation")
+        errors = alice.execute_script("return window.presenceErrors.map((e) => `${e.code}: ${e.message}`)")
+        check(errors == [], f"no error on Alice's page: {errors}")
         print("messaging: all checks passed")
 
 
