@@ -56,11 +56,13 @@ struct TokenBucket: Sendable, Hashable {
     }
 }
 
-/// What a session writes, paced within the gateway's budgets: `subscribe` 5 a second with a burst
-/// of 10, `sync` 5 a second with a burst of 10, and every frame under 40 a second with a burst
-/// of 80. The gateway allows 50 and 100 for all frames, but it counts them as they arrive and the
-/// network may bunch them; a frame it refuses for the frame rate comes back without its id (so
-/// it is lost), and the 51st refusal in a row closes the session with 4029.
+/// What a session writes, paced within the gateway's budgets with a fifth to spare: `subscribe`
+/// 4 a second with a burst of 8, `sync` the same, and every frame under 40 a second with a burst
+/// of 80. The gateway allows 5 and 10, 5 and 10, and 50 and 100, but it counts frames as they
+/// arrive, from buckets that start when its end of the session does, and the network may bunch
+/// frames sent apart: paced at the gateway's own rates, a sync storm saw 12 subscribes refused.
+/// A frame refused for the frame rate comes back without its id (so it is lost), and the 51st
+/// refusal in a row closes the session with 4029.
 ///
 /// Frames wait in lanes, each in the order it was made. A lane whose budget is spent does not
 /// hold up the others: a `sync` never waits behind `subscribe`s, so the catch-up of messages at
@@ -83,10 +85,10 @@ struct FramePacer: Sendable {
         var request: PresenceClient.Request
     }
 
-    static let subscribeRate = 5.0
-    static let subscribeBurst = 10.0
-    static let syncRate = 5.0
-    static let syncBurst = 10.0
+    static let subscribeRate = 4.0
+    static let subscribeBurst = 8.0
+    static let syncRate = 4.0
+    static let syncBurst = 8.0
     static let frameRate = 40.0
     static let frameBurst = 80.0
 

@@ -46,7 +46,7 @@ struct SyncStormScenario: AsyncParsableCommand {
         let errorsBefore = try errorFrames(port: nodes.ports[0])
 
         var logger = Logger(label: "storm-reader")
-        logger.logLevel = .warning
+        logger.logLevel = ProcessInfo.processInfo.environment["SYNC_STORM_LOG"] == nil ? .warning : .info
         let configuration = try PresenceClientConfiguration(gatewayURLs: [URL(string: "ws://127.0.0.1:\(nodes.ports[0])")!], deviceID: "storm-phone")
         let token = try await nodes.token("storm-reader")
         let client = PresenceClient(configuration: configuration, tokenProvider: { _ in token }, outboxStore: MemoryMessageOutboxStore(),

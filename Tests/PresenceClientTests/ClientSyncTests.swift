@@ -370,7 +370,7 @@ struct ClientSyncTests {
         #expect(await h.until { h.syncs(session: 2).count == 2 }, "the backoff started again with the session")
     }
 
-    @Test("300 joined conversations: the opening's 3 syncs go at once, before anything else; subscribes are paced (10, then 5 a second); no second holds more than the budgets, and the gateway's own buckets refuse nothing")
+    @Test("300 joined conversations: the opening's 3 syncs go at once, before anything else; subscribes are paced (8, then 4 a second); no second holds more than the budgets, and the gateway's own buckets refuse nothing")
     func pacedOpening() async throws {
         let conversations = (0..<300).map { number -> String in
             let digits = String(number)
@@ -385,7 +385,7 @@ struct ClientSyncTests {
         #expect(h.syncs().flatMap { $0 }.map { String($0.split(separator: ":")[0]) } == conversations)
         #expect(h.frames().prefix(3).map { $0.frame.type } == ["sync", "sync", "sync"], "the syncs first")
         #expect(syncs.allSatisfy { $0.at == start }, "at once")
-        #expect(h.frames("subscribe").count == 10, "the subscribe burst, and no more")
+        #expect(h.frames("subscribe").count == 8, "the subscribe burst, and no more")
         // Each conversation has two seqs to say delivered (named missing): 300 frames more.
         for sync in syncs {
             guard case .sync(let positions) = sync.frame else { continue }
@@ -442,7 +442,7 @@ struct ClientSyncTests {
         let subscribed = { h.frames("subscribe").compactMap { written -> String? in
             if case .subscribe(.conversation(let conversation)) = written.frame { conversation } else { nil }
         } }
-        #expect(subscribed() == Array(conversations.prefix(10)), "the burst of 10")
+        #expect(subscribed() == Array(conversations.prefix(8)), "the burst of 8")
         try await h.client.leave(conversation: "c21")
         await h.advance(by: 5)
         #expect(subscribed() == Array(conversations.prefix(11)))
@@ -709,28 +709,29 @@ struct FramePacerTests {
         return FramePacer.Frame(id: id, text: id, lane: lane, spendsLane: spendsLane, request: .other)
     }
 
-    @Test("lanes: subscribes past their burst wait 200 ms each; a sync and other frames do not wait behind them; an unsubscribe keeps its place behind them")
+    @Test("lanes: subscribes past their burst (8) wait 250 ms each; a sync and other frames do not wait behind them; an unsubscribe keeps its place behind them")
     func lanes() {
+        #expect(FramePacer.subscribeRate == 4 && FramePacer.subscribeBurst == 8, "a fifth under the gateway's 5 a second, burst 10")
         var pacer = FramePacer(now: start)
-        for index in 0..<12 { pacer.enqueue(frame("s\(index)", .subscribe(.conversation("c\(index)")))) }
+        for index in 0..<10 { pacer.enqueue(frame("s\(index)", .subscribe(.conversation("c\(index)")))) }
         pacer.enqueue(frame("u", .unsubscribe(.conversation("c0"))))
         pacer.enqueue(frame("y", .sync([SyncPosition(conversationID: "c0", afterSeq: 0)])))
         pacer.enqueue(frame("d", .delivered(conversationID: "c0", seq: 1)))
         let first = pacer.due(at: start).map(\.id)
-        #expect(first == (0..<10).map { "s\($0)" } + ["y", "d"])
-        #expect(pacer.waiting.map(\.id) == ["s10", "s11", "u"])
+        #expect(first == (0..<8).map { "s\($0)" } + ["y", "d"])
+        #expect(pacer.waiting.map(\.id) == ["s8", "s9", "u"])
         let next = pacer.nextDeadline(after: start)
-        #expect(next.map { abs($0.timeIntervalSince(start) - 0.2) < 1e-6 } == true, "\(String(describing: next))")
-        let early = pacer.due(at: start.addingTimeInterval(0.199)).map(\.id)
+        #expect(next.map { abs($0.timeIntervalSince(start) - 0.25) < 1e-6 } == true, "\(String(describing: next))")
+        let early = pacer.due(at: start.addingTimeInterval(0.249)).map(\.id)
         #expect(early.isEmpty)
-        let second = pacer.due(at: start.addingTimeInterval(0.2)).map(\.id)
-        #expect(second == ["s10"])
-        let third = pacer.due(at: start.addingTimeInterval(0.4)).map(\.id)
-        #expect(third == ["s11", "u"], "the unsubscribe right behind the subscribe before it")
-        #expect(pacer.nextDeadline(after: start.addingTimeInterval(0.4)) == nil)
+        let second = pacer.due(at: start.addingTimeInterval(0.25)).map(\.id)
+        #expect(second == ["s8"])
+        let third = pacer.due(at: start.addingTimeInterval(0.5)).map(\.id)
+        #expect(third == ["s9", "u"], "the unsubscribe right behind the subscribe before it")
+        #expect(pacer.nextDeadline(after: start.addingTimeInterval(0.5)) == nil)
     }
 
-    @Test("every frame: 80 at once, then one each 25 ms; syncs: 10 at once, then 5 a second")
+    @Test("every frame: 80 at once, then one each 25 ms; syncs: 8 at once, then 4 a second")
     func budgets() {
         var pacer = FramePacer(now: start)
         for index in 0..<81 { pacer.enqueue(frame("d\(index)", .delivered(conversationID: "c", seq: Int64(index + 1)))) }
@@ -742,11 +743,11 @@ struct FramePacerTests {
         #expect(last == ["d80"])
 
         var syncs = FramePacer(now: start)
-        for index in 0..<12 { syncs.enqueue(frame("y\(index)", .sync([]))) }
+        for index in 0..<10 { syncs.enqueue(frame("y\(index)", .sync([]))) }
         var written: [[String]] = []
-        for offset in [0, 0.2, 0.399, 0.4] { written.append(syncs.due(at: start.addingTimeInterval(offset)).map(\.id)) }
-        #expect(written.map(\.count) == [10, 1, 0, 1])
-        #expect(written[1] == ["y10"] && written[3] == ["y11"])
+        for offset in [0, 0.25, 0.499, 0.5] { written.append(syncs.due(at: start.addingTimeInterval(offset)).map(\.id)) }
+        #expect(written.map(\.count) == [8, 1, 0, 1])
+        #expect(written[1] == ["y8"] && written[3] == ["y9"])
     }
 }
 

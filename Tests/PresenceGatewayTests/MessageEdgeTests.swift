@@ -1,4 +1,5 @@
 import Foundation
+import NIOConcurrencyHelpers
 import PresenceEngine
 import PresenceProtocol
 import RedisClient
@@ -30,6 +31,32 @@ struct MessageEdgeTests {
             }
             #expect(refusals.isEmpty, "\(refusals)")
             #expect(synced.count == 12)
+        }
+    }
+
+    @Test("budgets count a frame when it arrives: subscribes that keep to theirs are not refused because a slow sync held them up")
+    func budgetsAtArrival() async throws {
+        try await withGateway { port, gateway in
+            for index in 0..<15 { try await ConversationTests.setUp(port, ["alice", "bob"], conversation: "g\(index)") }
+            let bob = try await Sessions.open(port, "bob", device: "phone")
+            // The sync's read takes 1.5 s: everything after it waits to be handled.
+            gateway.hub.beforeSyncRead.withLockedValue { $0 = { _ in try? await Task.sleep(for: .milliseconds(1_500)) } }
+            bob.send("sync", ["positions": [["conversation_id": "g0", "after_seq": 0]]], id: "slow")
+            // The burst of 10 at once, then 5 a second later, when 5 tokens are back.
+            for index in 0..<10 { bob.send("subscribe", ["conversation_id": "g\(index)"], id: "s\(index)") }
+            try await Task.sleep(for: .milliseconds(1_050))
+            for index in 10..<15 { bob.send("subscribe", ["conversation_id": "g\(index)"], id: "s\(index)") }
+            var answered: Set<String> = []
+            var refused: [String] = []
+            let deadline = ContinuousClock.now + .seconds(10)
+            while answered.count + refused.count < 15, ContinuousClock.now < deadline, let frame = try? await bob.next(timeout: deadline - .now) {
+                guard let id = frame.id, id.hasPrefix("s") else { continue }
+                if frame.type == "group_presence" { answered.insert(id) }
+                if frame.type == "error" { refused.append("\(id): \(frame.data["message"] ?? "")") }
+            }
+            gateway.hub.beforeSyncRead.withLockedValue { $0 = nil }
+            #expect(refused.isEmpty, "\(refused)")
+            #expect(answered.count == 15)
         }
     }
 

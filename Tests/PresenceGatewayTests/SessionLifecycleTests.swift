@@ -15,10 +15,19 @@ struct SessionLifecycleTests {
         switch action {
         case .none: "none"
         case .startHandling: "start"
-        case .handle(let message, let opened): "handle \(message) on \(opened)"
+        case .handle(let message, let opened): "handle \(Self.name(message)) on \(opened)"
         case .handleAgain: "again"
         case .overflow: "overflow"
         case .finish(let opened, let ending): "finish \(opened ?? "nil") \(ending.clientCode ?? 0)/\(ending.serverCode ?? 0)"
+        }
+    }
+
+    /// A message as the tests name it: its text, without the moment it arrived.
+    static func name(_ message: SessionMessage) -> String {
+        switch message {
+        case .text(let text, _): "text(\"\(text)\")"
+        case .binary: "binary"
+        case .refused(let wait): "refused(retryAfter: \(wait))"
         }
     }
 
@@ -95,7 +104,7 @@ struct SessionLifecycleTests {
         var handled: [String] = []
         var next = life.nextMessage()
         while case .handle(let message, _) = next {
-            handled.append("\(message)")
+            handled.append(Self.name(message))
             next = life.handled(goesOn: true)
             if case .handleAgain = next { next = life.nextMessage() }
         }
@@ -151,7 +160,7 @@ struct SessionLifecycleTests {
                 case .handleAgain:
                     // The task that just handled a message takes another turn.
                     task = (true, nil)
-                case .handle(.text(let text), _):
+                case .handle(.text(let text, _), _):
                     #expect(!connectionOver, "run \(run): a message handled after the end: \(trace)")
                     handled.append(text)
                     task = (true, text)

@@ -15,12 +15,14 @@ struct TokenBucket: Sendable {
         self.updated = .now
     }
 
-    /// Takes a token; on refusal, the seconds until one is available.
+    /// Takes a token at `now` (a frame's arrival); on refusal, the seconds until one is
+    /// available. A moment before the last one (a frame that arrived before the bucket was made,
+    /// while its session opened) adds nothing and takes nothing back.
     mutating func take(now: ContinuousClock.Instant = .now) -> Int? {
-        let elapsed = now - updated
+        let elapsed = max(.zero, now - updated)
         let seconds = Double(elapsed.components.seconds) + Double(elapsed.components.attoseconds) / 1e18
         tokens = min(burst, tokens + seconds * rate)
-        updated = now
+        updated = max(updated, now)
         guard tokens >= 1 else { return max(1, Int(((1 - tokens) / rate).rounded(.up))) }
         tokens -= 1
         return nil

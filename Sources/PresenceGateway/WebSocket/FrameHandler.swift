@@ -32,8 +32,10 @@ struct FrameHandler {
         syncBucket = TokenBucket(rate: configuration.syncRate, burst: configuration.syncRate * 2)
     }
 
-    /// Handles one text message; returns `false` once the session must close.
-    mutating func handle(_ text: String) async -> Bool {
+    /// Handles one text message that arrived at `arrived` (each kind's budget counts it then:
+    /// a client that keeps to the budgets is not refused because the node was busy with an
+    /// earlier frame, a long `sync` answer say); returns `false` once the session must close.
+    mutating func handle(_ text: String, arrived: ContinuousClock.Instant = .now) async -> Bool {
         let message: ClientMessage
         do {
             message = try gateway.frames.clientMessage(text)
@@ -41,7 +43,7 @@ struct FrameHandler {
             return refuse(.invalid(error.message), id: error.id)
         }
         do {
-            try await dispatch(message.frame, id: message.id)
+            try await dispatch(message.frame, id: message.id, arrived: arrived)
             badFrames = 0
             rateLimitedFrames = 0
         } catch {
@@ -84,24 +86,24 @@ struct FrameHandler {
         return !session.isClosing
     }
 
-    private mutating func dispatch(_ frame: ClientFrame, id: String?) async throws {
+    private mutating func dispatch(_ frame: ClientFrame, id: String?, arrived: ContinuousClock.Instant) async throws {
         switch frame {
         case .ping:
             session.send(.pong, id: id)
         case .status(let status):
-            if let wait = statusBucket.take() { throw APIError.rateLimited("too many status changes", retryAfter: wait) }
+            if let wait = statusBucket.take(now: arrived) { throw APIError.rateLimited("too many status changes", retryAfter: wait) }
             session.setDeviceStatus(status)
             _ = try await gateway.engine.setStatus(user: user.userID, device: session.deviceID, session: session.id, status: status)
             session.send(.ack, id: id)
         case .subscribe(.conversation(let conversation)):
-            if let wait = subscribeBucket.take() { throw APIError.rateLimited("too many subscribes", retryAfter: wait) }
+            if let wait = subscribeBucket.take(now: arrived) { throw APIError.rateLimited("too many subscribes", retryAfter: wait) }
             try await followConversation(conversation, id: id)
         case .unsubscribe(.conversation(let conversation)):
             await gateway.hub.unfollow(session, conversation)
             session.send(.ack, id: id)
         case .subscribe(.users(let users)):
             try checkCount(users)
-            if let wait = subscribeBucket.take() { throw APIError.rateLimited("too many subscribes", retryAfter: wait) }
+            if let wait = subscribeBucket.take(now: arrived) { throw APIError.rateLimited("too many subscribes", retryAfter: wait) }
             guard session.watchedCount + users.count <= gateway.configuration.maxWatchedUsers else {
                 throw APIError.invalid("a session may watch at most \(gateway.configuration.maxWatchedUsers) users")
             }
@@ -122,7 +124,7 @@ struct FrameHandler {
             await gateway.hub.unwatch(session, users.filter { !members.contains($0) })
             session.send(.ack, id: id)
         case .typing(let conversation, let isTyping):
-            if let wait = typingBucket.take() { throw APIError.rateLimited("too many typing frames", retryAfter: wait) }
+            if let wait = typingBucket.take(now: arrived) { throw APIError.rateLimited("too many typing frames", retryAfter: wait) }
             // A device that said offline sends no typing.
             if !session.deviceStatus.saidOffline {
                 try await gateway.engine.setTyping(user: user.userID, conversation: conversation, isTyping: isTyping)
@@ -139,7 +141,7 @@ struct FrameHandler {
                 createdAt: stored.createdAt, duplicate: sent.duplicate
             )), id: id))
         case .sync(let positions):
-            if let wait = syncBucket.take() { throw APIError.rateLimited("too many syncs", retryAfter: wait) }
+            if let wait = syncBucket.take(now: arrived) { throw APIError.rateLimited("too many syncs", retryAfter: wait) }
             await sync(positions, id: id)
         case .delivered(let conversation, let seq):
             _ = try await gateway.engine.moveCursor(.delivered, of: user.userID, in: conversation, to: seq)

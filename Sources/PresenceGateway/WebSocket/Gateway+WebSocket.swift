@@ -289,7 +289,7 @@ final class SessionRun: Sendable {
         guard case .handle(let message, let open) = next else { return run(next) }
         let goesOn: Bool
         switch message {
-        case .text(let text): goesOn = await open.frames.handle(text)
+        case .text(let text, let arrived): goesOn = await open.frames.handle(text, arrived: arrived)
         case .binary: goesOn = open.frames.handleBinary()
         case .refused(let wait): goesOn = open.frames.handleRefused(retryAfter: wait)
         }
@@ -331,7 +331,7 @@ final class FrameHandlerBox: @unchecked Sendable {
 
     init(_ handler: FrameHandler) { self.handler = handler }
 
-    func handle(_ text: String) async -> Bool { await handler.handle(text) }
+    func handle(_ text: String, arrived: ContinuousClock.Instant) async -> Bool { await handler.handle(text, arrived: arrived) }
     func handleBinary() -> Bool { handler.handleBinary() }
     func handleRefused(retryAfter wait: Int) -> Bool { handler.handleRefused(retryAfter: wait) }
 }

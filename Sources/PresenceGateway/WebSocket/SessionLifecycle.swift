@@ -1,10 +1,15 @@
 /// A message from a session's client, as its connection assembled it.
 enum SessionMessage: Sendable, Equatable {
-    case text(String)
+    /// A text message and when it arrived: every budget of the session (the frame rate, and
+    /// those of each kind of frame) counts it then, not when a busy session gets to it.
+    case text(String, arrived: ContinuousClock.Instant)
     case binary
     /// A message the session's frame rate refused on arrival: its content is dropped there, and
     /// it waits in order with the others to be answered with `rate_limited`.
     case refused(retryAfter: Int)
+
+    /// A text message that arrives now.
+    static func text(_ text: String) -> SessionMessage { .text(text, arrived: .now) }
 }
 
 /// The life of one session, apart from its socket, its tasks and Redis: what it holds in each
@@ -47,7 +52,7 @@ struct SessionLifecycle<Opened> {
             case .refused:
                 guard refused < limits.refusedKept else { return false }
                 refused += 1
-            case .text(let text):
+            case .text(let text, _):
                 bytes += text.utf8.count
             case .binary:
                 break
@@ -59,7 +64,7 @@ struct SessionLifecycle<Opened> {
         mutating func removeFirst() -> Message {
             let message = messages.removeFirst()
             switch message {
-            case .text(let text): bytes -= text.utf8.count
+            case .text(let text, _): bytes -= text.utf8.count
             case .refused: refused -= 1
             case .binary: break
             }
