@@ -251,7 +251,7 @@ extension PresenceEngine {
             positions[device.user, default: []].append(position)
         }
         let calls = users.map { user in
-            AuditDevices(user: user, devices: (positions[user] ?? []).map { position in
+            AuditDevices(user: user, node: configuration.nodeID, devices: (positions[user] ?? []).map { position in
                 let device = devices[position].value
                 return AuditDevices.Device(device: device.device, session: device.session, status: device.status, indexed: index[position])
             })
@@ -316,6 +316,9 @@ extension PresenceEngine {
                 case .heldByAnother:
                     report.takenOver += 1
                     await takenOver(member, session: device.session)
+                case .heldByOlderSession:
+                    // Not another's: Redis went back to before this session opened.
+                    _ = try? await evaluate(SettleNewLife(user: device.user, node: node, devices: [(device.device, (device.session, device.status))]))
                 case .staleStatus:
                     stale.append((member, device.session))
                 case .held: break

@@ -27,6 +27,9 @@ struct AuditDevices: ScriptCall {
         case unindexed
         /// Another session holds it now.
         case heldByAnother
+        /// Held by an older session of this same node, which the node no longer has: Redis went
+        /// back in time (a restart from an older snapshot), and the device is this session's again.
+        case heldByOlderSession
         /// Held, with a status other than the session's: a status write Redis acknowledged and
         /// then lost in a failover.
         case staleStatus
@@ -40,12 +43,15 @@ struct AuditDevices: ScriptCall {
     }
 
     var user: String
+    /// This node: a device held by one of its own sessions other than the one it has is not
+    /// another's.
+    var node: String
     var devices: [Device]
 
     func keys(_ context: ScriptContext) -> [String] { [context.keys.devices(user), context.keys.state(user)] }
 
     func arguments(_ context: ScriptContext) -> [RedisArgument] {
-        [context.now, RedisArgument(user), RedisArgument(context.keys.userChannel(user)), context.deviceTTL]
+        [context.now, RedisArgument(user), RedisArgument(context.keys.userChannel(user)), context.deviceTTL, RedisArgument(node)]
             + devices.flatMap { [RedisArgument($0.device), RedisArgument($0.session), RedisArgument($0.status.rawValue), $0.indexed ? "1" : "0"] }
     }
 
@@ -58,6 +64,7 @@ struct AuditDevices: ScriptCall {
             case 2: .unindexed
             case 3: .heldByAnother
             case 4: .staleStatus
+            case 5: .heldByOlderSession
             default: .held
             }
         }
@@ -66,9 +73,9 @@ struct AuditDevices: ScriptCall {
 
     /// Returns a code per device, then 1 if the aggregate was written again, else 0.
     static let script = RedisScript(ScriptLua.devices + """
-    local user, channel, ttl = ARGV[2], ARGV[3], ARGV[4]
+    local user, channel, ttl, node = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
     local codes = {}
-    for base = 4, #ARGV - 4, 4 do
+    for base = 5, #ARGV - 4, 4 do
       local device, session, status, indexed = ARGV[base + 1], ARGV[base + 2], ARGV[base + 3], ARGV[base + 4]
       local raw = redis.call('HGET', KEYS[1], device)
       local code = 0
@@ -78,6 +85,8 @@ struct AuditDevices: ScriptCall {
         local held = parse(raw)
         if held.session == '' then
           code = 1
+        elseif held.session ~= session and held.node == node then
+          code = 5
         elseif held.session ~= session then
           code = 3
         elseif indexed ~= '1' then
