@@ -68,7 +68,8 @@ extension PresenceEngine {
             let channel = keys.messageChannel(conversation)
             _ = try await run { try await self.redis.publish(Self.messageEvent(sent.message), on: channel) }
             // The sender's cursors moved with it, as the send script tells when it publishes.
-            if !sent.duplicate, (try await members(of: conversation)?.count ?? 0) <= configuration.largeGroup {
+            let members = try await run { try await self.redis.execute(SCARD(key: self.keys.members(conversation))) }
+            if !sent.duplicate, members <= configuration.largeGroup {
                 let receipt = PublishedReceipt(conversationID: conversation, epoch: sent.message.epoch, userID: sender,
                                                deliveredSeq: sent.message.seq, readSeq: sent.message.seq)
                 _ = try await run { try await self.redis.publish(Array((try? JSONEncoder().encode(receipt)) ?? Data()), on: channel) }
