@@ -36,7 +36,10 @@ struct GlobalOptions: ParsableArguments {
     var redisURL = ProcessInfo.processInfo.environment["PRESENCE_REDIS_URL"] ?? "redis://127.0.0.1:6379/0"
 
     @Option(name: .customLong("redis-pubsub"), help: "The gateway nodes' pub/sub, classic or sharded (a Redis Cluster: sharded only) [PRESENCE_REDIS_PUBSUB].")
-    var redisPubSub = ProcessInfo.processInfo.environment["PRESENCE_REDIS_PUBSUB"]
+    var redisPubSubOption: String?
+
+    /// `--redis-pubsub`, else `PRESENCE_REDIS_PUBSUB`.
+    var redisPubSub: String? { redisPubSubOption ?? ProcessInfo.processInfo.environment["PRESENCE_REDIS_PUBSUB"] }
 
     @Option(help: "Prefix of every key and channel [PRESENCE_KEY_PREFIX].")
     var keyPrefix = ProcessInfo.processInfo.environment["PRESENCE_KEY_PREFIX"] ?? "presence"

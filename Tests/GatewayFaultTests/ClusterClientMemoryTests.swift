@@ -31,7 +31,7 @@ struct ClusterClientMemoryTests {
         router.install(try ClusterSlotMap.parse(shards: Self.shard(port.port), tls: false, fallbackHost: "127.0.0.1"))
         let node = try #require(router.primaries.first)
         let refused = "cannot connect to a Redis cluster node"
-        try await withThrowingTaskGroup(of: Void.self) { group in
+        await withThrowingTaskGroup(of: Void.self) { group in
             group.addTask { try await router.run() }
             defer { router.shutdown() }
             /// Asks for a connection to the refusing node until `count` more were refused.

@@ -1,5 +1,6 @@
 import ClientTestSupport
 import Foundation
+import PresenceProtocol
 import RedisTestSupport
 import Testing
 

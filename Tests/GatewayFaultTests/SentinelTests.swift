@@ -90,7 +90,7 @@ struct SentinelTests {
         let dead = try RefusingPort()
         let url = set.url().replacingOccurrences(of: "sentinel://", with: "sentinel://127.0.0.1:\(dead.port),")
         let key = TestRedis.uniquePrefix("sentinel") + ":k"
-        try await RedisClient.withClient(configuration: try Self.configuration(url), logger: logger) { client in
+        _ = try await RedisClient.withClient(configuration: try Self.configuration(url), logger: logger) { client in
             try await client.send("SET", RedisArgument(key), "written")
         }
         #expect(try set.servers[0].cli("GET", key).contains("written"), "the write is on the primary")

@@ -132,7 +132,7 @@ struct ConversationTests {
             #expect(cleared.data["is_typing"] as? Bool == false, "going offline clears typing at once")
             // A user who went offline (her state says so, unlike one never seen) is not shown
             // typing either: a guard that only asked for some stored status passed this.
-            _ = try await bob.drain(for: .milliseconds(100))
+            _ = await bob.drain(for: .milliseconds(100))
             let afterOffline = try await call(ports[0], "POST", "/api/conversations/room/typing", token: aliceToken, body: #"{"is_typing":true}"#)
             #expect(afterOffline.status == 200)
             #expect(await bob.staysQuiet(for: .milliseconds(500)), "alice went offline: never shown typing")

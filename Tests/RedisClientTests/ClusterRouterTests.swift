@@ -220,7 +220,7 @@ struct HashSlotTests {
         // Every slot on the refusing node, as if it had answered before it went down.
         router.install(try ClusterSlotMap.parse(shards: .array([Self.shard([0, 16_383], [Self.node(port.port, role: "master")])]), tls: false, fallbackHost: "127.0.0.1"))
         let started = ContinuousClock.now
-        try await withThrowingTaskGroup(of: Void.self) { group in
+        await withThrowingTaskGroup(of: Void.self) { group in
             group.addTask { try await router.run() }
             defer { router.shutdown() }
             await withTaskGroup(of: Void.self) { commands in
@@ -245,7 +245,7 @@ struct HashSlotTests {
         var configuration = RedisConfiguration(commandTimeout: .milliseconds(500), waitForConnection: .milliseconds(1500))
         configuration.connectTimeout = .milliseconds(200)
         let router = try RedisClusterClient(seeds: [("127.0.0.1", port.port)], configuration: configuration, logger: TestRedis.logger())
-        try await withThrowingTaskGroup(of: Void.self) { group in
+        await withThrowingTaskGroup(of: Void.self) { group in
             group.addTask { try await router.run() }
             defer { router.shutdown() }
             let bounded = ContinuousClock.now

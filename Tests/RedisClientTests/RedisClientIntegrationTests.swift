@@ -281,7 +281,7 @@ struct RedisTLSTests {
         let configuration = try patient("rediss://127.0.0.1:\(tlsPort)/0?\(files)")
         try await RedisSubscriber.withSubscriber(configuration: configuration, logger: logger) { subscriber in
             try await subscriber.subscribe(["tls-channel"])
-            try await RedisClient.withClient(configuration: configuration, logger: logger) { client in
+            _ = try await RedisClient.withClient(configuration: configuration, logger: logger) { client in
                 try await client.send("PUBLISH", "tls-channel", "hello")
             }
             var iterator = subscriber.events.makeAsyncIterator()
