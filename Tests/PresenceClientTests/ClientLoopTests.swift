@@ -283,19 +283,21 @@ struct ClientLoopTests {
                 return (id, message)
             }
         }
+        // Up to 5 s of the machine's time: on a busy machine 1,000 sleeps of 1 ms were too few.
         func waitForSends(_ count: Int) async -> Bool {
-            for _ in 0..<1_000 where sends().count < count { try? await Task.sleep(for: .milliseconds(1)) }
+            let deadline = ContinuousClock.now + .seconds(5)
+            while sends().count < count, ContinuousClock.now < deadline { try? await Task.sleep(for: .milliseconds(1)) }
             return sends().count == count
         }
         let first = try await client.send("one", to: "room")
         let second = try await client.send("two", to: "room")
-        #expect(await waitForSends(1), "one message of a conversation under way at a time")
+        try #require(await waitForSends(1), "one message of a conversation under way at a time")
         await transport.deliver(#"{"type":"error","id":"\#(sends()[0].id)","data":{"code":"internal","message":"boom"}}"#)
         clock.advance(by: 0.9)
         try await Task.sleep(for: .milliseconds(30))
         #expect(sends().count == 1, "not before 1 s")
         clock.advance(by: 0.1)
-        #expect(await waitForSends(2), "the second attempt 1 s after the first failed")
+        try #require(await waitForSends(2), "the second attempt 1 s after the first failed")
         // No answer within 10 s fails the second attempt; the third comes 2 s later.
         clock.advance(by: 10)
         try await Task.sleep(for: .milliseconds(30))
@@ -303,16 +305,16 @@ struct ClientLoopTests {
         try await Task.sleep(for: .milliseconds(30))
         #expect(sends().count == 2)
         clock.advance(by: 0.1)
-        #expect(await waitForSends(3))
+        try #require(await waitForSends(3))
         await transport.deliver(#"{"type":"error","id":"\#(sends()[2].id)","data":{"code":"unavailable","message":"later"}}"#)
-        #expect(await waitForSends(4), "the next message goes once the first has failed")
+        try #require(await waitForSends(4), "the next message goes once the first has failed")
         #expect(sends().map(\.message) == [first.clientMessageID, first.clientMessageID, first.clientMessageID, second.clientMessageID])
         let failed = await client.messages(in: "room").first { $0.clientMessageID == first.clientMessageID }
         #expect(failed?.status == .failed && failed?.failure == "unavailable: later", "\(String(describing: failed))")
         // A rate-limited attempt costs none: the message waits retryDelay and goes again.
         await transport.deliver(#"{"type":"error","id":"\#(sends()[3].id)","data":{"code":"rate_limited","message":"slow down"}}"#)
         clock.advance(by: 1)
-        #expect(await waitForSends(5))
+        try #require(await waitForSends(5))
         #expect(await client.messages(in: "room").first { $0.clientMessageID == second.clientMessageID }?.status == .sending)
     }
 }

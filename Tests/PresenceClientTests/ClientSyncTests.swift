@@ -531,7 +531,7 @@ struct ClientSyncTests {
         await h.deliver(Wire.message(1, from: "bob", "b1", epoch: "blue", id: "4b1d-77"))
         await h.deliver(Wire.synced(lastSeq: 1, epoch: "blue"), id: try h.lastSync())
         let local = try await h.client.send("mine", to: "room")
-        #expect(await h.until { h.sends().count == 1 })
+        try #require(await h.until { h.sends().count == 1 })
         await h.deliver(Wire.ack(local.clientMessageID, seq: 2, epoch: "blue", id: "9f3e"), id: h.sends()[0].id)
         #expect(await h.until { await h.client.messages(in: "room").last?.seq == 2 })
         let shown = await h.client.messages(in: "room").map { "\($0.epoch ?? "-"):\($0.seq ?? 0):\($0.id ?? "-")" }
@@ -545,7 +545,7 @@ struct ClientSyncTests {
         defer { h.stop() }
         await h.deliver(Wire.synced(lastSeq: 0, epoch: "e1"), id: try h.lastSync())
         let local = try await h.client.send("only acked", to: "room")
-        #expect(await h.until { h.sends().count == 1 })
+        try #require(await h.until { h.sends().count == 1 })
         let sent = try #require(h.sends().first)
         await h.deliver(Wire.ack(local.clientMessageID, seq: 1, epoch: "e1"), id: sent.id)
         #expect(await h.until { await h.client.messages(in: "room").first?.status == .sent })
@@ -562,7 +562,7 @@ struct ClientSyncTests {
         for seq: Int64 in 1...8 { await h.deliver(Wire.message(seq, from: "bob", "b\(seq)")) }
         await h.deliver(Wire.synced(lastSeq: 8, receipts: [Wire.cursors("bob", 8, 8), Wire.cursors("me", 8, 8)]), id: try h.lastSync())
         let mine = try await h.client.send("mine", to: "room")
-        #expect(await h.until { h.sends().count == 1 })
+        try #require(await h.until { h.sends().count == 1 })
         await h.deliver(Wire.ack(mine.clientMessageID, seq: 9), id: h.sends()[0].id)
         await h.deliver(Wire.message(9, from: "me", "mine", id: "me-e1-9", clientMessageID: mine.clientMessageID))
         await h.deliver(Wire.message(10, from: "bob", "b10"))
@@ -617,7 +617,7 @@ struct ClientSyncTests {
         for seq: Int64 in [1, 2, 3] { await h.deliver(Wire.message(seq, from: "bob", "b\(seq)")) }
         await h.deliver(Wire.synced(lastSeq: 3, receipts: [Wire.cursors("bob", 3, 3)]), id: try h.lastSync())
         let old = try await h.client.send("old", to: "room")
-        #expect(await h.until { h.sends().count == 1 })
+        try #require(await h.until { h.sends().count == 1 })
         await h.deliver(Wire.ack(old.clientMessageID, seq: 4), id: h.sends()[0].id)
         await h.deliver(Wire.message(4, from: "me", "old", id: "me-e1-4", clientMessageID: old.clientMessageID))
         await h.deliver(Wire.receipt("bob", delivered: 4, read: 4))
@@ -633,7 +633,7 @@ struct ClientSyncTests {
         #expect(await h.client.receipts(in: "room") == [MemberReceipt(userID: "bob", deliveredSeq: 1, readSeq: 0),
                                                        MemberReceipt(userID: "me", deliveredSeq: 0, readSeq: 0)])
         let new = try await h.client.send("new", to: "room")
-        #expect(await h.until { h.sends().count == 2 })
+        try #require(await h.until { h.sends().count == 2 })
         await h.deliver(Wire.ack(new.clientMessageID, seq: 2, epoch: "e2"), id: h.sends()[1].id)
         await h.deliver(Wire.message(2, from: "me", "new", epoch: "e2", clientMessageID: new.clientMessageID))
         await h.deliver(Wire.message(3, from: "bob", "new b3", epoch: "e2"))
@@ -654,7 +654,7 @@ struct ClientSyncTests {
         for seq: Int64 in [1, 2, 3] { await h.deliver(Wire.message(seq, from: "bob", "b\(seq)")) }
         await h.deliver(Wire.synced(lastSeq: 3, receipts: [Wire.cursors("bob", 3, 3), Wire.cursors("me", 3, 3)]), id: try h.lastSync())
         let old = try await h.client.send("old", to: "room")
-        #expect(await h.until { h.sends().count == 1 })
+        try #require(await h.until { h.sends().count == 1 })
         await h.deliver(Wire.ack(old.clientMessageID, seq: 4), id: h.sends()[0].id)
         await h.deliver(Wire.message(4, from: "me", "old", id: "me-e1-4", clientMessageID: old.clientMessageID))
         await h.deliver(Wire.receipt("bob", delivered: 4, read: 4))
