@@ -186,7 +186,7 @@ let package = Package(
         .target(
             name: "PresenceFuzz",
             dependencies: [
-                "PresenceGateway", "PresenceProtocol", "RedisClient",
+                "PresenceProtocol", "RedisClient",
                 .product(name: "NIOConcurrencyHelpers", package: "swift-nio"),
                 .product(name: "NIOCore", package: "swift-nio"),
                 .product(name: "NIOEmbedded", package: "swift-nio"),

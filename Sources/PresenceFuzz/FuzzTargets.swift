@@ -2,7 +2,6 @@ import NIOConcurrencyHelpers
 import NIOCore
 import NIOEmbedded
 import NIOWebSocket
-import PresenceGateway
 import PresenceProtocol
 import RedisClient
 
@@ -67,7 +66,7 @@ private func arrayDepth(_ value: RESPValue) -> Int {
 
 /// The bytes a client sends after the upgrade.
 private func fuzzFrames(_ bytes: [UInt8]) {
-    let maxFrameSize = GatewayConfiguration().maxFrameSize
+    let maxFrameSize = MessageSize.maxFrameBytes(maxTextBytes: MessageSize.defaultMaxTextBytes)
     let channel = EmbeddedChannel()
     do {
         try channel.pipeline.syncOperations.addHandlers([

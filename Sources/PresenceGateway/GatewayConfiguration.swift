@@ -46,7 +46,7 @@ public struct GatewayConfiguration: Sendable {
     /// Seconds a sender's `client_message_id` is remembered.
     public var messageDedupTTL = 7 * 86_400
     /// Largest message `text`, in UTF-8 bytes.
-    public var messageMaxBytes = 16_384
+    public var messageMaxBytes = MessageSize.defaultMaxTextBytes
     /// Replicas an acknowledged message must have reached.
     public var messageReplicas = 0
     /// Messages per second per user, over REST and sessions (token bucket rate; burst is twice).
@@ -158,9 +158,8 @@ public struct GatewayConfiguration: Sendable {
         )
     }
 
-    /// The largest REST body: room for a message's `text` of the largest size written with
-    /// JSON's longest escapes (six bytes a byte), and the rest of its body; at least 128 KiB.
-    public var maxBodySize: Int { max(128 * 1024, messageMaxBytes * 6 + 4 * 1024) }
+    /// The largest REST body: room for a `send` of a message of the largest size.
+    public var maxBodySize: Int { MessageSize.maxFrameBytes(maxTextBytes: messageMaxBytes) }
 
     /// Largest WebSocket message accepted (over all its fragments); larger ones close the
     /// session with 1009. As large as a REST body, so that a `send` fits as a `POST` does.

@@ -1,3 +1,14 @@
+/// How large a message's text, and the REST bodies and frames that carry one, may be.
+public enum MessageSize {
+    /// The largest `text`, in UTF-8 bytes, unless `PRESENCE_MESSAGE_MAX_BYTES` says otherwise.
+    public static let defaultMaxTextBytes = 16_384
+
+    /// The largest REST body or WebSocket message for texts of up to `maxTextBytes`: room for the
+    /// text written with JSON's longest escapes (six bytes a byte) and the rest of its body; at
+    /// least 128 KiB.
+    public static func maxFrameBytes(maxTextBytes: Int) -> Int { max(128 * 1024, maxTextBytes * 6 + 4 * 1024) }
+}
+
 /// A conversation's message as REST and the `message` frame carry it (docs/API.md, "Messages").
 public struct MessagePayload: Sendable, Hashable, Codable {
     public var conversationID: String
