@@ -2,7 +2,7 @@
 SWIFT ?= swift
 BUILD_FLAGS ?=
 
-.PHONY: deps test-deps build build-tests test unit check-links check-contract check-deploy deploy-check-unit container-check api-fuzz fuzz-build fuzz soak mutants run cluster cluster-stop bench bench-redis instructions clean
+.PHONY: deps test-deps build build-tests test unit check-links check-contract check-deploy deploy-check-unit container-check api-fuzz fuzz-build fuzz-build-background test-times-reset unit-notice fuzz soak mutants run cluster cluster-stop bench bench-redis instructions clean
 
 # What building and running need (make run, make build); test-deps adds what the tests need, and
 # the deploy linters from PyPI in .tools/venv (never the system's Python: Debian's is externally
@@ -17,11 +17,15 @@ build: deps
 	$(SWIFT) build $(BUILD_FLAGS)
 
 build-tests: test-deps
-	$(SWIFT) build --build-tests $(BUILD_FLAGS)
+	scripts/test-run build $(SWIFT) build --build-tests $(BUILD_FLAGS)
 
 # Builds once, then runs every test against a throwaway redis-server on a free loopback port;
 # the light ones twice, the second time with sharded pub/sub (SPUBLISH/SSUBSCRIBE) on that server.
 # Bounded: a run that hangs fails after 15 minutes instead of holding CI.
+# The fuzzers' own build (AddressSanitizer, .build-fuzz) starts first and runs beside everything
+# else at idle CPU priority (scripts/background): the suites mostly wait on leases and timeouts
+# and leave a core free much of the time. The fuzz runs wait for it. Each step's time is printed
+# at the end (scripts/test-times).
 # The deployment files are checked first. The end-to-end test (3 nodes behind HAProxy, 300
 # clients) and the benchmark runs load the whole machine, so they run after the others, alone:
 # beside them, the timing of the other tests (leases of 3 s) would not hold on 2 cores.
@@ -47,34 +51,47 @@ TEST_SEED = 20261124
 # start some 30 nodes and processes together on 2 cores, where a 3 s lease renewed late lapses
 # and a reaper pass runs seconds behind. The run takes no longer (the model test is the longest).
 LIGHT_WIDTH = SWT_EXPERIMENTAL_MAXIMUM_PARALLELIZATION_WIDTH=4
-test: check-links check-contract build-tests check-deploy fuzz-build
+# The second pass, with sharded pub/sub, runs only the suites whose path it changes: those that
+# start engines, nodes or gateway processes, and the subscriber's own (UNIT_TESTS are skipped).
+SHARDED_TESTS = ^(PresenceEngineTests|PresenceGatewayTests)\.|\.(ClientLiveTests|ClientMessagingTests|URLSessionTransportTests|RedisSubscriberTests)(/|$$)
+test: test-times-reset check-links check-contract fuzz-build-background build-tests check-deploy
 	scripts/with-redis sh -c '$(LIGHT_WIDTH) scripts/test-run light timeout --kill-after=10 900 $(SWIFT) test --skip-build $(BUILD_FLAGS) --skip "$(HEAVY_TESTS)" \
-	  && $(LIGHT_WIDTH) PRESENCE_TEST_REDIS_PUBSUB=sharded scripts/test-run light-sharded timeout --kill-after=10 900 $(SWIFT) test --skip-build $(BUILD_FLAGS) --skip "$(HEAVY_TESTS)" \
+	  && $(LIGHT_WIDTH) PRESENCE_TEST_REDIS_PUBSUB=sharded scripts/test-run light-sharded timeout --kill-after=10 900 $(SWIFT) test --skip-build $(BUILD_FLAGS) \
+	     --filter "$(SHARDED_TESTS)" --skip "$(HEAVY_TESTS)|$(UNIT_TESTS)" \
 	  && scripts/test-run heavy timeout --kill-after=10 900 $(SWIFT) test --skip-build --no-parallel $(BUILD_FLAGS) --filter "$(HEAVY_TESTS)" \
 	  && scripts/test-run web timeout --kill-after=10 120 node --test Tests/Web/ \
 	  && scripts/test-run browser timeout --kill-after=10 300 Tests/Browser/e2e.py \
 	  && scripts/test-run browser-messaging timeout --kill-after=10 300 Tests/Browser/messaging.py \
-	  && timeout --kill-after=10 300 .build/debug/presence-bench soak --duration 60 --seed $(TEST_SEED) \
-	  && timeout --kill-after=10 120 .build/debug/presence-bench sync-storm --conversations 30 --groups 30 --messages 5'
-	API_FUZZ_SEED=$(TEST_SEED) timeout --kill-after=10 300 scripts/api-fuzz
-	timeout --kill-after=10 300 scripts/fuzz --runs 30000 --seed $(TEST_SEED) resp
-	timeout --kill-after=10 300 scripts/fuzz --runs 15000 --seed $(TEST_SEED) frames
+	  && scripts/test-run soak timeout --kill-after=10 300 .build/debug/presence-bench soak --duration 60 --seed $(TEST_SEED) \
+	  && scripts/test-run sync-storm timeout --kill-after=10 120 .build/debug/presence-bench sync-storm --conversations 30 --groups 30 --messages 5'
+	API_FUZZ_SEED=$(TEST_SEED) scripts/test-run api-fuzz timeout --kill-after=10 300 scripts/api-fuzz
+	scripts/background wait fuzz-build
+	scripts/test-run fuzz-resp timeout --kill-after=10 300 scripts/fuzz --runs 30000 --seed $(TEST_SEED) resp
+	scripts/test-run fuzz-frames timeout --kill-after=10 300 scripts/fuzz --runs 15000 --seed $(TEST_SEED) frames
 	scripts/with-redis-cluster sh -c 'scripts/test-run cluster timeout --kill-after=10 300 $(SWIFT) test --skip-build $(BUILD_FLAGS) --filter ClusterRouterTests \
 	  && PRESENCE_TEST_REDIS_URL="$$PRESENCE_TEST_REDIS_CLUSTER_URL" PRESENCE_MODEL_STEPS=500 scripts/test-run on-cluster \
-	     timeout --kill-after=10 600 $(SWIFT) test --skip-build --no-parallel $(BUILD_FLAGS) --filter "PresenceEngineTests|PresenceGatewayTests"'
+	     timeout --kill-after=10 600 $(SWIFT) test --skip-build --no-parallel $(BUILD_FLAGS) --filter "PresenceEngineTests|PresenceGatewayTests" --skip "$(UNIT_TESTS)"'
 	scripts/with-redis-cluster scripts/test-run cluster-pubsub timeout --kill-after=10 300 $(SWIFT) test --skip-build $(BUILD_FLAGS) --filter ClusterSubscriberTests
 	scripts/with-redis-cluster scripts/test-run cluster-faults timeout --kill-after=10 400 $(SWIFT) test --skip-build --no-parallel $(BUILD_FLAGS) --filter "ClusterGatewayTests|ClusterPartitionTests"
 	scripts/with-redis-cluster scripts/test-run cluster-chaos timeout --kill-after=10 600 $(SWIFT) test --skip-build --no-parallel $(BUILD_FLAGS) --filter "ChaosTests/chaosOnCluster"
 	PRESENCE_TEST_CLUSTER_CLOCK_OFFSET_MS=5000 scripts/with-redis-cluster scripts/test-run cluster-clocks timeout --kill-after=10 120 $(SWIFT) test --skip-build $(BUILD_FLAGS) --filter ClusterClockTests
+	@scripts/test-times report
+
+test-times-reset:
+	@scripts/test-times reset
 
 # The tests that need no Redis, no node and no network: parsers, codecs, configuration, the
 # connection handler and mailbox on embedded channels, the clients' logic on a test clock, the
 # fuzzers' regression inputs; then the browser client's logic under Node. Seconds after a build
 # (no fuzzer build): the loop to run while changing code. `make test` runs them too, with the rest.
 UNIT_TESTS = \.(BackoffTests|ClientLifecycleTests|ClientLoopTests|ConfigurationTests|FrameTests|FuzzRegressionTests|HashSlotTests|LoopMailboxTests|OutboxTests|ParityTests|PresenceCacheTests|PresenceTextTests|RESPParserTests|RedisChannelHandlerTests|RestoreQueueTests|RedisCommandTests|RedisConfigurationTests|SessionChannelHandlerTests|SessionTests|ShardUnsubscribeHandlerTests|TimestampTests|TypingDebouncerTests|WorkGateTests)(/|$$)
-unit: build-tests
+unit: unit-notice build-tests
 	env -u PRESENCE_TEST_REDIS_URL -u PRESENCE_TEST_REDIS_CLUSTER_URL timeout --kill-after=10 120 $(SWIFT) test --skip-build $(BUILD_FLAGS) --filter '$(UNIT_TESTS)'
 	timeout --kill-after=10 120 node --test Tests/Web/
+
+# Said before anything is installed or built, so that a first `make unit` is not taken for hung.
+unit-notice:
+	@[ -e .build/debug/presence-gatewayPackageTests.xctest ] || echo "make unit: nothing built yet: first it installs the test packages and builds everything (about 10 minutes on 2 cores), then the tests take seconds"
 
 # schemathesis against openapi.yaml on a live node: no 5xx, every answer as documented. A short
 # run with a random (printed) seed; API_FUZZ_EXAMPLES=500 for a long one, API_FUZZ_SEED to replay.
@@ -85,8 +102,13 @@ api-fuzz: test-deps
 
 # presence-fuzz under libFuzzer and AddressSanitizer, in a build folder of its own (a full
 # build of its own: 7-8 minutes on 2 cores).
+FUZZ_BUILD = $(SWIFT) build --product presence-fuzz -Xswiftc -sanitize=fuzzer,address -Xswiftc -DFUZZING -Xswiftc -use-ld=lld --scratch-path .build-fuzz
 fuzz-build: test-deps
-	$(SWIFT) build --product presence-fuzz -Xswiftc -sanitize=fuzzer,address -Xswiftc -DFUZZING -Xswiftc -use-ld=lld --scratch-path .build-fuzz
+	$(FUZZ_BUILD)
+
+# `make test` builds the fuzzers beside everything else, at idle priority (scripts/background).
+fuzz-build-background: test-deps
+	scripts/background start fuzz-build $(FUZZ_BUILD)
 
 # Each fuzz target for FUZZ_SECONDS (default 600) from a random seed (printed; FUZZ_SEED to
 # replay); see docs/testing.md, "Fuzzing and soak".
