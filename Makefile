@@ -22,10 +22,10 @@ build-tests: test-deps
 # Builds once, then runs every test against a throwaway redis-server on a free loopback port;
 # the light ones twice, the second time with sharded pub/sub (SPUBLISH/SSUBSCRIBE) on that server.
 # Bounded: a run that hangs fails after 15 minutes instead of holding CI.
-# The fuzzers' own build (AddressSanitizer, .build-fuzz) starts first and runs beside everything
-# else at idle CPU priority (scripts/background): the suites mostly wait on leases and timeouts
-# and leave a core free much of the time. The fuzz runs wait for it. Each step's time is printed
-# at the end (scripts/test-times).
+# The fuzzers' own build (AddressSanitizer, .build-fuzz) and their bounded runs start first and go
+# on beside everything else at idle CPU priority (scripts/background): the suites mostly wait on
+# leases and timeouts and leave a core free much of the time. The run waits for them before the
+# cluster. Each step's time is printed at the end (scripts/test-times).
 # The deployment files are checked first. The end-to-end test (3 nodes behind HAProxy, 300
 # clients) and the benchmark runs load the whole machine, so they run after the others, alone:
 # beside them, the timing of the other tests (leases of 3 s) would not hold on 2 cores.
@@ -35,7 +35,7 @@ HEAVY_TESTS = GatewayFaultTests
 # Chromium (two nodes, two pages and the dashboard; alone, as its bounds are in seconds), the soak
 # (60 s), a small sync storm (the Swift SDK catching up on 30 conversations, 30 more groups
 # followed: it fails on a refusal, an error frame or a message missing or out of order),
-# schemathesis on the REST routes and a bounded run of each libFuzzer target.
+# schemathesis on the REST routes, and the wait for the libFuzzer runs begun beside the build.
 # Last, against a throwaway 6-node Redis Cluster (scripts/with-redis-cluster): the cluster router's
 # tests, then the engine and gateway suites again with the cluster as their Redis (one test at a
 # time: on 2 cores, six servers beside the parallel suite starve the 3 s leases; the model test
@@ -65,9 +65,7 @@ test: test-times-reset check-links check-contract fuzz-build-background build-te
 	  && scripts/test-run soak timeout --kill-after=10 300 .build/debug/presence-bench soak --duration 60 --seed $(TEST_SEED) \
 	  && scripts/test-run sync-storm timeout --kill-after=10 120 .build/debug/presence-bench sync-storm --conversations 30 --groups 30 --messages 5'
 	API_FUZZ_SEED=$(TEST_SEED) scripts/test-run api-fuzz timeout --kill-after=10 300 scripts/api-fuzz
-	scripts/background wait fuzz-build
-	scripts/test-run fuzz-resp timeout --kill-after=10 300 scripts/fuzz --runs 30000 --seed $(TEST_SEED) resp
-	scripts/test-run fuzz-frames timeout --kill-after=10 300 scripts/fuzz --runs 15000 --seed $(TEST_SEED) frames
+	scripts/background wait fuzz
 	scripts/with-redis-cluster sh -c 'scripts/test-run cluster timeout --kill-after=10 300 $(SWIFT) test --skip-build $(BUILD_FLAGS) --filter ClusterRouterTests \
 	  && PRESENCE_TEST_REDIS_URL="$$PRESENCE_TEST_REDIS_CLUSTER_URL" PRESENCE_MODEL_STEPS=500 scripts/test-run on-cluster \
 	     timeout --kill-after=10 600 $(SWIFT) test --skip-build --no-parallel $(BUILD_FLAGS) --filter "PresenceEngineTests|PresenceGatewayTests" --skip "$(UNIT_TESTS)"'
@@ -106,9 +104,14 @@ FUZZ_BUILD = $(SWIFT) build --product presence-fuzz -Xswiftc -sanitize=fuzzer,ad
 fuzz-build: test-deps
 	$(FUZZ_BUILD)
 
-# `make test` builds the fuzzers beside everything else, at idle priority (scripts/background).
+# `make test` builds the fuzzers and runs each target a fixed number of inputs from TEST_SEED
+# beside everything else, at idle priority (scripts/background); each step's log is
+# .build/test-fuzz-*.log. Bounded by the count of inputs; the timeouts only catch a hang, as idle
+# priority may stretch a step's time.
 fuzz-build-background: test-deps
-	scripts/background start fuzz-build $(FUZZ_BUILD)
+	scripts/background start fuzz sh -c 'scripts/test-run fuzz-build $(FUZZ_BUILD) \
+	  && scripts/test-run fuzz-resp timeout --kill-after=10 1800 scripts/fuzz --runs 30000 --seed $(TEST_SEED) resp \
+	  && scripts/test-run fuzz-frames timeout --kill-after=10 1800 scripts/fuzz --runs 15000 --seed $(TEST_SEED) frames'
 
 # Each fuzz target for FUZZ_SECONDS (default 600) from a random seed (printed; FUZZ_SEED to
 # replay); see docs/testing.md, "Fuzzing and soak".
