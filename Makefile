@@ -52,12 +52,12 @@ TEST_SEED = 20261124
 # and a reaper pass runs seconds behind. The run takes no longer (the model test is the longest).
 LIGHT_WIDTH = SWT_EXPERIMENTAL_MAXIMUM_PARALLELIZATION_WIDTH=4
 # The second pass, with sharded pub/sub, runs only the suites whose path it changes: those that
-# start engines, nodes or gateway processes, and the subscriber's own (UNIT_TESTS are skipped).
+# start engines, nodes or gateway processes, and the subscriber's own.
 SHARDED_TESTS = ^(PresenceEngineTests|PresenceGatewayTests)\.|\.(ClientLiveTests|ClientMessagingTests|URLSessionTransportTests|RedisSubscriberTests)(/|$$)
 test: test-times-reset check-links check-contract fuzz-build-background build-tests check-deploy
 	scripts/with-redis sh -c '$(LIGHT_WIDTH) scripts/test-run light timeout --kill-after=10 900 $(SWIFT) test --skip-build $(BUILD_FLAGS) --skip "$(HEAVY_TESTS)" \
 	  && $(LIGHT_WIDTH) PRESENCE_TEST_REDIS_PUBSUB=sharded scripts/test-run light-sharded timeout --kill-after=10 900 $(SWIFT) test --skip-build $(BUILD_FLAGS) \
-	     --filter "$(SHARDED_TESTS)" --skip "$(HEAVY_TESTS)|$(UNIT_TESTS)" \
+	     --filter "$(SHARDED_TESTS)" --skip "$(HEAVY_TESTS)" \
 	  && scripts/test-run heavy timeout --kill-after=10 900 $(SWIFT) test --skip-build --no-parallel $(BUILD_FLAGS) --filter "$(HEAVY_TESTS)" \
 	  && scripts/test-run web timeout --kill-after=10 120 node --test Tests/Web/ \
 	  && scripts/test-run browser timeout --kill-after=10 300 Tests/Browser/e2e.py \
@@ -68,7 +68,7 @@ test: test-times-reset check-links check-contract fuzz-build-background build-te
 	scripts/background wait fuzz
 	scripts/with-redis-cluster sh -c 'scripts/test-run cluster timeout --kill-after=10 300 $(SWIFT) test --skip-build $(BUILD_FLAGS) --filter ClusterRouterTests \
 	  && PRESENCE_TEST_REDIS_URL="$$PRESENCE_TEST_REDIS_CLUSTER_URL" PRESENCE_MODEL_STEPS=500 scripts/test-run on-cluster \
-	     timeout --kill-after=10 600 $(SWIFT) test --skip-build --no-parallel $(BUILD_FLAGS) --filter "PresenceEngineTests|PresenceGatewayTests" --skip "$(UNIT_TESTS)"'
+	     timeout --kill-after=10 600 $(SWIFT) test --skip-build --no-parallel $(BUILD_FLAGS) --filter "^(PresenceEngineTests|PresenceGatewayTests)\."'
 	scripts/with-redis-cluster scripts/test-run cluster-pubsub timeout --kill-after=10 300 $(SWIFT) test --skip-build $(BUILD_FLAGS) --filter ClusterSubscriberTests
 	scripts/with-redis-cluster scripts/test-run cluster-faults timeout --kill-after=10 400 $(SWIFT) test --skip-build --no-parallel $(BUILD_FLAGS) --filter "ClusterGatewayTests|ClusterPartitionTests"
 	scripts/with-redis-cluster scripts/test-run cluster-chaos timeout --kill-after=10 600 $(SWIFT) test --skip-build --no-parallel $(BUILD_FLAGS) --filter "ChaosTests/chaosOnCluster"
@@ -82,9 +82,10 @@ test-times-reset:
 # connection handler and mailbox on embedded channels, the clients' logic on a test clock, the
 # fuzzers' regression inputs; then the browser client's logic under Node. Seconds after a build
 # (no fuzzer build): the loop to run while changing code. `make test` runs them too, with the rest.
-UNIT_TESTS = \.(BackoffTests|ClientLifecycleTests|ClientLoopTests|ConfigurationTests|FrameTests|FuzzRegressionTests|HashSlotTests|LoopMailboxTests|OutboxTests|ParityTests|PresenceCacheTests|PresenceTextTests|RESPParserTests|RedisChannelHandlerTests|RestoreQueueTests|RedisCommandTests|RedisConfigurationTests|SessionChannelHandlerTests|SessionTests|ShardUnsubscribeHandlerTests|TimestampTests|TypingDebouncerTests|WorkGateTests)(/|$$)
+# Whole test targets: a suite that needs no server goes in one of these (Package.swift).
+UNIT_TARGETS = ^(PresenceProtocolTests|RedisClientUnitTests|PresenceEngineUnitTests|PresenceGatewayUnitTests|PresenceClientUnitTests)\.
 unit: unit-notice build-tests
-	env -u PRESENCE_TEST_REDIS_URL -u PRESENCE_TEST_REDIS_CLUSTER_URL timeout --kill-after=10 120 $(SWIFT) test --skip-build $(BUILD_FLAGS) --filter '$(UNIT_TESTS)'
+	env -u PRESENCE_TEST_REDIS_URL -u PRESENCE_TEST_REDIS_CLUSTER_URL timeout --kill-after=10 120 $(SWIFT) test --skip-build $(BUILD_FLAGS) --filter '$(UNIT_TARGETS)'
 	timeout --kill-after=10 120 node --test Tests/Web/
 
 # Said before anything is installed or built, so that a first `make unit` is not taken for hung.

@@ -274,5 +274,38 @@ let package = Package(
             dependencies: ["PresenceEngine", "PresenceProtocol", "RedisTestSupport"],
             swiftSettings: swiftSettings
         ),
+        // The suites that need no Redis, no node and no network: `make unit` runs these targets
+        // (and PresenceProtocolTests) whole. A suite that starts a server belongs in the target
+        // without "Unit" beside it.
+        .testTarget(
+            name: "RedisClientUnitTests",
+            dependencies: [
+                "RedisClient", "RedisTestSupport",
+                .product(name: "NIOCore", package: "swift-nio"),
+                .product(name: "NIOEmbedded", package: "swift-nio"),
+                .product(name: "NIOPosix", package: "swift-nio"),
+            ],
+            swiftSettings: swiftSettings
+        ),
+        .testTarget(
+            name: "PresenceEngineUnitTests",
+            dependencies: ["PresenceEngine", "PresenceProtocol"],
+            swiftSettings: swiftSettings
+        ),
+        .testTarget(
+            name: "PresenceGatewayUnitTests",
+            dependencies: [
+                "CMallocTrim", "PresenceGateway", "PresenceEngine", "PresenceFuzz", "PresenceProtocol", "RedisClient", "RedisTestSupport",
+                .product(name: "JWTKit", package: "jwt-kit"),
+                .product(name: "NIOEmbedded", package: "swift-nio"),
+                .product(name: "NIOWebSocket", package: "swift-nio"),
+            ],
+            swiftSettings: swiftSettings
+        ),
+        .testTarget(
+            name: "PresenceClientUnitTests",
+            dependencies: ["ClientTestSupport", "PresenceClient", "PresenceProtocol", .product(name: "NIOConcurrencyHelpers", package: "swift-nio")],
+            swiftSettings: swiftSettings
+        ),
     ]
 )

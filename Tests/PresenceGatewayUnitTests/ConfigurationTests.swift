@@ -8,6 +8,15 @@ import Testing
 
 @Suite("Gateway configuration and authentication")
 struct ConfigurationTests {
+    static let secret = "test-secret-that-is-long-enough-for-hs256"
+
+    /// A token for `user` signed with ``secret`` (HS256), valid for an hour.
+    static func hs256(_ user: String) async throws -> String {
+        let keys = JWTKeyCollection()
+        await keys.add(hmac: HMACKey(from: secret), digestAlgorithm: .sha256)
+        return try await keys.sign(ClientClaims(sub: .string(user), exp: .init(value: Date(timeIntervalSinceNow: 3600)), nbf: nil))
+    }
+
     @Test("environment values are read, and bad ones are refused with the variable's name")
     func environment() throws {
         let configuration = try GatewayConfiguration(environment: [
@@ -135,26 +144,6 @@ struct ConfigurationTests {
         }
     }
 
-    @Test("presence-gateway prints its settings as JSON, and a flag it does not know or a value out of range stops it with a message naming it")
-    func gatewayFlags() async throws {
-        let schema = try await CTL.run(["--print-config-schema"], program: "presence-gateway")
-        #expect(schema.status == 0 && schema.out == GatewaySetting.schema + "\n", "\(schema.err)")
-        let help = try await CTL.run(["--help"], program: "presence-gateway")
-        #expect(help.status == 0 && GatewaySetting.all.allSatisfy { help.out.contains($0.flag) && help.out.contains("[\($0.name)]") }, "--help lists every setting: \(help.out)")
-        let unknown = try await CTL.run(["--lease-tll", "5"], program: "presence-gateway")
-        #expect(unknown.status == 64 && unknown.err.contains("unknown option '--lease-tll'"), "\(unknown)")
-        let misspelt = try await CTL.run(["--jwt-secrt=hunter2-hunter2"], program: "presence-gateway")
-        #expect(misspelt.status == 64 && misspelt.err.contains("'--jwt-secrt'") && !misspelt.err.contains("hunter2"), "a misspelt flag's value is not printed: \(misspelt)")
-        let missing = try await CTL.run(["--port"], program: "presence-gateway")
-        #expect(missing.status == 64 && missing.err.contains("--port needs a value"), "\(missing)")
-        for arguments in [["--lease-ttl", "0"], ["--lease-ttl=0"]] {
-            let refused = try await CTL.run(arguments + ["--jwt-secret", String(repeating: "s", count: 32)], program: "presence-gateway")
-            #expect(refused.status == 2 && refused.err.contains("PRESENCE_LEASE_TTL=0 must be a whole number between 1 and 3600"), "\(arguments): \(refused)")
-        }
-        let message = try await CTL.run(["--message-max-bytes", "0", "--jwt-secret", String(repeating: "s", count: 32)], program: "presence-gateway")
-        #expect(message.status == 2 && message.err.contains("PRESENCE_MESSAGE_MAX_BYTES=0"), "a setting that had no flag before has one: \(message)")
-    }
-
     @Test("id formats: which strings and JSON values are ids, their stored spelling, and how they are written")
     func idFormats() throws {
         let numeric = PresenceIDFormat.numeric, string = PresenceIDFormat.string
@@ -228,10 +217,10 @@ struct ConfigurationTests {
     func secretAndPublicKey() async throws {
         let key = ES256PrivateKey()
         var configuration = GatewayConfiguration()
-        configuration.jwtSecret = testSecret
+        configuration.jwtSecret = Self.secret
         configuration.jwtPublicKey = key.publicKey.pemRepresentation
         let authenticator = try await Authenticator(configuration: configuration)
-        let hs = try await token("alice")
+        let hs = try await Self.hs256("alice")
         #expect(try await authenticator.authenticate(token: hs).userID == "alice")
         let signer = JWTKeyCollection()
         await signer.add(ecdsa: key)
@@ -258,7 +247,7 @@ struct ConfigurationTests {
         await signer.add(ecdsa: key)
         let good = try await signer.sign(ClientClaims(sub: .string("alice"), exp: .init(value: .distantFuture), nbf: nil))
         #expect(try await authenticator.authenticate(token: good).userID == "alice")
-        let hs = try await token("alice")
+        let hs = try await Self.hs256("alice")
         await #expect(throws: APIError.self) { try await authenticator.authenticate(token: hs) }
         let notYet = try await signer.sign(ClientClaims(sub: .string("alice"), exp: .init(value: .distantFuture), nbf: .init(value: .distantFuture)))
         await #expect(throws: APIError.self) { try await authenticator.authenticate(token: notYet) }
