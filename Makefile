@@ -99,8 +99,8 @@ api-fuzz: test-deps
 	$(SWIFT) build --product presence-gateway $(BUILD_FLAGS)
 	scripts/api-fuzz
 
-# presence-fuzz under libFuzzer and AddressSanitizer, in a build folder of its own (a full
-# build of its own: 7-8 minutes on 2 cores).
+# presence-fuzz under libFuzzer and AddressSanitizer, in a build folder of its own (RedisClient,
+# PresenceProtocol and their dependencies built again: about 7 minutes alone on 2 cores).
 FUZZ_BUILD = $(SWIFT) build --product presence-fuzz -Xswiftc -sanitize=fuzzer,address -Xswiftc -DFUZZING -Xswiftc -use-ld=lld --scratch-path .build-fuzz
 fuzz-build: test-deps
 	$(FUZZ_BUILD)
