@@ -16,6 +16,14 @@ let liveClientTestDependencies: [Target.Dependency] = [
     .product(name: "NIOConcurrencyHelpers", package: "swift-nio"),
 ]
 
+/// The Redis client's tests, with and without a server (RedisClientTests, RedisClientUnitTests).
+let redisClientTestDependencies: [Target.Dependency] = [
+    "RedisClient", "RedisTestSupport",
+    .product(name: "NIOCore", package: "swift-nio"),
+    .product(name: "NIOEmbedded", package: "swift-nio"),
+    .product(name: "NIOPosix", package: "swift-nio"),
+]
+
 let package = Package(
     name: "presence-gateway",
     platforms: [.macOS(.v14), .iOS(.v17)],
@@ -218,12 +226,7 @@ let package = Package(
         ),
         .testTarget(
             name: "RedisClientTests",
-            dependencies: [
-                "RedisClient", "RedisTestSupport",
-                .product(name: "NIOCore", package: "swift-nio"),
-                .product(name: "NIOEmbedded", package: "swift-nio"),
-                .product(name: "NIOPosix", package: "swift-nio"),
-            ],
+            dependencies: redisClientTestDependencies,
             swiftSettings: swiftSettings
         ),
         .testTarget(
@@ -279,12 +282,7 @@ let package = Package(
         // without "Unit" beside it.
         .testTarget(
             name: "RedisClientUnitTests",
-            dependencies: [
-                "RedisClient", "RedisTestSupport",
-                .product(name: "NIOCore", package: "swift-nio"),
-                .product(name: "NIOEmbedded", package: "swift-nio"),
-                .product(name: "NIOPosix", package: "swift-nio"),
-            ],
+            dependencies: redisClientTestDependencies,
             swiftSettings: swiftSettings
         ),
         .testTarget(
