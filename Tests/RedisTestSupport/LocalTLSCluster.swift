@@ -16,30 +16,44 @@ public final class LocalTLSCluster: Sendable {
     /// joins them into a cluster; returns once every node says `cluster_state:ok`.
     public init(clientCertificates: Bool) async throws {
         certificates = try TestCertificates()
-        var servers: [RedisServerProcess] = []
-        var tlsPorts: [Int] = []
-        for _ in 0..<3 {
-            let tlsPort = try RedisServerProcess.freePort()
-            let configFile = certificates.directory + "/nodes-\(tlsPort).conf"
-            servers.append(try RedisServerProcess(arguments: certificates.redisArguments(tlsPort: tlsPort, clientCertificates: clientCertificates) + [
-                // A bus port of its own: the default, the port plus 10,000, is past 65,535 for a
-                // high port the kernel handed out.
-                "--cluster-enabled", "yes", "--cluster-config-file", configFile, "--cluster-port", "\(try RedisServerProcess.freePort())",
-                "--tls-cluster", "yes", "--tls-replication", "yes",
-                // The bus connects as a client of the other nodes: with the client certificate,
-                // which a node asking for one accepts (the server's is for serving only).
-                "--tls-client-cert-file", certificates.clientCertificateFile, "--tls-client-key-file", certificates.clientKeyFile,
-            ]))
-            tlsPorts.append(tlsPort)
-        }
+        var nodes: [(server: RedisServerProcess, tlsPort: Int)] = []
+        for _ in 0..<3 { nodes.append(try Self.startNode(certificates, clientCertificates: clientCertificates)) }
+        let servers = nodes.map(\.server)
         self.servers = servers
-        self.tlsPorts = tlsPorts
+        self.tlsPorts = nodes.map(\.tlsPort)
         let create = try runProcess("/usr/bin/env", ["redis-cli", "--cluster", "create"] + servers.map { "127.0.0.1:\($0.port)" } + ["--cluster-yes"])
         guard create.status == 0 else { throw RedisError(.unavailable, "redis-cli --cluster create failed: \(create.output.suffix(400))") }
         let whole = await eventually(timeout: .seconds(20), poll: .milliseconds(100)) {
             servers.allSatisfy { ((try? $0.cli("CLUSTER", "INFO")) ?? "").contains("cluster_state:ok") }
         }
         guard whole else { throw RedisError(.unavailable, "the TLS cluster did not reach cluster_state:ok in 20 s") }
+    }
+
+    /// One node on three ports handed out free: its plain one, its TLS one and its bus. A port
+    /// handed out is free only until something else takes it (a parallel test's connection gets
+    /// it as its source port), and then the server exits at once: the node is started again on
+    /// three new ports, up to three times (a light run here failed once, it seems on that).
+    private static func startNode(_ certificates: TestCertificates, clientCertificates: Bool) throws -> (server: RedisServerProcess, tlsPort: Int) {
+        var attempt = 1
+        while true {
+            let tlsPort = try RedisServerProcess.freePort()
+            let configFile = certificates.directory + "/nodes-\(tlsPort).conf"
+            do {
+                let server = try RedisServerProcess(arguments: certificates.redisArguments(tlsPort: tlsPort, clientCertificates: clientCertificates) + [
+                    // A bus port of its own: the default, the port plus 10,000, is past 65,535 for
+                    // a high port the kernel handed out.
+                    "--cluster-enabled", "yes", "--cluster-config-file", configFile, "--cluster-port", "\(try RedisServerProcess.freePort())",
+                    "--tls-cluster", "yes", "--tls-replication", "yes",
+                    // The bus connects as a client of the other nodes: with the client
+                    // certificate, which a node asking for one accepts (the server's is for
+                    // serving only).
+                    "--tls-client-cert-file", certificates.clientCertificateFile, "--tls-client-key-file", certificates.clientKeyFile,
+                ])
+                return (server, tlsPort)
+            } catch where attempt < 3 {
+                attempt += 1
+            }
+        }
     }
 
     /// `rediss+cluster://` naming `seeds` of the nodes (the first by default), with the CA and,

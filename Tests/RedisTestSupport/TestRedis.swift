@@ -70,8 +70,9 @@ public enum TestRedis {
 ///
 /// Stopped with SIGKILL: children started from the test runner ignore SIGTERM.
 public final class RedisServerProcess: @unchecked Sendable {
-    // Safe: `process` is only touched by the owning test, one call at a time.
-    public let port: Int
+    // Safe: `process` is only touched by the owning test, one call at a time, and `port` is
+    // set only in init.
+    public private(set) var port: Int
     private let extraArguments: [String]
     private let configFile: String?
     private var process: Process?
@@ -82,7 +83,20 @@ public final class RedisServerProcess: @unchecked Sendable {
         self.extraArguments = arguments
         self.configFile = configFile
         self.port = try port ?? Self.freePort()
-        try start()
+        // A port handed out free is free only until something else takes it (a parallel test's
+        // connection gets it as its source port), and then the server exits at once: a port
+        // chosen here is chosen again, up to three times.
+        var attempt = 1
+        while true {
+            do {
+                try start()
+                return
+            } catch where port == nil && attempt < 3 && process?.isRunning == false {
+                attempt += 1
+                self.process = nil
+                self.port = try Self.freePort()
+            }
+        }
     }
 
     /// The server's process id, while it runs.
