@@ -167,6 +167,15 @@ export interface DeviceIdStorage {
   setItem(key: string, value: string): void;
 }
 
+/**
+ * What the client uses of the Web Locks API (`navigator.locks` fits). With `ifAvailable` the
+ * callback gets `null` at once when the lock is held elsewhere; else the lock once granted, held
+ * until the promise the callback returns settles (or the page goes away).
+ */
+export interface TabLocks {
+  request(name: string, options: { ifAvailable?: boolean }, callback: (lock: unknown) => unknown): Promise<unknown>;
+}
+
 /** Gets connection detail (`console` fits). */
 export interface PresenceLogger {
   debug?(...values: unknown[]): void;
@@ -185,10 +194,20 @@ export interface PresenceClientOptions {
   token: TokenProvider;
   /** Gateway base URLs (http(s) or ws(s)), tried in turn. Default: the gateway that served the module. */
   gatewayURLs?: string | URL | Array<string | URL>;
-  /** This browser's stable device id. Default: kept in storage under `DEVICE_ID_STORAGE_KEY`. */
+  /**
+   * This device's stable id. Default: one per tab: the first tab of the browser has the id kept
+   * in storage under `DEVICE_ID_STORAGE_KEY`, each other open tab that id with `.tab2`, `.tab3`, …
+   * (tab slots held through `locks`). An app that passes its own id gives each tab its own.
+   */
   deviceId?: string;
   /** Where the device id is kept. Default: `localStorage`. */
   storage?: DeviceIdStorage | null;
+  /**
+   * The Web Locks through which the tabs of a browser share out the slots of the stored device id
+   * (only without `deviceId`). Default: `navigator.locks` where there is one; `null`: no slots,
+   * every tab has the stored id (and the gateway keeps only the last tab's session).
+   */
+  locks?: TabLocks | null;
   /** Default: `{ kind: "away" }`. */
   backgroundPolicy?: BackgroundPolicy;
   /** Default: 1 s doubling up to 16 s, each ±20 % (jitter 0.2). */
@@ -217,7 +236,10 @@ export interface PresenceClientOptions {
   document?: (EventTarget & { visibilityState?: string }) | null;
   /** Default: none. */
   logger?: PresenceLogger | null;
-  /** Where unsent messages are kept. Default: IndexedDB keyed by the device id, or memory where it is missing. */
+  /**
+   * Where unsent messages are kept, used as is (one store, whatever the tab). Default: IndexedDB
+   * keyed by the device id (made once the tab's slot is held), or memory where it is missing.
+   */
   outboxStore?: OutboxStore;
 }
 
@@ -248,8 +270,12 @@ export declare class PresenceClientError extends Error {
 export declare class PresenceClient extends EventTarget {
   constructor(options: PresenceClientOptions);
 
-  /** This browser's device id. */
-  readonly deviceId: string;
+  /**
+   * This client's device id. With tab slots (no `deviceId` option, Web Locks there) `null` until
+   * `start()` has claimed the tab's slot (no session opens before), and again once the slot is let
+   * go (`signOut()`, or stopped for good).
+   */
+  readonly deviceId: string | null;
   /** The link to the gateway. */
   readonly connectionState: ConnectionState;
   /** The close code of the last session (`null`: none yet, or it dropped without one). */
@@ -270,11 +296,11 @@ export declare class PresenceClient extends EventTarget {
   /** Who is typing in a conversation, sorted; nobody while disconnected or appearing offline. */
   typingUsers(conversationId: string): string[];
 
-  /** Starts keeping a session open and following the page's life. */
+  /** Starts keeping a session open and following the page's life; the first start claims the tab's slot. */
   start(): void;
-  /** Offline at once with a clean close (1000); `start()` may be called again. */
+  /** Offline at once with a clean close (1000); `start()` may be called again (the tab keeps its slot). */
   stop(): Promise<void>;
-  /** Offline at once with a clean close (1000), and stopped for good (`signedOut`). */
+  /** Offline at once with a clean close (1000), and stopped for good (`signedOut`); the tab's slot is let go. */
   signOut(): Promise<void>;
 
   /** The status shown while the page is visible; the latest wins while disconnected. */

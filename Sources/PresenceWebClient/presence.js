@@ -64,9 +64,15 @@
  * @property {string | URL | Array<string | URL>} [gatewayURLs] Gateway base URLs (http(s) or
  *   ws(s)), tried in turn; relative ones are read against the page. Default: the gateway that
  *   served this module.
- * @property {string} [deviceId] This browser's stable device id. Default: the one kept in
- *   storage under {@link DEVICE_ID_STORAGE_KEY}, made with `crypto.randomUUID()` when missing.
+ * @property {string} [deviceId] This device's stable id. Default: one per tab: the first tab of
+ *   the browser has the id kept in storage under {@link DEVICE_ID_STORAGE_KEY} (made with
+ *   `crypto.randomUUID()` when missing), each other open tab that id with `.tab2`, `.tab3`, …
+ *   (the tab slots held through `locks`). An app that passes its own id gives each tab its own.
  * @property {DeviceIdStorage | null} [storage] Where the device id is kept. Default: `localStorage`.
+ * @property {TabLocks | null} [locks] The Web Locks through which the tabs of a browser share out
+ *   the slots of the stored device id (only without `deviceId`). Default: `navigator.locks`
+ *   where there is one; `null`: no slots, every tab has the stored id (and the gateway lets only
+ *   the last tab's session live).
  * @property {BackgroundPolicy} [backgroundPolicy] What a hidden page does. Default: `{ kind: "away" }`.
  * @property {{ initial?: number, maximum?: number, jitter?: number }} [backoff] Delays between
  *   reconnect attempts. Default: 1 s doubling up to 16 s, each ±20 %.
@@ -84,8 +90,17 @@
  * @property {EventTarget & { visibilityState?: string } | null} [document] Where
  *   `visibilitychange` comes from. Default: `globalThis.document`; `null`: none.
  * @property {PresenceLogger | null} [logger] Gets connection detail. Default: none.
- * @property {OutboxStore} [outboxStore] Where messages not stored by the gateway yet are kept.
- *   Default: IndexedDB (one record per device id), or memory where IndexedDB is missing.
+ * @property {OutboxStore} [outboxStore] Where messages not stored by the gateway yet are kept,
+ *   as is (one store, whatever the tab). Default: IndexedDB (one record per device id, made
+ *   once the tab's slot is held), or memory where IndexedDB is missing.
+ */
+
+/**
+ * What the client uses of the Web Locks API (`navigator.locks`). With `ifAvailable` the callback
+ * gets `null` at once when the lock is held elsewhere; else it gets the lock when granted, and
+ * the lock is held until the promise the callback returns settles (or the page goes away).
+ * @typedef {{ request(name: string, options: { ifAvailable?: boolean },
+ *   callback: (lock: unknown) => unknown): Promise<unknown> }} TabLocks
  */
 
 /** @typedef {"sending" | "sent" | "delivered" | "read" | "failed"} MessageStatus */
@@ -123,6 +138,14 @@ const ERROR_CODES = [
 ];
 const ID_PATTERN = /^[A-Za-z0-9._:@-]{1,128}$/;
 const ID_RULE = "1-128 characters of A-Z a-z 0-9 . _ : @ -";
+/**
+ * Tab slots: the most tabs of one browser that get a device id of their own (slot 1 has the
+ * stored id, slot n the stored id with `.tabN`). A tab opened while every slot is held waits
+ * for slot 1.
+ */
+const MAX_TABS = 32;
+/** The Web Lock of a slot is named `presence.device-slot:<stored id>:<slot>`. */
+const SLOT_LOCK_PREFIX = "presence.device-slot";
 /** Ids per `subscribe` frame, as the Swift client sends them. */
 const SUBSCRIBE_CHUNK = 500;
 /**
@@ -1376,6 +1399,48 @@ function storedDeviceId(storage, random) {
   return made;
 }
 
+/**
+ * The device id of a tab slot: the stored id for slot 1, else the stored id with `.tabN`, its
+ * start cut so that the whole stays within 128 characters.
+ * @param {string} stored
+ * @param {number} slot
+ */
+function slotDeviceId(stored, slot) {
+  if (slot === 1) return stored;
+  const suffix = `.tab${slot}`;
+  return stored.slice(0, 128 - suffix.length) + suffix;
+}
+
+/**
+ * @param {string} stored
+ * @param {number} slot
+ */
+const slotLockName = (stored, slot) => `${SLOT_LOCK_PREFIX}:${stored}:${slot}`;
+
+/**
+ * The outbox store the client makes for a device id: IndexedDB, or memory where it is missing.
+ * @param {string} deviceId
+ * @returns {OutboxStore}
+ */
+const defaultOutboxStore = (deviceId) => (globalThis.indexedDB ? new IndexedDBOutboxStore(deviceId) : new MemoryOutboxStore());
+
+/**
+ * @param {unknown} locks
+ * @returns {TabLocks | null}
+ */
+function tabLocks(locks) {
+  /** @param {unknown} value */
+  const usable = (value) => isObject(value) && typeof /** @type {any} */ (value).request === "function";
+  if (locks === undefined) {
+    // No Web Locks (Node, an insecure context): no slots, as before them.
+    const found = /** @type {any} */ (globalThis).navigator?.locks;
+    return usable(found) ? found : null;
+  }
+  if (locks === null) return null;
+  if (!usable(locks)) throw invalid("locks must have request(name, options, callback), as navigator.locks has, or be null");
+  return /** @type {TabLocks} */ (locks);
+}
+
 /** @returns {DeviceIdStorage | null} */
 function defaultStorage() {
   try {
@@ -1506,13 +1571,32 @@ const changed = (message, changes) => Object.freeze({ ...message, ...changes });
  */
 
 /**
+ * A client's tab slots: the Web Locks, the slot it holds and how to let that go, whether a
+ * claim is under way, whether an adoption of other slots' outboxes is, and whether another
+ * was asked for meanwhile.
+ * @typedef {{ locks: TabLocks, held: { slot: number, release: () => void } | null, claiming: boolean, adopting: boolean,
+ *   adoptAgain: boolean }} TabSlots
+ */
+
+/**
  * A browser's link to the presence gateway. Call `start()`; listen for `connection`,
  * `presence`, `removed`, `typing`, `group` and `error` (`CustomEvent`s, the change in
  * `detail`); read the cache with `presence()`, `presences`, `group()` and `typingUsers()`.
  */
 export class PresenceClient extends EventTarget {
   #urls;
+  /** The stored id (or the app's): the device id of tab slot 1. */
+  #storedDeviceId;
+  /**
+   * The device id of this client's sessions; `null` while its tab slot is not held.
+   * @type {string | null}
+   */
   #deviceId;
+  /**
+   * Tab slots; `null`: not used, the device id is fixed.
+   * @type {TabSlots | null}
+   */
+  #slots;
   #tokenProvider;
   #policy;
   #typingDisplayTimeout;
@@ -1560,8 +1644,14 @@ export class PresenceClient extends EventTarget {
   #events = [];
   #depth = 0;
   #dispatching = false;
-  /** @type {OutboxStore} */
-  #outboxStore;
+  /**
+   * The outbox's store: the app's, or the one made for the device id (`null` until the tab's
+   * slot is held, and again once it is let go).
+   * @type {OutboxStore | null}
+   */
+  #outboxStore = null;
+  /** The app passed `outboxStore`: it is used as is, and no other slot's outbox is adopted. */
+  #outboxGiven = false;
   /**
    * Messages: each conversation as this device knows it, the outbox (oldest first), this
    * device's user (learned from the gateway's copy of a message it wrote), the client message
@@ -1585,9 +1675,13 @@ export class PresenceClient extends EventTarget {
     this.#urls = gatewayURLs(options.gatewayURLs, pageURL);
     this.#tokenProvider = options.token;
     this.#random = options.random ?? Math.random;
-    this.#deviceId = options.deviceId === undefined
+    this.#storedDeviceId = options.deviceId === undefined
       ? storedDeviceId(options.storage === undefined ? defaultStorage() : options.storage, this.#random)
       : checkId(options.deviceId, "device id");
+    const locks = tabLocks(options.locks);
+    // An app that passes its own device id gives each tab its own: slots only for the stored one.
+    this.#slots = options.deviceId === undefined && locks !== null ? { locks, held: null, claiming: false, adopting: false, adoptAgain: false } : null;
+    this.#deviceId = this.#slots === null ? this.#storedDeviceId : null;
     this.#policy = backgroundPolicy(options.backgroundPolicy);
     this.#backoff = new ReconnectBackoff(options.backoff);
     this.#debouncer = new TypingDebouncer({
@@ -1607,14 +1701,20 @@ export class PresenceClient extends EventTarget {
         throw invalid("outboxStore must have load() and save(messages)");
       }
       this.#outboxStore = options.outboxStore;
-    } else {
-      this.#outboxStore = globalThis.indexedDB ? new IndexedDBOutboxStore(this.#deviceId) : new MemoryOutboxStore();
+      this.#outboxGiven = true;
+    } else if (this.#deviceId !== null) {
+      this.#outboxStore = defaultOutboxStore(this.#deviceId);
     }
   }
 
   // MARK: Reading
 
-  /** This browser's device id. */
+  /**
+   * This client's device id. With tab slots (no `deviceId` option, Web Locks there) it is `null`
+   * until `start()` has claimed the tab's slot (no session opens before), and again once the
+   * slot is let go (`signOut()`, or stopped for good).
+   * @returns {string | null}
+   */
   get deviceId() { return this.#deviceId; }
 
   /** The link to the gateway. */
@@ -1665,12 +1765,14 @@ export class PresenceClient extends EventTarget {
   /**
    * Starts keeping a session open and following the page's life (visibility, `pagehide`,
    * `online`/`offline`). A client stopped for good (signed out, disconnected by an admin,
-   * replaced) stays stopped.
+   * replaced) stays stopped. With tab slots, the first start claims the tab's slot: the
+   * session opens once it is held.
    */
   start() {
     this.#act(() => {
       if (this.#started) return;
       this.#started = true;
+      this.#claimSlot();
       this.#loadOutbox();
       this.#attachPage();
       this.#lifecycle.resume(false);
@@ -1682,8 +1784,8 @@ export class PresenceClient extends EventTarget {
   }
 
   /**
-   * Stops: offline at once with a clean close (1000); `start()` may be called again.
-   * Resolves once the gateway answered the close, or after `closeTimeout`.
+   * Stops: offline at once with a clean close (1000); `start()` may be called again (the tab
+   * keeps its slot). Resolves once the gateway answered the close, or after `closeTimeout`.
    * @returns {Promise<void>}
    */
   stop() {
@@ -1698,8 +1800,8 @@ export class PresenceClient extends EventTarget {
 
   /**
    * The person signed out: offline at once with a clean close (1000), and never again
-   * (`connection` ends `stopped` with reason `signedOut`). Resolves once the close is done, or
-   * after `closeTimeout`.
+   * (`connection` ends `stopped` with reason `signedOut`); the tab's slot is let go, for
+   * another tab to take. Resolves once the close is done, or after `closeTimeout`.
    * @returns {Promise<void>}
    */
   signOut() {
@@ -2058,6 +2160,8 @@ export class PresenceClient extends EventTarget {
     this.#backoffReset();
     this.#statusChanged();
     if (this.#chat.onScreen !== null) this.#markRead(this.#chat.onScreen);
+    // A tab closed since, with messages unsent, left them under its slot.
+    this.#adoptOrphans();
   }
 
   /** Hidden past the offline policy's time: offline at once (1000); visible reconnects. */
@@ -2156,6 +2260,7 @@ export class PresenceClient extends EventTarget {
     if (this.#session || this.#tokenPending) return;
     if (this.#lifecycle.stopReason) {
       this.#cancelWait();
+      this.#releaseSlot();
       this.#setState({ state: "stopped", reason: this.#lifecycle.stopReason });
       return;
     }
@@ -2164,6 +2269,8 @@ export class PresenceClient extends EventTarget {
       this.#setState({ state: "idle" });
       return;
     }
+    // No device id before the tab's slot is held: its arrival advances.
+    if (this.#deviceId === null) return;
     if (this.#waitTimer !== null) return;
     this.#connect();
   }
@@ -2204,11 +2311,11 @@ export class PresenceClient extends EventTarget {
     }
     this.#needsNewToken = false;
     // The page may have changed its mind while the token was fetched.
-    if (!this.#started || !this.#lifecycle.shouldConnect) {
+    if (!this.#started || !this.#lifecycle.shouldConnect || this.#deviceId === null) {
       this.#advance();
       return;
     }
-    this.#openSession(token);
+    this.#openSession(token, this.#deviceId);
   }
 
   /** @param {unknown} error */
@@ -2224,11 +2331,14 @@ export class PresenceClient extends EventTarget {
     this.#pause(this.#backoff.nextDelay(this.#random));
   }
 
-  /** @param {string} token */
-  #openSession(token) {
+  /**
+   * @param {string} token
+   * @param {string} deviceId
+   */
+  #openSession(token, deviceId) {
     const base = this.#urls[this.#urlIndex % this.#urls.length];
     const openedWith = this.#lifecycle.openingStatus;
-    const url = sessionURL(base, token, this.#deviceId, openedWith);
+    const url = sessionURL(base, token, deviceId, openedWith);
     this.#serial += 1;
     /** @type {WebSocket} */
     let socket;
@@ -2330,6 +2440,7 @@ export class PresenceClient extends EventTarget {
     }
     switch (after.kind) {
       case "stop":
+        this.#releaseSlot();
         this.#setState({ state: "stopped", reason: after.reason });
         break;
       case "reconnectNow":
@@ -2543,14 +2654,200 @@ export class PresenceClient extends EventTarget {
     return true;
   }
 
+  // MARK: Tab slots
+
+  /**
+   * Claims the tab's slot: the first that no other tab of the browser holds, each asked with
+   * `ifAvailable` (a held one answers `null` at once); with every slot held, it waits for slot
+   * 1. Once per client; the slot is held until the tab goes away, `signOut()`, or a stop for good.
+   */
+  #claimSlot() {
+    const slots = this.#slots;
+    if (slots === null || slots.held !== null || slots.claiming || this.#lifecycle.stopReason) return;
+    slots.claiming = true;
+    this.#requestSlot(slots, 1);
+  }
+
+  /**
+   * Asks for `slot`, or, past the last one, waits for slot 1.
+   * @param {TabSlots} slots
+   * @param {number} slot
+   */
+  #requestSlot(slots, slot) {
+    const waits = slot > MAX_TABS;
+    const asked = waits ? 1 : slot;
+    if (waits) this.#log("info", `all ${MAX_TABS} tab slots are held: waiting for slot 1`);
+    let granted = false;
+    Promise.resolve()
+      .then(() => slots.locks.request(slotLockName(this.#storedDeviceId, asked), waits ? {} : { ifAvailable: true }, (lock) => this.#act(() => {
+        if (lock === null) {
+          this.#requestSlot(slots, slot + 1);
+          return undefined;
+        }
+        granted = true;
+        return this.#slotGranted(slots, asked);
+      })))
+      .catch((error) => this.#act(() => {
+        if (granted) {
+          // Taken from this tab (another page asked with `steal`): nothing to do but say so.
+          this.#log("warn", "the lock of this tab's slot was lost", error);
+        } else {
+          this.#slotsRefused(slots, error);
+        }
+      }));
+  }
+
+  /**
+   * This tab holds `slot`. Returns the promise the lock is held by, pending until the slot is
+   * let go; nothing (the lock goes at once) for a client stopped for good meanwhile.
+   * @param {TabSlots} slots
+   * @param {number} slot
+   * @returns {Promise<void> | undefined}
+   */
+  #slotGranted(slots, slot) {
+    slots.claiming = false;
+    if (this.#lifecycle.stopReason) return undefined;
+    /** @type {() => void} */
+    let release = () => {};
+    /** @type {Promise<void>} */
+    const holding = new Promise((resolve) => { release = resolve; });
+    slots.held = { slot, release };
+    this.#log("info", "tab slot", slot);
+    this.#deviceKnown(slotDeviceId(this.#storedDeviceId, slot));
+    return holding;
+  }
+
+  /**
+   * The Web Locks refused the request (an opaque origin, say): no slots, as with `locks: null`.
+   * @param {TabSlots} slots
+   * @param {unknown} error
+   */
+  #slotsRefused(slots, error) {
+    this.#log("warn", "the Web Locks refused a tab slot: going on with the stored device id", error);
+    slots.claiming = false;
+    this.#slots = null;
+    if (!this.#lifecycle.stopReason) this.#deviceKnown(this.#storedDeviceId);
+  }
+
+  /**
+   * The device id is known: its outbox store is made (unless the app gave one) and read, and
+   * the session may open.
+   * @param {string} deviceId
+   */
+  #deviceKnown(deviceId) {
+    this.#deviceId = deviceId;
+    if (this.#outboxStore === null) this.#outboxStore = defaultOutboxStore(deviceId);
+    this.#loadOutbox();
+    this.#advance();
+  }
+
+  /**
+   * Lets the tab's slot go (signed out, or stopped for good) once the outbox saves under way are
+   * written, so that the next tab to hold it reads the outbox whole; nothing is saved after.
+   */
+  #releaseSlot() {
+    const slots = this.#slots;
+    const held = slots?.held;
+    if (!slots || !held) return;
+    slots.held = null;
+    this.#deviceId = null;
+    if (!this.#outboxGiven) this.#outboxStore = null;
+    this.#chat.saving.then(held.release);
+  }
+
+  /**
+   * Adopts the outboxes that closed tabs left: for each other slot no tab holds, while holding
+   * its lock, the messages of its outbox that this client never had join this outbox; once this
+   * outbox is saved with them, that one is saved empty. Saved here before emptied there: a crash between
+   * the two can only send a message twice, and the gateway takes the second as a duplicate (same
+   * `client_message_id`, same user and conversation). Only the IndexedDB stores the client
+   * makes are read: an app's own `outboxStore` is one store, whatever the tab.
+   */
+  #adoptOrphans() {
+    const slots = this.#slots;
+    if (slots === null || slots.held === null || !this.#chat.loaded || this.#outboxGiven || !globalThis.indexedDB) return;
+    if (slots.adopting) {
+      // A pass under way may have gone by a slot whose tab closed since: another pass after it.
+      slots.adoptAgain = true;
+      return;
+    }
+    slots.adopting = true;
+    const mine = slots.held.slot;
+    const adoptAll = async () => {
+      // One slot at a time, and no further once this tab's slot is let go.
+      for (let slot = 1; slot <= MAX_TABS && slots.held?.slot === mine; slot += 1) {
+        if (slot !== mine) await this.#adoptSlot(slots, slot);
+      }
+    };
+    adoptAll().finally(() => this.#act(() => {
+      slots.adopting = false;
+      if (!slots.adoptAgain) return;
+      slots.adoptAgain = false;
+      this.#adoptOrphans();
+    }));
+  }
+
+  /**
+   * Adopts the outbox of `slot` if no tab holds the slot.
+   * @param {TabSlots} slots
+   * @param {number} slot
+   */
+  async #adoptSlot(slots, slot) {
+    try {
+      await slots.locks.request(slotLockName(this.#storedDeviceId, slot), { ifAvailable: true }, async (lock) => {
+        // Held: a live tab's, or another tab is adopting it.
+        if (lock === null || slots.held === null) return;
+        const store = new IndexedDBOutboxStore(slotDeviceId(this.#storedDeviceId, slot));
+        const orphaned = await store.load();
+        if (orphaned.length === 0) return;
+        const saved = this.#act(() => this.#adopt(orphaned, slot));
+        // Not saved here (the write failed, or this tab let its slot go): left there, for later.
+        if (await saved) await store.save([]);
+      });
+    } catch (error) {
+      this.#log("warn", `the outbox of tab slot ${slot} could not be adopted`, error);
+    }
+  }
+
+  /**
+   * A closed tab's messages join the outbox's end, announced and sent like restored ones; not
+   * those this client has had in its outbox already (there still, or sent since: a pass that
+   * stopped between saving here and emptying there left them there too). Resolves to whether
+   * the outbox was saved with them.
+   * @param {ChatMessage[]} orphaned
+   * @param {number} slot
+   * @returns {Promise<boolean>}
+   */
+  #adopt(orphaned, slot) {
+    if (!this.#slots?.held) return Promise.resolve(false);
+    /** @type {Outgoing[]} */
+    const adopted = [];
+    for (const message of orphaned) {
+      if (this.#chat.written.has(message.clientMessageId)) continue;
+      adopted.push({ message, attempts: 0, frameId: null, deadline: null, due: null });
+      this.#chat.written.add(message.clientMessageId);
+      if (!this.#chat.logs.has(message.conversationId)) this.#chat.logs.set(message.conversationId, newLog());
+    }
+    this.#chat.outbox.push(...adopted);
+    if (adopted.length > 0) {
+      this.#log("info", `adopted ${adopted.length} unsent messages of tab slot ${slot}`);
+      this.#emit(adopted.map((entry) => ({ type: "message", detail: entry.message })));
+    }
+    const saved = this.#saveOutbox();
+    this.#sendOutbox();
+    return saved;
+  }
+
   // MARK: The outbox
 
   /** Reads the store's outbox once; messages written before it came go after the saved ones. */
   #loadOutbox() {
-    if (this.#chat.loaded || this.#chat.loading) return;
+    const store = this.#outboxStore;
+    // With tab slots, the store is known once the slot is held: that reads it.
+    if (store === null || this.#chat.loaded || this.#chat.loading) return;
     this.#chat.loading = true;
     Promise.resolve()
-      .then(() => this.#outboxStore.load())
+      .then(() => store.load())
       .then(
         (saved) => this.#act(() => this.#outboxLoaded(Array.isArray(saved) ? saved : [])),
         (error) => this.#act(() => {
@@ -2582,16 +2879,26 @@ export class PresenceClient extends EventTarget {
     if (writtenBefore) this.#saveOutbox();
     const session = this.#session;
     if (session && !session.awaitingInitialState) this.#messagesSessionOpened();
+    this.#adoptOrphans();
   }
 
-  /** Saves the outbox, after the saves before it; not before the store's outbox was read. */
+  /**
+   * Saves the outbox, after the saves before it; not before the store's outbox was read, nor
+   * once the tab's slot is let go. Resolves to whether this save was written.
+   * @returns {Promise<boolean>}
+   */
   #saveOutbox() {
-    if (!this.#chat.loaded) return;
-    const snapshot = this.#chat.outbox.map((entry) => entry.message);
     const store = this.#outboxStore;
-    this.#chat.saving = this.#chat.saving
+    if (!this.#chat.loaded || store === null) return Promise.resolve(false);
+    const snapshot = this.#chat.outbox.map((entry) => entry.message);
+    const saved = this.#chat.saving
       .then(() => store.save(snapshot))
-      .catch((error) => this.#log("warn", "the outbox could not be saved", error));
+      .then(() => true, (error) => {
+        this.#log("warn", "the outbox could not be saved", error);
+        return false;
+      });
+    this.#chat.saving = saved.then(() => undefined);
+    return saved;
   }
 
   /**

@@ -1376,3 +1376,309 @@ describe("syncing: retries, pacing, gaps and epochs", () => {
     assert.equal(h.client.messages("room").at(-1).clientMessageId, next.clientMessageId);
   });
 });
+
+// MARK: Tabs of one browser
+
+/**
+ * Web Locks as a browser keeps them for one origin: the names held, and the requests waiting for
+ * one, granted in order as it is let go. `ifAvailable` answers `null` when the name is held (or
+ * others wait for it). The callback runs after the request returns, and the lock is held until the
+ * promise it returned settles.
+ */
+class FakeLocks {
+  held = new Set();
+  /** @type {Array<{ name: string, grant: () => void }>} */
+  waiting = [];
+  /** Every request: its name, and whether it was `ifAvailable`. */
+  requests = [];
+
+  request(name, options, callback) {
+    this.requests.push({ name, ifAvailable: options.ifAvailable === true });
+    if (this.held.has(name) || this.waiting.some((entry) => entry.name === name)) {
+      if (options.ifAvailable) return Promise.resolve().then(() => callback(null));
+      return new Promise((resolve, reject) => {
+        this.waiting.push({ name, grant: () => this.#grant(name, callback).then(resolve, reject) });
+      });
+    }
+    return this.#grant(name, callback);
+  }
+
+  /** Another tab holds `name` until the returned function is called (the tab goes away). */
+  hold(name) {
+    assert.ok(!this.held.has(name), `${name} is free`);
+    this.held.add(name);
+    return () => this.#letGo(name);
+  }
+
+  #grant(name, callback) {
+    this.held.add(name);
+    return Promise.resolve().then(() => callback({ name, mode: "exclusive" })).finally(() => this.#letGo(name));
+  }
+
+  #letGo(name) {
+    this.held.delete(name);
+    const next = this.waiting.findIndex((entry) => entry.name === name);
+    if (next >= 0) this.waiting.splice(next, 1)[0].grant();
+  }
+}
+
+/**
+ * IndexedDB reduced to what `IndexedDBOutboxStore` uses: the `outbox` records of one database by
+ * key, each step answered on a microtask. `holdWrites(key)` keeps writes to a key from completing
+ * until `releaseWrites(key)`; `writes` lists the keys written, in the order their writes completed.
+ */
+function fakeIndexedDB() {
+  const records = new Map();
+  const writes = [];
+  const heldWrites = new Map();
+  const database = {
+    close() {},
+    createObjectStore() {},
+    transaction() {
+      const transaction = {
+        objectStore: () => ({
+          get(key) {
+            const request = {};
+            queueMicrotask(() => {
+              request.result = structuredClone(records.get(key));
+              request.onsuccess?.();
+            });
+            return request;
+          },
+          put(value, key) {
+            const commit = () => {
+              records.set(key, structuredClone(value));
+              writes.push(key);
+              transaction.oncomplete?.();
+            };
+            queueMicrotask(() => (heldWrites.has(key) ? heldWrites.get(key).push(commit) : commit()));
+          },
+        }),
+      };
+      return transaction;
+    },
+  };
+  return {
+    records,
+    writes,
+    open() {
+      const request = { result: database };
+      queueMicrotask(() => request.onsuccess?.());
+      return request;
+    },
+    holdWrites(key) { heldWrites.set(key, []); },
+    releaseWrites(key) {
+      const commits = heldWrites.get(key) ?? [];
+      heldWrites.delete(key);
+      for (const commit of commits) commit();
+    },
+  };
+}
+
+/** A message as the outbox store keeps it. */
+const kept = (clientMessageId, text) => ({
+  conversationId: "room", clientMessageId, seq: null, id: null, epoch: null, senderId: null, type: "text", text, imageUrl: null,
+  createdAt: START - 60_000, status: "sending", failure: null,
+});
+
+const slotLock = (slot) => `presence.device-slot:kept-id:${slot}`;
+
+describe("tabs of one browser: a device slot each, held through Web Locks", () => {
+  /** A tab: a client with no device id of its own, on the browser's storage and locks. */
+  const tab = (browser, options = {}) => setup({ deviceId: undefined, storage: browser.storage, locks: browser.locks, outboxStore: new MemoryOutboxStore(), ...options });
+  const browser = () => ({ storage: memoryStorage({ [DEVICE_ID_STORAGE_KEY]: "kept-id" }), locks: new FakeLocks() });
+
+  test("two tabs: the stored id, then the stored id with .tab2, each its own session; no session before the slot is held", async () => {
+    const shared = browser();
+    const first = tab(shared);
+    const second = tab(shared);
+    assert.equal(first.client.deviceId, null, "no device id before start() claims a slot");
+    first.client.start();
+    assert.equal(first.sockets.length, 0, "no session before the slot is held");
+    assert.equal(first.client.deviceId, null);
+    await settle();
+    assert.equal(first.client.deviceId, "kept-id");
+    assert.equal(new URL(first.last().url).searchParams.get("device_id"), "kept-id");
+    second.client.start();
+    await settle();
+    assert.equal(second.client.deviceId, "kept-id.tab2");
+    assert.equal(new URL(second.last().url).searchParams.get("device_id"), "kept-id.tab2");
+    assert.deepEqual(shared.locks.requests.map(({ name, ifAvailable }) => `${name}${ifAvailable ? "?" : ""}`),
+      [`${slotLock(1)}?`, `${slotLock(1)}?`, `${slotLock(2)}?`], "the first free slot, each asked ifAvailable");
+    assert.deepEqual([...shared.locks.held].sort(), [slotLock(1), slotLock(2)]);
+  });
+
+  test("every slot held: the tab waits for slot 1, with no device id and no session, and connects once it is let go", async () => {
+    const shared = browser();
+    const tabsGone = [];
+    for (let slot = 1; slot <= 32; slot += 1) tabsGone.push(shared.locks.hold(slotLock(slot)));
+    const h = tab(shared);
+    h.client.start();
+    await settle();
+    await h.clock.advance(60);
+    assert.equal(h.client.deviceId, null);
+    assert.equal(h.sockets.length, 0, "no session while no slot is held");
+    assert.equal(h.client.connectionState.state, "idle");
+    assert.deepEqual(shared.locks.requests.at(-1), { name: slotLock(1), ifAvailable: false }, "the 33rd request waits for slot 1");
+    tabsGone[1]();
+    await settle();
+    assert.equal(h.sockets.length, 0, "slot 2 let go is not what it waits for");
+    tabsGone[0]();
+    await settle();
+    assert.equal(h.client.deviceId, "kept-id");
+    assert.equal(h.sockets.length, 1);
+    assert.equal(new URL(h.last().url).searchParams.get("device_id"), "kept-id");
+  });
+
+  test("signOut lets the slot go (the device id is null again) and the next tab gets it; start() after it claims nothing", async () => {
+    const shared = browser();
+    const first = tab(shared);
+    const second = tab(shared);
+    await first.connect();
+    second.client.start();
+    await settle();
+    second.last().open();
+    await settle();
+    assert.equal(second.client.deviceId, "kept-id.tab2");
+    await second.client.signOut();
+    await settle();
+    assert.equal(second.client.deviceId, null);
+    assert.ok(!shared.locks.held.has(slotLock(2)), "slot 2 is free");
+    second.client.start();
+    await settle();
+    assert.ok(!shared.locks.held.has(slotLock(2)), "a signed-out client claims no slot again");
+    const third = tab(shared);
+    third.client.start();
+    await settle();
+    assert.equal(third.client.deviceId, "kept-id.tab2");
+    assert.equal(first.client.deviceId, "kept-id");
+  });
+
+  test("4009 (replaced) lets the slot go too", async () => {
+    const shared = browser();
+    const h = tab(shared);
+    const socket = await h.connect();
+    socket.serverClose(4009);
+    await settle();
+    assert.deepEqual(h.client.connectionState, { state: "stopped", reason: "replaced" });
+    assert.ok(!shared.locks.held.has(slotLock(1)));
+  });
+
+  test("signOut or stop before the slot arrives: no session after it; a signed-out client lets the slot go at once", async () => {
+    const shared = browser();
+    const tabGone = shared.locks.hold(slotLock(1));
+    for (let slot = 2; slot <= 32; slot += 1) shared.locks.hold(slotLock(slot));
+    const signedOut = tab(shared);
+    signedOut.client.start();
+    await settle();
+    await signedOut.client.signOut();
+    assert.deepEqual(signedOut.client.connectionState, { state: "stopped", reason: "signedOut" });
+    const stopped = tab(shared);
+    stopped.client.start();
+    await settle();
+    await stopped.client.stop();
+    tabGone();
+    await settle();
+    assert.equal(signedOut.client.deviceId, null);
+    assert.equal(signedOut.sockets.length, 0);
+    assert.equal(stopped.client.deviceId, "kept-id", "the slot went on to the next waiting");
+    assert.equal(stopped.sockets.length, 0, "stopped: no session");
+    assert.deepEqual(stopped.client.connectionState, { state: "idle" });
+    stopped.client.start();
+    await settle();
+    assert.equal(stopped.sockets.length, 1, "started again, on the slot it holds");
+  });
+
+  test("no slots with the app's own device id, or with locks: null; locks without request() is refused", async () => {
+    const shared = browser();
+    const own = tab(shared, { deviceId: "app-device" });
+    assert.equal(own.client.deviceId, "app-device");
+    await own.connect();
+    const none = tab(shared, { locks: null });
+    assert.equal(none.client.deviceId, "kept-id", "the stored id at once, as without Web Locks");
+    assert.deepEqual(shared.locks.requests, [], "no lock asked for");
+    assert.throws(() => tab(shared, { locks: {} }), (error) => error instanceof PresenceClientError
+      && /^locks must have request\(name, options, callback\)/.test(error.message));
+  });
+
+  test("a closed tab's outbox is adopted once its slot is free: sent from here, emptied there only after saved here", async () => {
+    const database = fakeIndexedDB();
+    database.records.set("kept-id.tab2", [kept("left-1", "left behind 1"), kept("left-2", "left behind 2")]);
+    database.records.set("kept-id.tab3", [kept("live-1", "a live tab's")]);
+    globalThis.indexedDB = database;
+    try {
+      const shared = browser();
+      const secondTabGone = shared.locks.hold(slotLock(2));
+      shared.locks.hold(slotLock(3));
+      const h = tab(shared, { outboxStore: undefined });
+      const socket = await h.connect();
+      assert.equal(h.client.deviceId, "kept-id");
+      await settle();
+      assert.deepEqual(h.of("message"), [], "slots held by live tabs are not touched");
+      // Tab 2 closes; this page is shown again.
+      secondTabGone();
+      database.holdWrites("kept-id");
+      h.setHidden(true);
+      h.setHidden(false);
+      await settle();
+      assert.deepEqual(h.of("message").map((message) => message.clientMessageId), ["left-1", "left-2"], "announced like restored ones");
+      assert.deepEqual(database.records.get("kept-id.tab2").map((message) => message.clientMessageId), ["left-1", "left-2"],
+        "not emptied there while this outbox is not saved");
+      assert.ok(shared.locks.held.has(slotLock(2)), "slot 2 is held while its outbox is adopted");
+      const send = socket.framesOf("send")[0];
+      assert.equal(send.data.client_message_id, "left-1", "sent like the rest");
+      database.releaseWrites("kept-id");
+      await settle();
+      assert.deepEqual(database.writes, ["kept-id", "kept-id.tab2"], "saved here, then emptied there");
+      assert.deepEqual(database.records.get("kept-id").map((message) => message.clientMessageId), ["left-1", "left-2"]);
+      assert.deepEqual(database.records.get("kept-id.tab2"), []);
+      assert.deepEqual(database.records.get("kept-id.tab3").map((message) => message.clientMessageId), ["live-1"]);
+      assert.ok(!shared.locks.held.has(slotLock(2)), "slot 2 let go after");
+      socket.deliver(ackOf(send, 1));
+      await settle();
+      socket.deliver(ackOf(socket.framesOf("send")[1], 2));
+      await settle();
+      assert.deepEqual(h.client.messages("room").map((message) => `${message.seq}:${message.text}:${message.status}`),
+        ["1:left behind 1:sent", "2:left behind 2:sent"]);
+      // Shown again: nothing left to adopt, and what is here already is not taken twice.
+      database.records.set("kept-id.tab2", [kept("left-2", "left behind 2")]);
+      h.setHidden(true);
+      h.setHidden(false);
+      await settle();
+      assert.equal(h.of("message").length, 2);
+      assert.equal(socket.framesOf("send").length, 2);
+      assert.deepEqual(database.records.get("kept-id.tab2"), [], "emptied all the same");
+    } finally {
+      delete globalThis.indexedDB;
+    }
+  });
+
+  test("a tab closing while an adoption pass is under way is adopted by a pass after it", async () => {
+    const database = fakeIndexedDB();
+    database.records.set("kept-id.tab2", [kept("second-1", "from tab 2")]);
+    database.records.set("kept-id.tab3", [kept("third-1", "from tab 3")]);
+    globalThis.indexedDB = database;
+    try {
+      const shared = browser();
+      const secondTabGone = shared.locks.hold(slotLock(2));
+      const h = tab(shared, { outboxStore: undefined });
+      // The pass that follows the claim gets past slot 2 (held) and waits at slot 3 for this outbox's save.
+      database.holdWrites("kept-id");
+      await h.connect();
+      assert.deepEqual(h.of("message").map((message) => message.clientMessageId), ["third-1"]);
+      secondTabGone();
+      h.setHidden(true);
+      h.setHidden(false);
+      await settle();
+      assert.deepEqual(h.of("message").map((message) => message.clientMessageId), ["third-1"], "one pass at a time");
+      database.releaseWrites("kept-id");
+      await settle();
+      assert.deepEqual(h.of("message").map((message) => message.clientMessageId), ["third-1", "second-1"]);
+      assert.deepEqual(database.records.get("kept-id.tab2"), []);
+      assert.deepEqual(database.records.get("kept-id.tab3"), []);
+      assert.deepEqual(database.records.get("kept-id").map((message) => message.clientMessageId), ["third-1", "second-1"]);
+    } finally {
+      delete globalThis.indexedDB;
+    }
+  });
+});
