@@ -23,20 +23,66 @@ Alice's page (Tests/Browser/chat.*) talks to node A, Bob's to node B (one Redis)
      "read" (both pages show the conversation), and the members' cursors at the last seq;
   7. Alice's page follows 30 more conversations (12 with Bob, 18 groups), goes offline while Bob
      writes two messages in each of the 12, and comes back: all 24 are shown once, in order, and
-     no error reaches the page (the catch-up is never refused).
+     no error reaches the page (the catch-up is never refused);
+  8. two tabs of Alice's (one browser: one localStorage, one set of Web Locks) on a fresh
+     conversation, on nodes A and B: each holds a tab slot of its own, so they connect as two
+     devices (the pages' device ids and the admin view agree) and neither is replaced (4009);
+     Bob's message shows in both tabs, and one written in tab 1 reaches Bob once and shows in
+     tab 2; then tab 2, offline, writes a message and is closed: tab 1, shown again, adopts the
+     closed tab's outbox, the message reaches Bob once, and the closed tab's outbox is empty.
 A check that cannot run (Chromium does not start, iptables refuses) is a failure with its reason.
+
+The pages load the browser client from node A, as an app would; a gateway binary built before the
+last change to Sources/PresenceWebClient/presence.js serves an older one, so then the pages load
+that file (served here) and the run says so: a change to the module is tested without a build.
 """
+import http.server
 import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
+import urllib.request
 
 sys.dont_write_bytecode = True  # importing e2e leaves no __pycache__ in the tree
-from e2e import ADMIN, check, fail, request, run_of, screenshot, token, wait_until
+from e2e import ADMIN, ROOT, check, fail, request, run_of, screenshot, token, wait_until
 
 CONVERSATION = "room"
+TABS_CONVERSATION = "tabs"
+MODULE_SOURCE = os.path.join(ROOT, "Sources/PresenceWebClient")
+
+
+class SourceModule(http.server.SimpleHTTPRequestHandler):
+    """Serves Sources/PresenceWebClient to pages of any origin, as a node serves /client/."""
+
+    def __init__(self, *arguments):
+        super().__init__(*arguments, directory=MODULE_SOURCE)
+
+    def end_headers(self):
+        self.send_header("Access-Control-Allow-Origin", "*")
+        self.send_header("Cache-Control", "no-cache")
+        super().end_headers()
+
+    def log_message(self, *_):
+        pass
+
+
+def module_url(node):
+    """The URL of presence.js for the pages: None (the node's, the default) when the node serves the
+    source file as it is; else the file itself, from a server started here for the rest of the run."""
+    with urllib.request.urlopen(f"{node.url}/client/presence.js", timeout=5) as answer:
+        served = answer.read()
+    with open(os.path.join(MODULE_SOURCE, "presence.js"), "rb") as file:
+        source = file.read()
+    if served == source:
+        return None
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SourceModule)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    print("messaging: the gateway binary serves an older presence.js than Sources/PresenceWebClient/presence.js "
+          "(built before the change): the pages load the file")
+    return f"http://127.0.0.1:{server.server_address[1]}/presence.js"
 
 
 def messages(driver):
@@ -69,6 +115,31 @@ def write(driver, text):
 
 def typing_shown(driver):
     return driver.find_element("id", "typing").text
+
+
+def stopped_or_replaced(driver):
+    """What of the page's life says its client was stopped for good or replaced (4009); empty if nothing."""
+    return driver.execute_script("""
+        const said = window.presenceLog.filter((e) => e.type === 'connection' && e.detail.state === 'stopped').map((e) => e.detail.reason);
+        return window.presenceClient.lastCloseCode === 4009 ? [...said, 'closed with 4009'] : said;""")
+
+
+def held_locks(driver):
+    """The names of the Web Locks held in the page's origin (every tab's)."""
+    return driver.execute_async_script(
+        "const done = arguments[0]; navigator.locks.query().then((state) => done(state.held.map((lock) => lock.name)));")
+
+
+def stored_outbox(driver, device_id):
+    """The IndexedDB outbox record the client keeps for a device id (None: none)."""
+    return driver.execute_async_script("""
+        const [key, done] = arguments;
+        const open = indexedDB.open('presence', 1);
+        open.onupgradeneeded = () => open.result.createObjectStore('outbox');
+        open.onsuccess = () => {
+          const read = open.result.transaction('outbox').objectStore('outbox').get(key);
+          read.onsuccess = () => { open.result.close(); done(read.result ?? null); };
+        };""", device_id)
 
 
 class Cut:
@@ -108,10 +179,13 @@ def main():
         a = run.node("node-a")
         b = run.node("node-b")
         request("PUT", f"{b.url}/api/admin/conversations/{CONVERSATION}", {"member_ids": ["alice", "bob"]})
+        module = module_url(a)
 
-        def page(user, peer, node):
-            query = urllib.parse.urlencode({"gateways": node.url, "token": token(user), "me": user, "peer": peer, "conversation": CONVERSATION})
-            return f"{chat}?{query}"
+        def page(user, peer, node, conversation=CONVERSATION):
+            fields = {"gateways": node.url, "token": token(user), "me": user, "peer": peer, "conversation": conversation}
+            if module:
+                fields["module"] = module
+            return f"{chat}?{urllib.parse.urlencode(fields)}"
 
         alice = run.browser("alice")
         bob = run.browser("bob")
@@ -278,6 +352,73 @@ def main():
               "once each, in order, in every conversation")
         errors = alice.execute_script("return window.presenceErrors.map((e) => `${e.code}: ${e.message}`)")
         check(errors == [], f"no error on Alice's page: {errors}")
+
+        # 8. Two tabs of Alice's on a fresh conversation: a device each, every message in both,
+        # and a closed tab's unsent message adopted by the other.
+        request("PUT", f"{b.url}/api/admin/conversations/{TABS_CONVERSATION}", {"member_ids": ["alice", "bob"]})
+        bob.get(page("bob", "alice", b, TABS_CONVERSATION))
+        alice.get(page("alice", "bob", a, TABS_CONVERSATION))
+        tab1 = alice.current_window_handle
+        wait_until(lambda: connection(alice) == "connected", 10, "Alice's tab 1 connected")
+        alice.switch_to.new_window("tab")
+        tab2 = alice.current_window_handle
+        alice.get(page("alice", "bob", b, TABS_CONVERSATION))
+        wait_until(lambda: connection(alice) == "connected", 10, "Alice's tab 2 connected")
+        wait_until(lambda: connection(bob) == "connected", 10, "Bob's page on the conversation connected")
+        device_ids = {}
+        for handle, name in [(tab1, "tab 1"), (tab2, "tab 2")]:
+            alice.switch_to.window(handle)
+            wait_until(lambda: connection(alice) == "connected", 10, f"Alice's {name} still connected once both are open")
+            device_ids[name] = alice.execute_script("return window.presenceClient.deviceId")
+        stored_id = alice.execute_script("return localStorage.getItem('presence.device_id')")
+        check(device_ids == {"tab 1": stored_id, "tab 2": f"{stored_id}.tab2"},
+              f"the two tabs connect as two devices, slots 1 and 2 of the stored id {stored_id}: {device_ids}")
+        devices = {device["device_id"] for device in request("GET", f"{a.url}/api/admin/users/alice")["devices"]}
+        check(set(device_ids.values()) <= devices, f"the gateway has both of Alice's tabs as devices: {sorted(devices)}")
+
+        def shown_in(handle, text, count=1):
+            alice.switch_to.window(handle)
+            return [seen for _, seen in stored(alice)].count(text) == count
+
+        from_bob = "from bob to both tabs"
+        write(bob, from_bob)
+        for handle, name in [(tab1, "tab 1"), (tab2, "tab 2")]:
+            wait_until(lambda handle=handle: shown_in(handle, from_bob), 5, f"Bob's message shows in Alice's {name}")
+        check(True, "Bob's message shows in both of Alice's tabs")
+        from_tab1 = "from alice's tab 1"
+        alice.switch_to.window(tab1)
+        write(alice, from_tab1)
+        wait_until(lambda: [text for _, text in stored(bob)].count(from_tab1) >= 1, 5, "the message of Alice's tab 1 reaches Bob")
+        wait_until(lambda: shown_in(tab2, from_tab1), 5, "the message of Alice's tab 1 shows in her tab 2")
+        time.sleep(1)
+        check([text for _, text in stored(bob)] == [from_bob, from_tab1], f"Bob has each message once, in order: {stored(bob)}")
+        check(shown_in(tab1, from_tab1) and shown_in(tab2, from_tab1), "Alice's two tabs have it once each")
+        for handle, name in [(tab1, "tab 1"), (tab2, "tab 2")]:
+            alice.switch_to.window(handle)
+            check(stopped_or_replaced(alice) == [] and connection(alice) == "connected", f"Alice's {name} was never stopped nor replaced")
+
+        # A closed tab's outbox: tab 2 writes offline, then is closed; tab 1 shown again adopts it.
+        alice.switch_to.window(tab2)
+        switch_offline(alice, True)
+        orphan = "written in a tab closed before it went out"
+        write(alice, orphan)
+        wait_until(lambda: [entry["text"] for entry in messages(alice)].count(orphan) == 1, 3, "tab 2 lists the message it wrote offline")
+        alice.execute_async_script("const done = arguments[0]; window.presenceClient.outboxSaved().then(() => done(true));")
+        kept = [entry["text"] for entry in stored_outbox(alice, device_ids["tab 2"]) or []]
+        check(kept == [orphan], f"tab 2's outbox (IndexedDB, under its device id) holds the message: {kept}")
+        alice.close()
+        alice.switch_to.window(tab1)
+        # Shown again once the closed tab's lock is gone, whatever its switch to the front did.
+        wait_until(lambda: f"presence.device-slot:{stored_id}:2" not in held_locks(alice), 10, "the closed tab's slot is free")
+        alice.minimize_window()
+        alice.maximize_window()
+        wait_until(lambda: orphan in [text for _, text in stored(bob)], 5, "the closed tab's message reaches Bob once tab 1 is shown again")
+        time.sleep(1)
+        check([text for _, text in stored(bob)].count(orphan) == 1, "the closed tab's message reached Bob once")
+        check(shown_in(tab1, orphan), "tab 1 shows the message it adopted, stored")
+        wait_until(lambda: stored_outbox(alice, device_ids["tab 2"]) == [], 3, "the closed tab's outbox emptied")
+        check(True, "the closed tab's outbox is emptied once tab 1 has adopted it")
+        check(stopped_or_replaced(alice) == [], "tab 1 was never stopped nor replaced")
         print("messaging: all checks passed")
 
 
