@@ -89,4 +89,38 @@ struct MessageRollbackTests {
             #expect(row?["epoch"] as? String == forked && row?["last_seq"] as? Int == 4 && row?["read_seq"] as? Int == 4, "\(String(describing: row))")
         }
     }
+
+    @Test("a sync that crossed live messages on the wire, answered after a fork below them: they are named in truncated, as the session holds them")
+    func crossedSyncAfterFork() async throws {
+        let server = try RedisServerProcess()
+        try await withNodes(1, configure: { $0.redisURL = server.url() }) { ports in
+            let port = ports[0]
+            try await ConversationTests.setUp(port, ["alice", "bob"])
+            let bob = try await Sessions.open(port, "bob", device: "phone")
+            try await Task.sleep(for: SessionHub.messageOpeningHold + .milliseconds(200))
+            var epoch = ""
+            for number in 1...4 {
+                if number == 3 { try server.cli("SAVE") }
+                let sent = try await Self.send(port, "alice", "m\(number)", "before #\(number)")
+                epoch = sent.message["epoch"] as? String ?? ""
+            }
+            let live = await Sessions.messages(bob, count: 4)
+            #expect(Sessions.seqs(live) == [1, 2, 3, 4])
+
+            server.stop()
+            try server.start()
+            let ready = await eventually(timeout: .seconds(15)) {
+                (try? await call(port, "GET", "/api/conversations/room/messages", token: try await token("bob")).status) == 200
+            }
+            #expect(ready)
+            // The client syncs from 2, as a sync written before 3 and 4 arrived would: the
+            // session was sent them, so the client holds them, and Redis lost them.
+            bob.send("sync", ["positions": [["conversation_id": "room", "after_seq": 2, "epoch": epoch]]], id: "crossed")
+            let answer = try await bob.next("synced")
+            #expect(answer.id == "crossed" && answer.data["epoch"] as? String != epoch && answer.data["last_seq"] as? Int == 2, "\(answer.data)")
+            let truncated = answer.data["truncated"] as? [[String: Any]] ?? []
+            #expect(truncated.count == 1 && truncated.first?["epoch"] as? String == epoch, "\(answer.data)")
+            #expect(truncated.first?["from_seq"] as? Int == 3 && truncated.first?["to_seq"] as? Int == 4)
+        }
+    }
 }

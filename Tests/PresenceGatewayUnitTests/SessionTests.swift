@@ -4,6 +4,7 @@ import PresenceEngine
 import PresenceProtocol
 import Testing
 
+@testable import PresenceEngine
 @testable import PresenceGateway
 
 @Suite("A session's view of what it watches")
@@ -52,5 +53,39 @@ struct SessionTests {
         #expect(session.readingCapacity > 0, "five users are still being read")
         _ = session.endRead(Array(users.prefix(5)), some, snapshot: [])
         #expect(session.readingCapacity == 0, "room for \(session.readingCapacity) users kept")
+    }
+
+    static func stored(_ epoch: String, _ seq: Int64) -> StoredMessage {
+        StoredMessage(conversationID: "room", epoch: epoch, seq: seq, id: "\(epoch)-\(seq)", senderID: "ann", clientMessageID: "c\(seq)",
+                      type: .text, text: "hi", imageURL: nil, createdAt: 0, clientCreatedAt: nil)
+    }
+
+    @Test("a late live message of an epoch the session has moved past is dropped, after a message or a synced of the new epoch")
+    func pastEpochs() {
+        var conversation = Session.ConversationState()
+        var taken: [Bool] = []
+        for (epoch, seq) in [("old", 25), ("new", 26), ("old", 26), ("new", 27)] { taken.append(conversation.take(Self.stored(epoch, Int64(seq)))) }
+        // The history forked at 25; old 26, published before the rollback and late, names
+        // another message now.
+        #expect(taken == [true, true, false, true])
+
+        var answered = Session.ConversationState()
+        let first = answered.take(Self.stored("old", 25))
+        answered.answered(in: "new", clientEpoch: "old")
+        // Told the new epoch, then a late one of the old.
+        let late = answered.live(Self.stored("old", 26), frame: TextFrame(Array("old 26".utf8)), openingHold: false)
+        let next = answered.live(Self.stored("new", 26), frame: TextFrame(Array("new 26".utf8)), openingHold: false)
+        #expect(first && !late && next)
+    }
+
+    @Test("a sync position is raised to the end of the unbroken run the session was sent of its epoch, and only then")
+    func syncHolding() {
+        let position = SyncPosition(conversationID: "room", afterSeq: 2, epoch: "e")
+        #expect(FrameHandler.holding(position, sent: Session.SentRun(epoch: "e", seq: 4, runStart: 1)).afterSeq == 4)
+        #expect(FrameHandler.holding(position, sent: Session.SentRun(epoch: "e", seq: 4, runStart: 3)).afterSeq == 4)
+        #expect(FrameHandler.holding(position, sent: Session.SentRun(epoch: "e", seq: 4, runStart: 4)).afterSeq == 2, "a gap between: named missing as before")
+        #expect(FrameHandler.holding(position, sent: Session.SentRun(epoch: "f", seq: 4, runStart: 1)).afterSeq == 2, "another epoch")
+        #expect(FrameHandler.holding(position, sent: Session.SentRun(epoch: "e", seq: 1, runStart: 1)).afterSeq == 2)
+        #expect(FrameHandler.holding(SyncPosition(conversationID: "room", afterSeq: 2), sent: Session.SentRun(epoch: "e", seq: 4, runStart: 1)).afterSeq == 2)
     }
 }

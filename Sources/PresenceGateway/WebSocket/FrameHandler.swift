@@ -178,7 +178,7 @@ struct FrameHandler {
             await session.connection.drained()
             var budget = limit
             do {
-                let answer = try await gateway.engine.sync(position, for: user.userID)
+                let answer = try await gateway.engine.sync(Self.holding(position, sent: session.sentPosition(conversation)), for: user.userID)
                 let (encoded, cut) = Self.encode(answer.messages, within: &budget, frames: frames)
                 let more = answer.more || cut
                 var missing = answer.missing
@@ -196,7 +196,8 @@ struct FrameHandler {
                     conversationID: conversation, epoch: answer.epoch, lastSeq: answer.lastSeq, complete: missing.isEmpty,
                     more: more, missing: missing, truncated: answer.truncated, receipts: try await receipts(of: conversation)
                 )), id: id)
-                session.endSync(conversation, answer: (encoded, synced, more))
+                session.endSync(conversation, answer: Session.SyncAnswer(
+                    messages: encoded, synced: synced, more: more, epoch: answer.epoch, clientEpoch: position.epoch))
             } catch {
                 session.endSync(conversation, answer: nil)
                 let apiError = APIError.from(error)
@@ -204,6 +205,17 @@ struct FrameHandler {
                 session.send(frames.text(.error(ErrorPayload(code: apiError.code, message: apiError.message, conversationID: conversation)), id: id))
             }
         }
+    }
+
+    /// The position a `sync` is answered from: the client's, or, when this session was sent an
+    /// unbroken run of the same epoch from just after it on (live messages the `sync` crossed on
+    /// the wire), the end of that run. The client holds those too, so a fork below them names
+    /// them in `truncated`; without a fork the answer is the same, as a session is never sent a
+    /// seq twice.
+    static func holding(_ position: SyncPosition, sent: Session.SentRun?) -> SyncPosition {
+        guard let sent, let epoch = position.epoch, sent.epoch == epoch, sent.seq > position.afterSeq,
+              sent.runStart <= position.afterSeq + 1 else { return position }
+        return SyncPosition(conversationID: position.conversationID, afterSeq: sent.seq, epoch: epoch)
     }
 
     /// The `message` frames of `messages` that fit in `budget` bytes as written (at least one

@@ -40,8 +40,12 @@ extension Session {
         /// The last `sync` said `more`: live messages are dropped (the client syncs on and reads
         /// them from the history), not sent past a gap.
         var behind = false
+        /// Epochs this session has moved past (the history forked or began again since): a live
+        /// message of one of them, published before Redis went back in time and arriving late,
+        /// is dropped. Its seq now names another message, or the new epoch gives it again.
+        var pastEpochs: Set<String> = []
 
-        var isEmpty: Bool { sent == nil && syncing == 0 && held.isEmpty && !behind }
+        var isEmpty: Bool { sent == nil && syncing == 0 && held.isEmpty && !behind && pastEpochs.isEmpty }
 
         /// Whether `message` may pass a hold: nothing of the conversation is held or being
         /// synced, and it is the first of its history's life or this session was sent the seq
@@ -57,13 +61,21 @@ extension Session {
         /// Whether `message` is after what was sent; records it sent, extending the run when it
         /// is the next seq and starting a new one otherwise.
         mutating func take(_ message: StoredMessage) -> Bool {
+            guard !pastEpochs.contains(message.epoch) else { return false }
             if let sent, sent.epoch == message.epoch {
                 guard message.seq > sent.seq else { return false }
                 self.sent = SentRun(epoch: message.epoch, seq: message.seq, runStart: message.seq == sent.seq + 1 ? sent.runStart : message.seq)
             } else {
+                if let sent { pastEpochs.insert(sent.epoch) }
                 sent = SentRun(epoch: message.epoch, seq: message.seq, runStart: message.seq)
             }
             return true
+        }
+
+        /// A `synced` in `epoch` went to the client: the epoch of what was sent before, and the
+        /// one the client named, are past if they are not that one.
+        mutating func answered(in epoch: String, clientEpoch: String?) {
+            for past in [sent?.epoch, clientEpoch].compactMap({ $0 }) where past != epoch { pastEpochs.insert(past) }
         }
 
         /// A live message: whether to send it now. Otherwise it is held (the session's opening
@@ -119,16 +131,27 @@ extension Session {
         messageState.withLockedValue { $0.conversations[conversation]?.sent }
     }
 
+    /// One conversation's part of a `sync` answer: its messages, its `synced` frame, whether it
+    /// was cut, the epoch it answered in and the one the client's position named.
+    struct SyncAnswer {
+        var messages: [(message: StoredMessage, frame: TextFrame)]
+        var synced: String
+        var more: Bool
+        var epoch: String
+        var clientEpoch: String?
+    }
+
     /// Ends a `sync` of one conversation: sends its messages not sent yet, then `synced`, then
     /// the live messages held meanwhile, all in one step so that nothing comes in between. A
     /// failed sync passes `nil` and sends nothing of its own.
-    func endSync(_ conversation: String, answer: (messages: [(message: StoredMessage, frame: TextFrame)], synced: String, more: Bool)?) {
+    func endSync(_ conversation: String, answer: SyncAnswer?) {
         messageState.withLockedValue { state in
             let openingHold = state.openingHold
             state.update(conversation) { entry in
                 if let answer {
                     for (message, frame) in answer.messages where entry.take(message) { send(frame) }
                     send(answer.synced)
+                    entry.answered(in: answer.epoch, clientEpoch: answer.clientEpoch)
                     entry.behind = answer.more
                 }
                 entry.syncing = max(0, entry.syncing - 1)
