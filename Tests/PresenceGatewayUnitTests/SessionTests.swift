@@ -88,4 +88,20 @@ struct SessionTests {
         #expect(FrameHandler.holding(position, sent: Session.SentRun(epoch: "e", seq: 1, runStart: 1)).afterSeq == 2)
         #expect(FrameHandler.holding(SyncPosition(conversationID: "room", afterSeq: 2), sent: Session.SentRun(epoch: "e", seq: 4, runStart: 1)).afterSeq == 2)
     }
+
+    @Test("a refused sync leaves its conversation behind: no live message past the gap until a sync of it is answered")
+    func refusedSync() throws {
+        let session = try Self.session()
+        func frame(_ seq: Int64) -> TextFrame { TextFrame(Array("message \(seq)".utf8)) }
+        session.endOpeningHold()
+        session.beginSync(["room"])
+        session.endSync("room", answer: nil)
+        session.deliverLive(Self.stored("e", 3), frame: frame(3))
+        #expect(session.sentPosition("room") == nil, "seq 3 went out after the refusal, past whatever the client lacks")
+        session.beginSync(["room"])
+        session.endSync("room", answer: Session.SyncAnswer(messages: [(Self.stored("e", 2), frame(2)), (Self.stored("e", 3), frame(3))],
+                                                          synced: "synced", more: false, epoch: "e", clientEpoch: "e"))
+        session.deliverLive(Self.stored("e", 4), frame: frame(4))
+        #expect(session.sentPosition("room") == Session.SentRun(epoch: "e", seq: 4, runStart: 2))
+    }
 }

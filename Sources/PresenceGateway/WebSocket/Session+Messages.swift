@@ -37,8 +37,8 @@ extension Session {
         var syncing = 0
         /// Live messages waiting, with their frame.
         var held: [(message: StoredMessage, frame: TextFrame)] = []
-        /// The last `sync` said `more`: live messages are dropped (the client syncs on and reads
-        /// them from the history), not sent past a gap.
+        /// The last `sync` said `more`, or was refused: live messages are dropped (the client
+        /// syncs on and reads them from the history), not sent past a gap.
         var behind = false
         /// Epochs this session has moved past (the history forked or began again since): a live
         /// message of one of them, published before Redis went back in time and arriving late,
@@ -143,7 +143,8 @@ extension Session {
 
     /// Ends a `sync` of one conversation: sends its messages not sent yet, then `synced`, then
     /// the live messages held meanwhile, all in one step so that nothing comes in between. A
-    /// failed sync passes `nil` and sends nothing of its own.
+    /// failed sync passes `nil` and sends nothing of its own; the conversation is then behind
+    /// (its live messages dropped) until a sync of it is answered.
     func endSync(_ conversation: String, answer: SyncAnswer?) {
         messageState.withLockedValue { state in
             let openingHold = state.openingHold
@@ -153,6 +154,10 @@ extension Session {
                     send(answer.synced)
                     entry.answered(in: answer.epoch, clientEpoch: answer.clientEpoch)
                     entry.behind = answer.more
+                } else {
+                    // Refused: the client was told (an `error` naming the conversation) and
+                    // syncs again; live messages meanwhile would come after a gap.
+                    entry.behind = true
                 }
                 entry.syncing = max(0, entry.syncing - 1)
                 if entry.syncing == 0, !openingHold { entry.flush(send: send) }
