@@ -8,11 +8,16 @@ import Glibc
 /// connection must go deaf: ``deafenSubscribers()`` makes every connection that has sent a
 /// `SUBSCRIBE` half-open, as after a network fault that sends no FIN. Nothing crosses it any
 /// more in either direction, and it stays open; connections made after that are forwarded as
-/// usual. Point a gateway at ``url``.
+/// usual. ``redirect(to:)`` moves it to another server, as a managed endpoint moves to a
+/// promoted replica: every connection through it ends, and new ones reach the new server.
+/// ``cut(for:)`` holds every byte in either direction for a while and then lets it through, as a
+/// network partition does that TCP's resends outlast. Point a gateway at ``url``.
 public final class RedisProxy: @unchecked Sendable {
-    // Safe: `connections` and `listening` are touched only under `lock`.
+    // Safe: `connections`, `listening` and `upstreamPort` are touched only under `lock`.
     public let port: Int
-    private let upstreamPort: Int
+    private var upstreamPort: Int
+    /// Until when bytes are held (a cut); in the past when none is.
+    private var cutUntil = ContinuousClock.now
     private let listener: Int32
     private let lock = NSLock()
     private var connections: [Connection] = []
@@ -66,6 +71,24 @@ public final class RedisProxy: @unchecked Sendable {
         }
     }
 
+    /// Connections made from now on reach the server on `port`; every open one ends (both
+    /// ways shut, as a failover's endpoint change ends them).
+    public func redirect(to port: Int) {
+        lock.withLock {
+            upstreamPort = port
+            for connection in connections {
+                shutdown(connection.client, Int32(SHUT_RDWR))
+                shutdown(connection.server, Int32(SHUT_RDWR))
+            }
+        }
+    }
+
+    /// From now until `duration` has passed, nothing crosses: bytes read on either side wait and
+    /// then go on in order, and connections stay open (no reset, as with packets dropped).
+    public func cut(for duration: Duration) {
+        lock.withLock { cutUntil = ContinuousClock.now + duration }
+    }
+
     /// Closes the listener and every connection.
     public func stop() {
         lock.withLock {
@@ -86,7 +109,7 @@ public final class RedisProxy: @unchecked Sendable {
             let client = accept(listener, nil, nil)
             guard client >= 0 else { return }
             let server = socket(AF_INET, Int32(SOCK_STREAM.rawValue), 0)
-            var address = Self.loopback(port: upstreamPort)
+            var address = Self.loopback(port: lock.withLock { upstreamPort })
             let connected = withUnsafePointer(to: &address) {
                 $0.withMemoryRebound(to: sockaddr.self, capacity: 1) { connect(server, $0, socklen_t(MemoryLayout<sockaddr_in>.size)) }
             }
@@ -113,11 +136,14 @@ public final class RedisProxy: @unchecked Sendable {
         while true {
             let count = read(source, &buffer, buffer.count)
             guard count > 0 else { break }
-            let forward = lock.withLock {
+            let (forward, heldUntil) = lock.withLock {
                 if upstream, !connection.subscriber, Self.contains(buffer[0..<count], "SUBSCRIBE") { connection.subscriber = true }
-                return !connection.deaf
+                return (!connection.deaf, cutUntil)
             }
             guard forward else { continue }
+            // Read during a cut: it goes on when the cut ends.
+            let wait = heldUntil - ContinuousClock.now
+            if wait > .zero { Thread.sleep(forTimeInterval: Double(wait.components.seconds) + Double(wait.components.attoseconds) / 1e18) }
             var sent = 0
             while sent < count {
                 let written = buffer[sent..<count].withUnsafeBytes { write(target, $0.baseAddress, $0.count) }
