@@ -10,7 +10,8 @@ extension PresenceEngine {
     /// Registers a live session's device; the device is live once this returns.
     public func connect(user: String, device: String, session: String, status: PresenceStatus = .online) async throws(PresenceError) -> SessionOpened {
         let member = keys.deviceMember(user: user, device: device)
-        local.withLockedValue { $0[member] = LocalDevice(user: user, device: device, session: session, status: status) }
+        let opened = estimatedStoreNow()
+        local.withLockedValue { $0[member] = LocalDevice(user: user, device: device, session: session, status: status, opened: opened) }
         do {
             return try await register(user: user, device: device, session: session, status: status)
         } catch {
@@ -62,7 +63,7 @@ extension PresenceEngine {
         local.withLockedValue { devices in
             let recorded = devices[member]?.session
             guard recorded != session, recorded == nil || recorded == previous?.session else { return }
-            devices[member] = LocalDevice(user: user, device: device, session: session, status: status)
+            devices[member] = LocalDevice(user: user, device: device, session: session, status: status, opened: estimatedStoreNow())
         }
         return SessionOpened(change: change, replaced: previous)
     }

@@ -133,7 +133,8 @@ extension PresenceEngine {
         try await list(node, until: indexScore(after: configuration.leaseTTL), unlessListed: true)
         try await run { try await self.redis.execute(SADD(key: self.keys.nodeDevices(node), members: batch.map(\.member))) }
         let calls = batch.map { entry in
-            UpsertDevice(user: entry.device.user, device: entry.device.device, status: entry.device.status, node: node, session: entry.device.session, mode: .restore)
+            UpsertDevice(user: entry.device.user, device: entry.device.device, status: entry.device.status, node: node, session: entry.device.session,
+                         mode: .restore, opened: entry.device.opened)
         }
         var written = 0
         var overtaken: [(member: String, device: LocalDevice)] = []
@@ -253,7 +254,8 @@ extension PresenceEngine {
         let calls = users.map { user in
             AuditDevices(user: user, node: configuration.nodeID, devices: (positions[user] ?? []).map { position in
                 let device = devices[position].value
-                return AuditDevices.Device(device: device.device, session: device.session, status: device.status, indexed: index[position])
+                return AuditDevices.Device(device: device.device, session: device.session, status: device.status, indexed: index[position],
+                                           opened: device.opened)
             })
         }
         var findings = [AuditDevices.Finding?](repeating: nil, count: devices.count)
@@ -318,7 +320,7 @@ extension PresenceEngine {
                     await takenOver(member, session: device.session)
                 case .heldByOlderSession:
                     // Not another's: Redis went back to before this session opened.
-                    _ = try? await evaluate(SettleNewLife(user: device.user, node: node, devices: [(device.device, (device.session, device.status))]))
+                    _ = try? await evaluate(SettleNewLife(user: device.user, node: node, devices: [(device.device, (device.session, device.status, device.opened))]))
                 case .staleStatus:
                     stale.append((member, device.session))
                 case .held: break
@@ -371,10 +373,10 @@ extension PresenceEngine {
         } while cursor != "0"
         let held = local.withLockedValue { $0 }
         members.formUnion(held.keys)
-        var byUser: [String: [(device: String, held: (session: String, status: PresenceStatus)?)]] = [:]
+        var byUser: [String: [(device: String, held: SettleNewLife.Held?)]] = [:]
         for member in members.sorted() {
             guard let (user, device) = keys.splitDeviceMember(member) else { continue }
-            byUser[user, default: []].append((device, held[member].map { ($0.session, $0.status) }))
+            byUser[user, default: []].append((device, held[member].map { ($0.session, $0.status, $0.opened) }))
         }
         reportLoss()
         let users = byUser.keys.sorted()

@@ -89,6 +89,10 @@ public final class PresenceEngine: Sendable {
         var status: PresenceStatus
         /// Redis has not taken `status` yet: the write failed, or is still under way.
         var statusOwed = false
+        /// When the session opened, by Redis's clock as this node estimates it (ms): after Redis
+        /// went back in time, a record of another node's session last written before then is
+        /// older than this session (``SettleNewLife``).
+        var opened: Int64 = 0
     }
 
     /// Makes an engine; `configuration` must pass ``PresenceConfiguration/validate()``.

@@ -8,7 +8,8 @@ import Testing
 /// Random faults over three gateway processes (one 2 s behind, one true, one 2 s ahead) and a
 /// Redis of their own, with SDK clients that all watch each other: status changes, handoffs,
 /// drops, reconnects, sign-outs, kill -9 of a node and its restart under the same id, FLUSHALL,
-/// the loss of single keys, and cuts between one node and Redis (packets dropped, no reset:
+/// Redis restarted from a snapshot taken some steps before (on the single server), the loss of
+/// single keys, and cuts between one node and Redis (packets dropped, no reset:
 /// short ones within the lease, long ones past it). On a Redis Cluster, slot migrations too: a
 /// user's or a node's slot moved with its keys to another primary; there a cut drops every packet
 /// between the node and any cluster node (the node runs under a group id of its own). At quiet
@@ -68,6 +69,8 @@ struct ChaosTests {
         var recordLost: Set<String> = []
         var lossOffline: [String] = []
         var flushes: [ContinuousClock.Instant] = []
+        /// When the snapshot the next restart goes back to was taken (single server only).
+        var snapshot: ContinuousClock.Instant?
         var lastKill: ContinuousClock.Instant?
         /// When each user's client was made (a watcher's reads start then).
         var clientSince: [String: ContinuousClock.Instant] = [:]
@@ -379,6 +382,30 @@ struct ChaosTests {
                     world.note("* \(node.nodeID) device index lost")
                 }
                 counts["partial loss", default: 0] += 1
+            case 97..<100 where world.backend == .single:
+                // Redis goes back in time: a snapshot now, and at a later roll a kill -9 and a
+                // restart from it. What changed since is undone in Redis: devices connected
+                // since are gone from it until their nodes write them back (their offline is what
+                // Redis held, as after a FLUSHALL); devices gone since are back in it until their
+                // nodes, seeing the new life, settle them (docs/operations.md).
+                guard let redis = world.redis else { continue }
+                guard let taken = world.snapshot else {
+                    _ = try redis.cli("SAVE")
+                    world.snapshot = .now
+                    world.note("* snapshot")
+                    counts["snapshot", default: 0] += 1
+                    continue
+                }
+                let restarted = ContinuousClock.now
+                redis.stop()
+                try redis.start()
+                world.note("* restart from the snapshot", at: restarted)
+                world.flushes.append(restarted)
+                world.recordLost.formUnion(world.users.filter { user in
+                    world.log.contains { $0.at >= taken && $0.what.hasPrefix(user + " ") && ($0.what.contains("connects on") || $0.what.contains("handoff")) }
+                })
+                world.snapshot = nil
+                counts["restart from a snapshot", default: 0] += 1
             case 100..<103 where !world.partitions.isEmpty:
                 // Shorter than the lease minus one renewal period: nobody may be shown offline.
                 guard try await world.cut(random.below(3), for: .milliseconds(1200)) else { continue }
@@ -426,7 +453,7 @@ struct ChaosTests {
         }
         var kinds = ["kill -9", "FLUSHALL", "partial loss", "handoff"]
         if !world.partitions.isEmpty { kinds += ["short cut", "long cut"] }
-        if world.backend == .cluster { kinds.append("slot migration") }
+        if world.backend == .cluster { kinds.append("slot migration") } else { kinds.append("restart from a snapshot") }
         #expect(kinds.allSatisfy { counts[$0, default: 0] > 0 }, "the run tried every kind of fault (\(kinds)): \(counts)")
     }
 }

@@ -60,4 +60,39 @@ struct PresenceRollbackTests {
             #expect(await carol.closed(timeout: .milliseconds(100)) == nil)
         }
     }
+
+    @Test("a restart from an older snapshot: a device that moved to another node since stays online there, and is never shown offline")
+    func movedSinceTheSnapshot() async throws {
+        let server = try RedisServerProcess()
+        try await withNodes(2, configure: { $0.redisURL = server.url() }) { ports in
+            try await ConversationTests.setUp(ports[0], ["bob", "frank"])
+            let bob = try await MessageSessionTests.open(ports[0], "bob", device: "phone")
+            bob.send("subscribe", ["user_ids": ["frank"]], id: "w")
+            _ = try await bob.next("initial_state")
+            let before = try await MessageSessionTests.open(ports[0], "frank", device: "phone")
+            #expect(await eventually { await Self.status(ports[0], "frank") == "online" })
+            try server.cli("SAVE")
+
+            // After the snapshot: frank's phone drops here and is back at once on the other node.
+            before.closeAbruptly()
+            let moved = try await MessageSessionTests.open(ports[1], "frank", device: "phone")
+            _ = await bob.drain(for: .milliseconds(300))
+
+            // The snapshot has frank's phone on the first node, whose session has gone.
+            server.stop()
+            try server.start()
+            var statuses: [String] = []
+            let deadline = ContinuousClock.now + .seconds(8)
+            while ContinuousClock.now < deadline {
+                statuses.append(await Self.status(ports[0], "frank") ?? "no answer")
+                try await Task.sleep(for: .milliseconds(200))
+            }
+            #expect(!statuses.contains("offline"), "frank read offline \(statuses.count { $0 == "offline" }) times of \(statuses.count)")
+            #expect(statuses.last == "online")
+            let seen = await bob.drain(for: .milliseconds(500))
+            let flickers = seen.filter { $0.type == "presence_update" && $0.userID == "frank" && $0.status == "offline" }
+            #expect(flickers.isEmpty, "\(flickers.map(\.data))")
+            #expect(await moved.closed(timeout: .milliseconds(100)) == nil, "frank's session on the other node is not taken for another's")
+        }
+    }
 }

@@ -16,6 +16,8 @@ struct AuditDevices: ScriptCall {
         var status: PresenceStatus
         /// Whether the node's device index has it (read just before, in the index's own slot).
         var indexed: Bool
+        /// When the session opened (ms, Redis's clock as the node estimates it).
+        var opened: Int64 = 0
     }
 
     enum Finding: Equatable {
@@ -27,8 +29,9 @@ struct AuditDevices: ScriptCall {
         case unindexed
         /// Another session holds it now.
         case heldByAnother
-        /// Held by an older session of this same node, which the node no longer has: Redis went
-        /// back in time (a restart from an older snapshot), and the device is this session's again.
+        /// Held by an older session of this same node, which the node no longer has, or by another
+        /// node's session in a record last written before this session opened: Redis went back in
+        /// time (a restart from an older snapshot), and the device is this session's again.
         case heldByOlderSession
         /// Held, with a status other than the session's: a status write Redis acknowledged and
         /// then lost in a failover.
@@ -52,7 +55,8 @@ struct AuditDevices: ScriptCall {
 
     func arguments(_ context: ScriptContext) -> [RedisArgument] {
         [context.now, RedisArgument(user), RedisArgument(context.keys.userChannel(user)), context.deviceTTL, RedisArgument(node)]
-            + devices.flatMap { [RedisArgument($0.device), RedisArgument($0.session), RedisArgument($0.status.rawValue), $0.indexed ? "1" : "0"] }
+            + devices.flatMap { [RedisArgument($0.device), RedisArgument($0.session), RedisArgument($0.status.rawValue), $0.indexed ? "1" : "0",
+                                 RedisArgument("\($0.opened)")] }
     }
 
     func decode(_ reply: RESPValue) throws(PresenceError) -> Outcome {
@@ -75,8 +79,8 @@ struct AuditDevices: ScriptCall {
     static let script = RedisScript(ScriptLua.devices + """
     local user, channel, ttl, node = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
     local codes = {}
-    for base = 5, #ARGV - 4, 4 do
-      local device, session, status, indexed = ARGV[base + 1], ARGV[base + 2], ARGV[base + 3], ARGV[base + 4]
+    for base = 5, #ARGV - 5, 5 do
+      local device, session, status, indexed, opened = ARGV[base + 1], ARGV[base + 2], ARGV[base + 3], ARGV[base + 4], tonumber(ARGV[base + 5])
       local raw = redis.call('HGET', KEYS[1], device)
       local code = 0
       if not raw then
@@ -85,7 +89,7 @@ struct AuditDevices: ScriptCall {
         local held = parse(raw)
         if held.session == '' then
           code = 1
-        elseif held.session ~= session and held.node == node then
+        elseif held.session ~= session and (held.node == node or opened > held.alive) then
           code = 5
         elseif held.session ~= session then
           code = 3
@@ -122,14 +126,21 @@ struct AuditDevices: ScriptCall {
 /// has as held by one of this node's sessions, is a device that went away after the snapshot: it
 /// lingers as after a drop (the engine indexed its deadline first), so that a device that moved
 /// to another node meanwhile, which that node writes again, shows no offline. A device a session
-/// here holds, which Redis has as held by an older session of this node, is its session's again.
+/// here holds, which Redis has as held by an older session of this node, is its session's again;
+/// so is one Redis has as held by another node's session in a record last written before this
+/// session opened (the device moved here after the snapshot; that node lets its record go).
 struct SettleNewLife: ScriptCall {
+    /// The session that holds a device here, its status, and when it opened (ms, Redis's clock
+    /// as the node estimates it).
+    typealias Held = (session: String, status: PresenceStatus, opened: Int64)
+
     enum Finding: Equatable {
         /// As it should be, or not this node's (another node's session, a REST device).
         case kept
         /// Held here, and Redis has no live record of it: the node writes it again.
         case lost
-        /// Held here under an older session of this node's in Redis: written with this session.
+        /// Held here under an older session of this node's in Redis, or another node's session
+        /// recorded before this one opened: written with this session.
         case retaken
         /// No session here holds it; lingers until this deadline (ms).
         case lingering(until: Int64)
@@ -144,14 +155,15 @@ struct SettleNewLife: ScriptCall {
     var user: String
     var node: String
     /// Each device to check, with the session and status that hold it here (`nil`: none).
-    var devices: [(device: String, held: (session: String, status: PresenceStatus)?)]
+    var devices: [(device: String, held: Held?)]
 
     func keys(_ context: ScriptContext) -> [String] { [context.keys.devices(user), context.keys.state(user)] }
 
     func arguments(_ context: ScriptContext) -> [RedisArgument] {
         [context.now, RedisArgument(user), RedisArgument(node), ScriptContext.milliseconds(context.configuration.linger),
          RedisArgument(context.keys.userChannel(user)), context.deviceTTL]
-            + devices.flatMap { [RedisArgument($0.device), RedisArgument($0.held?.session ?? ""), RedisArgument($0.held?.status.rawValue ?? "")] }
+            + devices.flatMap { [RedisArgument($0.device), RedisArgument($0.held?.session ?? ""), RedisArgument($0.held?.status.rawValue ?? ""),
+                                 RedisArgument("\($0.held?.opened ?? 0)")] }
     }
 
     func decode(_ reply: RESPValue) throws(PresenceError) -> Outcome {
@@ -177,14 +189,15 @@ struct SettleNewLife: ScriptCall {
     local user, node, linger, channel, ttl = ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], ARGV[6]
     local codes = {}
     local changed = false
-    for base = 6, #ARGV - 3, 3 do
-      local device, session, status = ARGV[base + 1], ARGV[base + 2], ARGV[base + 3]
+    for base = 6, #ARGV - 4, 4 do
+      local device, session, status, opened = ARGV[base + 1], ARGV[base + 2], ARGV[base + 3], tonumber(ARGV[base + 4])
       local raw = redis.call('HGET', KEYS[1], device)
       local code = 'kept'
       if raw then
         local d = parse(raw)
-        if session ~= '' and d.session ~= session and d.node == node and d.session ~= '' then
-          d.session, d.status, d.deadline, d.alive = session, status, 0, now
+        local older = d.node == node or opened > d.alive
+        if session ~= '' and d.session ~= session and d.session ~= '' and older then
+          d.node, d.session, d.status, d.deadline, d.alive = node, session, status, 0, now
           redis.call('HSET', KEYS[1], device, encode(d))
           code, changed = 'retaken', true
         elseif session ~= '' and d.session == '' then

@@ -44,6 +44,10 @@ struct UpsertDevice: ScriptCall {
     var node = ""
     var session = ""
     var mode: Mode
+    /// For `.restore`: when the session opened (ms, Redis's clock as the node estimates it). A
+    /// record of another session last written before then is older than this session (Redis
+    /// went back in time): it is taken, not left to the other.
+    var opened: Int64 = 0
 
     func keys(_ context: ScriptContext) -> [String] {
         [context.keys.devices(user), context.keys.state(user)]
@@ -53,7 +57,7 @@ struct UpsertDevice: ScriptCall {
         [context.now, RedisArgument(user), RedisArgument(device), RedisArgument(status.rawValue), RedisArgument(node),
          RedisArgument(session), ScriptContext.milliseconds(context.configuration.heartbeatTTL),
          RedisArgument(context.configuration.maxDevicesPerUser), RedisArgument(context.keys.userChannel(user)),
-         RedisArgument(mode.rawValue), context.deviceTTL]
+         RedisArgument(mode.rawValue), context.deviceTTL, RedisArgument("\(opened)")]
     }
 
     func decode(_ reply: RESPValue) throws(PresenceError) -> Outcome {
@@ -86,8 +90,9 @@ struct UpsertDevice: ScriptCall {
       -- A status change from a session that no longer holds the device changes nothing.
       if mode == 'status' and d.session == '' then return {-4} end
       if mode == 'status' and d.session ~= session then return {-3} end
-      -- Written again after a loss, a device that another session took meanwhile stays its.
-      if mode == 'restore' and d.session ~= '' and d.session ~= session then return {-3} end
+      -- Written again after a loss, a device that another session took meanwhile stays its; one
+      -- whose record was last written before this session opened is from before a rollback.
+      if mode == 'restore' and d.session ~= '' and d.session ~= session and tonumber(ARGV[12]) <= d.alive then return {-3} end
       prevSession, prevNode = d.session, d.node
       if d.status == status then since = d.since end
       if status == 'offline' and d.status ~= 'offline' then wentOffline = now end
