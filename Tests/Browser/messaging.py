@@ -32,16 +32,14 @@ Alice's page (Tests/Browser/chat.*) talks to node A, Bob's to node B (one Redis)
      closed tab's outbox, the message reaches Bob once, and the closed tab's outbox is empty.
 A check that cannot run (Chromium does not start, iptables refuses) is a failure with its reason.
 
-The pages load the browser client from node A, as an app would; a gateway binary built before the
-last change to Sources/PresenceWebClient/presence.js serves an older one, so then the pages load
-that file (served here) and the run says so: a change to the module is tested without a build.
+The pages load the browser client from node A, as an app would: the run stops at once, saying so,
+when node A's binary serves another presence.js than Sources/PresenceWebClient/presence.js (built
+before the last change to it), as it would test a module that is not the one in the tree.
 """
-import http.server
 import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 import urllib.parse
 import urllib.request
@@ -51,38 +49,16 @@ from e2e import ADMIN, ROOT, check, fail, request, run_of, screenshot, token, wa
 
 CONVERSATION = "room"
 TABS_CONVERSATION = "tabs"
-MODULE_SOURCE = os.path.join(ROOT, "Sources/PresenceWebClient")
 
 
-class SourceModule(http.server.SimpleHTTPRequestHandler):
-    """Serves Sources/PresenceWebClient to pages of any origin, as a node serves /client/."""
-
-    def __init__(self, *arguments):
-        super().__init__(*arguments, directory=MODULE_SOURCE)
-
-    def end_headers(self):
-        self.send_header("Access-Control-Allow-Origin", "*")
-        self.send_header("Cache-Control", "no-cache")
-        super().end_headers()
-
-    def log_message(self, *_):
-        pass
-
-
-def module_url(node):
-    """The URL of presence.js for the pages: None (the node's, the default) when the node serves the
-    source file as it is; else the file itself, from a server started here for the rest of the run."""
+def check_module(node):
+    """Stops the run when the node serves another presence.js than the source file (a stale build)."""
     with urllib.request.urlopen(f"{node.url}/client/presence.js", timeout=5) as answer:
         served = answer.read()
-    with open(os.path.join(MODULE_SOURCE, "presence.js"), "rb") as file:
+    with open(os.path.join(ROOT, "Sources/PresenceWebClient/presence.js"), "rb") as file:
         source = file.read()
-    if served == source:
-        return None
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SourceModule)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    print("messaging: the gateway binary serves an older presence.js than Sources/PresenceWebClient/presence.js "
-          "(built before the change): the pages load the file")
-    return f"http://127.0.0.1:{server.server_address[1]}/presence.js"
+    if served != source:
+        fail("the gateway binary serves another presence.js than Sources/PresenceWebClient/presence.js: run `swift build` first")
 
 
 def messages(driver):
@@ -179,12 +155,10 @@ def main():
         a = run.node("node-a")
         b = run.node("node-b")
         request("PUT", f"{b.url}/api/admin/conversations/{CONVERSATION}", {"member_ids": ["alice", "bob"]})
-        module = module_url(a)
+        check_module(a)
 
         def page(user, peer, node, conversation=CONVERSATION):
             fields = {"gateways": node.url, "token": token(user), "me": user, "peer": peer, "conversation": conversation}
-            if module:
-                fields["module"] = module
             return f"{chat}?{urllib.parse.urlencode(fields)}"
 
         alice = run.browser("alice")

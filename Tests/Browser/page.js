@@ -1,14 +1,14 @@
 // What both test pages (app.js, chat.js) start with: their query, and a browser client on the
 // gateways it names. The query: `gateways` (comma-separated base URLs; the module comes from
-// the first, unless `module` gives its URL), `token`, `me`, `peer`, `conversation`. Every event
-// the page's client announces is to be kept in `window.presenceLog`, so the test can check what
-// the page saw, not only what it shows now.
+// the first), `token`, `me`, `peer`, `conversation`. Every event the page's client announces is
+// to be kept in `window.presenceLog`, so the test can check what the page saw, not only what it
+// shows now.
 const query = new URLSearchParams(location.search);
 const gateways = query.get("gateways").split(",");
 export const me = query.get("me");
 export const peer = query.get("peer");
 export const conversation = query.get("conversation");
-export const { PresenceClient, PresenceText } = await import(query.get("module") ?? `${gateways[0]}/client/presence.js`);
+export const { PresenceClient, PresenceText } = await import(`${gateways[0]}/client/presence.js`);
 
 /** @type {Array<{type: string, detail: any, at: number}>} */
 window.presenceLog = [];
