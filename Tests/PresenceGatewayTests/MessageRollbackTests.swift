@@ -18,6 +18,21 @@ struct MessageRollbackTests {
         return (sent.status, sent.json as? [String: Any] ?? [:])
     }
 
+    /// Alice sends four messages, a snapshot of `server` taken before the third: their ids by
+    /// client id, and their epoch.
+    static func fourWithSnapshot(_ port: Int, _ server: RedisServerProcess) async throws -> (ids: [String: String], epoch: String) {
+        var ids: [String: String] = [:]
+        var epoch = ""
+        for number in 1...4 {
+            if number == 3 { try server.cli("SAVE") }
+            let sent = try await send(port, "alice", "m\(number)", "before #\(number)")
+            #expect(sent.status == 201 && sent.message["seq"] as? Int == number)
+            ids["m\(number)"] = sent.message["id"] as? String
+            epoch = sent.message["epoch"] as? String ?? ""
+        }
+        return (ids, epoch)
+    }
+
     @Test("a restart from an older snapshot forks the epoch: no id reused, the new messages reach a member live and by sync, which names the lost seqs in truncated")
     func restartFromSnapshot() async throws {
         let server = try RedisServerProcess()
@@ -26,15 +41,7 @@ struct MessageRollbackTests {
             try await ConversationTests.setUp(port, ["alice", "bob"])
             let bob = try await Sessions.open(port, "bob", device: "phone")
             try await Task.sleep(for: SessionHub.messageOpeningHold + .milliseconds(200))
-            var ids: [String: String] = [:]
-            var epoch = ""
-            for number in 1...4 {
-                if number == 3 { try server.cli("SAVE") }
-                let sent = try await Self.send(port, "alice", "m\(number)", "before #\(number)")
-                #expect(sent.status == 201 && sent.message["seq"] as? Int == number)
-                ids["m\(number)"] = sent.message["id"] as? String
-                epoch = sent.message["epoch"] as? String ?? ""
-            }
+            let (ids, epoch) = try await Self.fourWithSnapshot(port, server)
             #expect(!epoch.isEmpty)
             let live = await Sessions.messages(bob, count: 4)
             #expect(Sessions.seqs(live) == [1, 2, 3, 4] && live.allSatisfy { $0.data["epoch"] as? String == epoch })
@@ -98,12 +105,7 @@ struct MessageRollbackTests {
             try await ConversationTests.setUp(port, ["alice", "bob"])
             let bob = try await Sessions.open(port, "bob", device: "phone")
             try await Task.sleep(for: SessionHub.messageOpeningHold + .milliseconds(200))
-            var epoch = ""
-            for number in 1...4 {
-                if number == 3 { try server.cli("SAVE") }
-                let sent = try await Self.send(port, "alice", "m\(number)", "before #\(number)")
-                epoch = sent.message["epoch"] as? String ?? ""
-            }
+            let (_, epoch) = try await Self.fourWithSnapshot(port, server)
             let live = await Sessions.messages(bob, count: 4)
             #expect(Sessions.seqs(live) == [1, 2, 3, 4])
 
