@@ -72,6 +72,7 @@ extension PresenceEngine {
                 logger.warning("renewed the lease but cannot move the node's registry entry", metadata: ["presence.node_id": "\(node)", "error": "\(error)"])
             }
             if indexed < sessions { requestAudit() }
+            await checkPrimaryLives()
             return true
         } catch where error.code == .unavailable {
             noteRedisFailure()

@@ -56,6 +56,11 @@ public final class PresenceEngine: Sendable {
     let auditCursor = NIOLockedValueBox("")
     /// A renewal found Redis in a new life, and ``settleNewLife()`` has not run since.
     let newLifeFound = NIOLockedValueBox(false)
+    /// On a cluster, the run id of each primary by address, as last seen
+    /// (``checkPrimaryLives()``).
+    let primaryLives = NIOLockedValueBox<[String: String]>([:])
+    /// Devices this node let go of lately (``settleNewLife()``).
+    let recentReleases = NIOLockedValueBox(RecentReleases())
     /// When the audits asked for outside the schedule are due (``requestAudit(after:)``).
     let auditsRequested = NIOLockedValueBox<[ContinuousClock.Instant]>([])
     /// Runs at the start of every audit, when set: tests make an audit slow there.

@@ -1,5 +1,6 @@
 import Foundation
 import PresenceEngine
+import RedisClient
 import RedisTestSupport
 import Testing
 
@@ -93,6 +94,59 @@ struct PresenceRollbackTests {
             let flickers = seen.filter { $0.type == "presence_update" && $0.userID == "frank" && $0.status == "offline" }
             #expect(flickers.isEmpty, "\(flickers.map(\.data))")
             #expect(await moved.closed(timeout: .milliseconds(100)) == nil, "frank's session on the other node is not taken for another's")
+        }
+    }
+
+    @Test("a restart from an older snapshot of one primary of a Redis Cluster, not the one of the node's lease: a device gone since goes offline, and a watcher sees no flicker of one still there")
+    func clusterPrimaryRollback() async throws {
+        let cluster = try await LocalRedisCluster()
+        let prefix = TestRedis.uniquePrefix("rollback")
+        let keys = PresenceKeys(prefix: prefix)
+        // Two users whose devices live on one primary; the node's lease and index on another, so
+        // neither the lease script nor the index sees that primary go back.
+        let leasePort = try cluster.server(holding: keys.lease("node-0")).port
+        var byServer: [Int: [String]] = [:]
+        for index in 0..<100 {
+            let port = try cluster.server(holding: keys.devices("user\(index)")).port
+            if port != leasePort { byServer[port, default: []].append("user\(index)") }
+        }
+        let (rolledPort, users) = try #require(byServer.sorted { $0.key < $1.key }.first { $0.value.count >= 2 })
+        let server = try #require(cluster.servers.first { $0.port == rolledPort })
+        let gone = users[0], stays = users[1]
+        try await withNodes(1, prefix: prefix, configure: { $0.redisURL = cluster.url }) { ports in
+            let port = ports[0]
+            try await ConversationTests.setUp(port, ["bob", gone, stays])
+            let bob = try await MessageSessionTests.open(port, "bob", device: "phone")
+            bob.send("subscribe", ["user_ids": [gone, stays]], id: "w")
+            _ = try await bob.next("initial_state")
+            let leaving = try await MessageSessionTests.open(port, gone, device: "phone")
+            let staying = try await MessageSessionTests.open(port, stays, device: "phone")
+            #expect(await eventually {
+                let one = await Self.status(port, gone), other = await Self.status(port, stays)
+                return one == "online" && other == "online"
+            })
+            try server.cli("SAVE")
+
+            // After the snapshot: the first user signs off.
+            leaving.closeNormally()
+            #expect(await eventually { await Self.status(port, gone) == "offline" })
+            _ = await bob.drain(for: .milliseconds(300))
+
+            server.stop()
+            try server.start()
+            // Until the node hears from the others again, it answers CLUSTERDOWN.
+            let back = await eventually(timeout: .seconds(5), poll: .milliseconds(50)) { ((try? server.cli("CLUSTER", "INFO")) ?? "").contains("cluster_state:ok") }
+            let restored = try server.cli("HLEN", keys.devices(gone))
+            #expect(back && restored.contains("1"), "the snapshot has the device that left: \(restored)")
+
+            // Offline within a lease (3 s) plus a second, counted from the primary coming back.
+            let settled = await eventually(timeout: .seconds(8)) { await Self.status(port, gone) == "offline" }
+            #expect(settled, "\(gone), gone before the rollback, is offline again")
+            #expect(await Self.status(port, stays) == "online")
+            let seen = await bob.drain(for: .seconds(1))
+            let flickers = seen.filter { $0.type == "presence_update" && $0.userID == stays && $0.status == "offline" }
+            #expect(flickers.isEmpty, "\(flickers.map(\.data))")
+            #expect(await staying.closed(timeout: .milliseconds(100)) == nil)
         }
     }
 }

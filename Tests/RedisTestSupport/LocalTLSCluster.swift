@@ -21,12 +21,7 @@ public final class LocalTLSCluster: Sendable {
         let servers = nodes.map(\.server)
         self.servers = servers
         self.tlsPorts = nodes.map(\.tlsPort)
-        let create = try runProcess("/usr/bin/env", ["redis-cli", "--cluster", "create"] + servers.map { "127.0.0.1:\($0.port)" } + ["--cluster-yes"])
-        guard create.status == 0 else { throw RedisError(.unavailable, "redis-cli --cluster create failed: \(create.output.suffix(400))") }
-        let whole = await eventually(timeout: .seconds(20), poll: .milliseconds(100)) {
-            servers.allSatisfy { ((try? $0.cli("CLUSTER", "INFO")) ?? "").contains("cluster_state:ok") }
-        }
-        guard whole else { throw RedisError(.unavailable, "the TLS cluster did not reach cluster_state:ok in 20 s") }
+        try await LocalRedisCluster.join(servers)
     }
 
     /// One node on three ports handed out free: its plain one, its TLS one and its bus. A port

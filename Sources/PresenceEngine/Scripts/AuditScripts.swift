@@ -89,7 +89,7 @@ struct AuditDevices: ScriptCall {
         local held = parse(raw)
         if held.session == '' then
           code = 1
-        elseif held.session ~= session and (held.node == node or opened > held.alive) then
+        elseif held.session ~= session and predates(held, node, opened) then
           code = 5
         elseif held.session ~= session then
           code = 3
@@ -195,7 +195,7 @@ struct SettleNewLife: ScriptCall {
       local code = 'kept'
       if raw then
         local d = parse(raw)
-        local older = d.node == node or opened > d.alive
+        local older = predates(d, node, opened)
         if session ~= '' and d.session ~= session and d.session ~= '' and older then
           d.node, d.session, d.status, d.deadline, d.alive = node, session, status, 0, now
           redis.call('HSET', KEYS[1], device, encode(d))

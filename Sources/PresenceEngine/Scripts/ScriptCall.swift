@@ -127,6 +127,14 @@ enum ScriptLua {
     local function encode(d)
       return d.status .. '|' .. d.node .. '|' .. d.session .. '|' .. d.since .. '|' .. d.deadline .. '|' .. d.alive
     end
+    -- Whether record d, of another session than one this node holds that opened at `opened`
+    -- (ms), is older than that session, so Redis went back to before it: a record of this
+    -- node's own is (the node holds one session per device, its latest), and another node's is
+    -- when it was last written before the session opened. A restore after a loss asks the
+    -- second half alone: there a record of this node's may be of a session opening just now.
+    local function predates(d, node, opened)
+      return d.node == node or opened > d.alive
+    end
     local function aggregate(devicesKey)
       local all = redis.call('HGETALL', devicesKey)
       local best = 'offline'
