@@ -97,6 +97,46 @@ struct PresenceRollbackTests {
         }
     }
 
+    @Test("a restart from a snapshot older than a lease, where every node's lease had run out: no node is reaped as dead while it renews, and a watcher sees no offline")
+    func snapshotOlderThanALease() async throws {
+        let server = try RedisServerProcess()
+        // The first node reaches Redis through a proxy, cut for 2 s after the restart: the other
+        // node's reaper looks at it well before it can renew.
+        let proxy = try RedisProxy(upstreamPort: server.port)
+        var made = 0
+        try await withNodes(2, configure: { configuration in
+            configuration.redisURL = made == 0 ? proxy.url : server.url()
+            made += 1
+        }) { ports in
+            try await ConversationTests.setUp(ports[1], ["bob", "frank"])
+            let frank = try await MessageSessionTests.open(ports[0], "frank", device: "phone")
+            let bob = try await MessageSessionTests.open(ports[1], "bob", device: "phone")
+            bob.send("subscribe", ["user_ids": ["frank"]], id: "w")
+            _ = try await bob.next("initial_state")
+            #expect(await eventually { await Self.status(ports[1], "frank") == "online" })
+            try server.cli("SAVE")
+            // Every lease in the snapshot (3 s) has run out by the time Redis loads it.
+            try await Task.sleep(for: .seconds(4))
+            _ = await bob.drain(for: .milliseconds(100))
+
+            server.stop()
+            proxy.cut(for: .seconds(2))
+            try server.start()
+            var statuses: [String] = []
+            let deadline = ContinuousClock.now + .seconds(8)
+            while ContinuousClock.now < deadline {
+                statuses.append(await Self.status(ports[1], "frank") ?? "no answer")
+                try await Task.sleep(for: .milliseconds(200))
+            }
+            #expect(!statuses.contains("offline"), "frank read offline \(statuses.count { $0 == "offline" }) times of \(statuses.count)")
+            #expect(statuses.last == "online")
+            let seen = await bob.drain(for: .milliseconds(500))
+            let flickers = seen.filter { $0.type == "presence_update" && $0.userID == "frank" && $0.status == "offline" }
+            #expect(flickers.isEmpty, "\(flickers.map(\.data))")
+            #expect(await frank.closed(timeout: .milliseconds(100)) == nil)
+        }
+    }
+
     @Test("a restart from an older snapshot of one primary of a Redis Cluster, not the one of the node's lease: a device gone since goes offline, and a watcher sees no flicker of one still there")
     func clusterPrimaryRollback() async throws {
         let cluster = try await LocalRedisCluster()

@@ -99,8 +99,8 @@ struct LeaseLive: ScriptCall {
 
     var node: String
 
-    func keys(_ context: ScriptContext) -> [String] { [context.keys.lease(node)] }
-    func arguments(_ context: ScriptContext) -> [RedisArgument] { [context.now] }
+    func keys(_ context: ScriptContext) -> [String] { [context.keys.lease(node), context.keys.nodeInfo(node)] }
+    func arguments(_ context: ScriptContext) -> [RedisArgument] { [context.now, ScriptContext.milliseconds(context.configuration.leaseTTL)] }
 
     func decode(_ reply: RESPValue) throws(PresenceError) -> Outcome {
         let values = reply.array ?? []
@@ -111,11 +111,30 @@ struct LeaseLive: ScriptCall {
     }
 
     /// Returns the lease's end (0 when it has none) and the server's time.
+    ///
+    /// A node whose last renewal was in an earlier life of the server (its info's `life` is not
+    /// today's run id) counts as holding a lease that ends a lease after a reaper first found it
+    /// so. Redis restarted, perhaps from a snapshot older than a lease, where every node's lease
+    /// had run out, or failed over to a replica that lagged: a live node renews in the new life
+    /// within a third of a lease, and until then its sessions are not a dead node's. One that
+    /// does not is reaped a lease later than it would have been.
     static let script = RedisScript(ScriptLua.clock + """
     local now = clock(ARGV[1])
     local left = leaseLeft(KEYS[1], ARGV[1])
-    if not left then return {0, now} end
-    return {now + math.max(left, 0), now}
+    if left then return {now + math.max(left, 0), now} end
+    local last = redis.call('HGET', KEYS[2], 'life')
+    if not last then return {0, now} end
+    local life = string.match(redis.call('INFO', 'server'), 'run_id:(%w+)') or ''
+    if last == life then return {0, now} end
+    local found = redis.call('HMGET', KEYS[2], 'grace_life', 'grace_from')
+    local from = tonumber(found[2])
+    if found[1] ~= life or not from then
+      from = now
+      redis.call('HSET', KEYS[2], 'grace_life', life, 'grace_from', now)
+    end
+    local ends = from + tonumber(ARGV[2])
+    if now < ends then return {ends, now} end
+    return {0, now}
     """)
 }
 
