@@ -54,16 +54,21 @@ extension PresenceEngine {
             try await run { try await self.redis.execute(index) }
         }
         let outcome = try await evaluate(UpsertDevice(user: user, device: device, status: status, node: configuration.nodeID, session: session, mode: .session))
-        guard case .written(let change, let previous, _) = outcome else { throw PresenceError(.internal, "unexpected reply from the device script") }
+        guard case .written(let change, let previous, _, let at) = outcome else { throw PresenceError(.internal, "unexpected reply from the device script") }
         // Two sessions of this device opening here at once: `local` names the one that recorded
         // itself last, not the one Redis took last. This session holds the device now, unless
         // one whose script is still on its way takes it next: recorded here where `local` names
         // the session this one replaced, or none (the other closed). Left to the other, a live
         // session holding the device went unaudited and, once the other closed, unindexed.
+        // The session's opening moment is the write's own now, no longer the node's estimate.
         local.withLockedValue { devices in
             let recorded = devices[member]?.session
-            guard recorded != session, recorded == nil || recorded == previous?.session else { return }
-            devices[member] = LocalDevice(user: user, device: device, session: session, status: status, opened: estimatedStoreNow())
+            if recorded == session {
+                if let at { devices[member]?.opened = at }
+                return
+            }
+            guard recorded == nil || recorded == previous?.session else { return }
+            devices[member] = LocalDevice(user: user, device: device, session: session, status: status, opened: at ?? estimatedStoreNow())
         }
         return SessionOpened(change: change, replaced: previous)
     }
@@ -91,7 +96,7 @@ extension PresenceEngine {
     func writeStatus(user: String, device: String, session: String, status: PresenceStatus) async throws(PresenceError) -> PresenceChange? {
         let outcome = try await evaluate(UpsertDevice(user: user, device: device, status: status, node: configuration.nodeID, session: session, mode: .status))
         switch outcome {
-        case .written(let change, _, _):
+        case .written(let change, _, _, _):
             await settle(change)
             return change
         case .heldByAnother:

@@ -146,7 +146,7 @@ extension PresenceEngine {
             case .success(.unheld):
                 // The answer of a status write only; a restore writes whatever it finds.
                 continue
-            case .success(.written(let change, _, _)):
+            case .success(.written(let change, _, _, _)):
                 written += 1
                 await settle(change)
             case .failure(let error):

@@ -28,8 +28,9 @@ struct UpsertDevice: ScriptCall {
 
     enum Outcome {
         /// Written; `previous` is the other session (and its node) that held the device before,
-        /// `deadline` the one written with it (a REST heartbeat's; `nil` for none).
-        case written(PresenceChange, previous: (node: String, session: String)?, deadline: Int64?)
+        /// `deadline` the one written with it (a REST heartbeat's; `nil` for none), `at` the
+        /// moment of the write by Redis's clock (ms): the record's `alive`.
+        case written(PresenceChange, previous: (node: String, session: String)?, deadline: Int64?, at: Int64?)
         /// A `status` or `restore` from a session that lost the device to another: nothing changed.
         case heldByAnother
         /// A `status` from a session that Redis no longer has holding the device (gone, or held by
@@ -68,7 +69,8 @@ struct UpsertDevice: ScriptCall {
         let previousSession = values.count > 7 ? values[6].string ?? "" : ""
         let previousNode = values.count > 7 ? values[7].string ?? "" : ""
         let previous = previousSession.isEmpty || previousSession == session ? nil : (node: previousNode, session: previousSession)
-        return .written(change, previous: previous, deadline: values.count > 8 ? ScriptLua.timestamp(values[8]) : nil)
+        return .written(change, previous: previous, deadline: values.count > 8 ? ScriptLua.timestamp(values[8]) : nil,
+                        at: values.count > 9 ? values[9].int.map(Int64.init) : nil)
     }
 
     static let script = RedisScript(ScriptLua.devices + """
@@ -109,6 +111,7 @@ struct UpsertDevice: ScriptCall {
     table.insert(result, prevSession)
     table.insert(result, prevNode)
     table.insert(result, tostring(deadline))
+    table.insert(result, now)
     return result
     """)
 }
