@@ -185,7 +185,9 @@ extension PresenceEngine {
     /// Moves `user`'s `kind` cursor in `conversation` up to `seq`; returns both cursors.
     public func moveCursor(_ kind: CursorKind, of user: String, in conversation: String, to seq: Int64) async throws(PresenceError) -> Cursors {
         guard SeqBounds.range.contains(seq) else { throw PresenceError(.invalidRequest, "seq must be \(SeqBounds.rule)") }
-        return try await evaluate(MoveCursor(conversation: conversation, user: user, kind: kind, seq: seq))
+        let move = try await evaluate(MoveCursor(conversation: conversation, user: user, kind: kind, seq: seq))
+        if move.large { deliveredBatch.withLockedValue { $0.learn(conversation, member: user, at: .now) } }
+        return move.cursors
     }
 
     /// A conversation as an administrator sees it (the dashboard): its newest `limit` messages and

@@ -61,6 +61,8 @@ public final class PresenceEngine: Sendable {
     let primaryLives = NIOLockedValueBox<[String: String]>([:])
     /// Devices this node let go of lately (``settleNewLife()``).
     let recentReleases = NIOLockedValueBox(RecentReleases())
+    /// `delivered` moves in large conversations, to be written together (``flushDelivered()``).
+    let deliveredBatch = NIOLockedValueBox(DeliveredBatch())
     /// When the audits asked for outside the schedule are due (``requestAudit(after:)``).
     let auditsRequested = NIOLockedValueBox<[ContinuousClock.Instant]>([])
     /// Runs at the start of every audit, when set: tests make an audit slow there.
@@ -94,9 +96,10 @@ public final class PresenceEngine: Sendable {
         var status: PresenceStatus
         /// Redis has not taken `status` yet: the write failed, or is still under way.
         var statusOwed = false
-        /// When the session opened, by Redis's clock as this node estimates it (ms): after Redis
-        /// went back in time, a record of another node's session last written before then is
-        /// older than this session (``SettleNewLife``).
+        /// When the session opened by Redis's clock (ms): the moment its device was written, or
+        /// the node's estimate until that write returns. After Redis went back in time, a record
+        /// of another node's session last written before then is older than this session
+        /// (``SettleNewLife``).
         var opened: Int64 = 0
     }
 
@@ -153,7 +156,7 @@ public final class PresenceEngine: Sendable {
         }
         try await indexDeadline(of: user, devices: [device], after: configuration.heartbeatTTL)
         if let probe = afterDeadlineIndexed.withLockedValue({ $0 }) { await probe() }
-        guard case .written(let change, _, let deadline) = try await evaluate(UpsertDevice(user: user, device: device, status: status, mode: .rest)) else {
+        guard case .written(let change, _, let deadline, _) = try await evaluate(UpsertDevice(user: user, device: device, status: status, mode: .rest)) else {
             throw PresenceError(.internal, "unexpected reply from the device script")
         }
         // No deadline: a live session holds the device, and the post changed its status only.

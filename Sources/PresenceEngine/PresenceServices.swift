@@ -36,6 +36,7 @@ public struct PresenceLeaseService: Service {
         defer { engine.redis.removeConnectionObserver(observer) }
         try await withThrowingTaskGroup(of: Void.self) { group in
             group.addTask { await keepUp() }
+            group.addTask { await writeDeliveredTogether() }
             do {
                 try await keepLease()
             } catch {
@@ -44,6 +45,8 @@ public struct PresenceLeaseService: Service {
             }
             group.cancelAll()
         }
+        // What the sessions said last, before the lease goes.
+        await engine.flushDelivered()
         do {
             try await engine.deregisterNode()
         } catch {
@@ -96,6 +99,15 @@ public struct PresenceLeaseService: Service {
             // dropped): a renewal that waits a whole period may come after the lease ran out.
             let next = failures > 0 ? ContinuousClock.now + min(period, Self.retryAfterFailure) : started + period
             try? await cancelWhenGracefulShutdown { try await Task.sleep(until: next) }
+        }
+    }
+
+    /// Writes the `delivered` moves of large conversations once a second
+    /// (``PresenceEngine/flushDelivered()``), until shutdown.
+    private func writeDeliveredTogether() async {
+        while !Task.isShuttingDownGracefully, !Task.isCancelled {
+            try? await cancelWhenGracefulShutdown { try await Task.sleep(for: PresenceEngine.deliveredFlushInterval) }
+            await engine.flushDelivered()
         }
     }
 

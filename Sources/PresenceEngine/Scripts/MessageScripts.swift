@@ -293,56 +293,6 @@ struct ReadHistory: ScriptCall {
     """)
 }
 
-/// Moves a member's cursor forward (never back; a seq above the last is the last; `read` moves
-/// `delivered` too) and, when it moved, publishes a receipt on the message channel.
-struct MoveCursor: ScriptCall {
-    var conversation: String
-    var user: String
-    var kind: CursorKind
-    var seq: Int64
-
-    func keys(_ context: ScriptContext) -> [String] {
-        [context.keys.members(conversation), context.keys.historyMeta(conversation), context.keys.cursors(conversation)]
-    }
-
-    func arguments(_ context: ScriptContext) -> [RedisArgument] {
-        [context.now, RedisArgument(conversation), RedisArgument(user), RedisArgument(kind.rawValue), RedisArgument(Int(seq)),
-         RedisArgument(context.keys.messageChannel(conversation)), ScriptContext.milliseconds(context.configuration.messageTTL)]
-    }
-
-    func decode(_ reply: RESPValue) throws(PresenceError) -> Cursors {
-        let parts = reply.array ?? []
-        if let refusal = MessageLua.refusal(parts) { throw refusal }
-        switch parts.first?.string {
-        case "cursors":
-            guard parts.count == 3, let delivered = parts[1].int, let read = parts[2].int else { break }
-            return Cursors(deliveredSeq: Int64(delivered), readSeq: Int64(read))
-        default: break
-        }
-        throw PresenceError(.internal, "unexpected reply from the cursor script: \(reply)")
-    }
-
-    static let script = RedisScript(ScriptLua.clock + MessageLua.common + """
-    local conversation, user, kind, seq, channel, ttl = ARGV[2], ARGV[3], ARGV[4], tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[7])
-    local no = refused(KEYS[1], user)
-    if no then return {no} end
-    local epoch, last, forks = current(KEYS[2])
-    if not epoch then return {'cursors', 0, 0} end
-    local delivered, read = cursorOf(redis.call('HGET', KEYS[3], user), epoch, forks)
-    local target = math.min(seq, last)
-    local newRead = read
-    if kind == 'read' then newRead = math.max(read, target) end
-    local newDelivered = math.max(delivered, target, newRead)
-    if newDelivered ~= delivered or newRead ~= read then
-      redis.call('HSET', KEYS[3], user, cursorText(epoch, newDelivered, newRead))
-      redis.call('PEXPIRE', KEYS[3], ttl)
-      redis.call(publishCommand, channel, encodeWhole({type = 'receipt', conversation_id = conversation, epoch = epoch,
-        user_id = user, delivered_seq = newDelivered, read_seq = newRead}, {'delivered_seq', 'read_seq'}))
-    end
-    return {'cursors', newDelivered, newRead}
-    """)
-}
-
 /// Every member's cursors in a conversation, for a member (or, with no reader, an administrator);
 /// with `atMost` above 0, `nil` for a conversation of more members, which are not read.
 struct ReadReceipts: ScriptCall {

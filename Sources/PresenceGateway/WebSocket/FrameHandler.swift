@@ -144,7 +144,7 @@ struct FrameHandler {
             if let wait = syncBucket.take(now: arrived) { throw APIError.rateLimited("too many syncs", retryAfter: wait) }
             await sync(positions, id: id)
         case .delivered(let conversation, let seq):
-            _ = try await gateway.engine.moveCursor(.delivered, of: user.userID, in: conversation, to: seq)
+            try await gateway.engine.markDelivered(seq, of: user.userID, in: conversation)
             session.send(.ack, id: id)
         case .read(let conversation, let seq):
             _ = try await gateway.engine.moveCursor(.read, of: user.userID, in: conversation, to: seq)
