@@ -39,8 +39,10 @@ struct DeliveredBatch: Sendable {
         return true
     }
 
-    /// Takes every move queued so far.
-    mutating func take() -> [String: [String: Int64]] {
+    /// Takes every move queued so far, and forgets the conversations not confirmed large within
+    /// ``recheck`` (a quiet conversation's entry would otherwise stay for good).
+    mutating func take(at now: ContinuousClock.Instant) -> [String: [String: Int64]] {
+        known = known.filter { now - $0.value.since < Self.recheck }
         defer { pending = [:] }
         return pending
     }
@@ -69,7 +71,7 @@ extension PresenceEngine {
     /// moved.
     @discardableResult
     public func flushDelivered() async -> Int {
-        let pending = deliveredBatch.withLockedValue { $0.take() }
+        let pending = deliveredBatch.withLockedValue { $0.take(at: .now) }
         guard !pending.isEmpty else { return 0 }
         let conversations = Array(pending.keys)
         let calls = conversations.map { conversation in
