@@ -48,6 +48,17 @@ struct RecentReleases: Sendable {
     }
 }
 
+/// What a node knows of Redis's lives, in one place: whether a new life is found and not settled
+/// yet, each cluster primary's run id as last seen, and the devices it let go of lately.
+struct NewLifeWatch: Sendable {
+    /// A renewal (or a cluster primary's run id) found Redis in a new life, and
+    /// ``PresenceEngine/settleNewLife()`` has not run since.
+    var found = false
+    /// On a cluster, the run id of each primary by address (``PresenceEngine/checkPrimaryLives()``).
+    var primaryLives: [String: String] = [:]
+    var releases = RecentReleases()
+}
+
 extension PresenceEngine {
     /// On a Redis Cluster: asks every primary for its run id (`INFO server`), and takes one this
     /// node has not seen before as a new life (``takeNewLife()``): that primary restarted,
@@ -64,12 +75,12 @@ extension PresenceEngine {
             guard let text = try? info.decode(result.get()), let life = Self.runID(in: text) else { continue }
             lives[primary.description] = life
         }
-        let changed = primaryLives.withLockedValue { known in
-            let first = known.isEmpty
+        let changed = newLife.withLockedValue { watch in
+            let first = watch.primaryLives.isEmpty
             var changed: [String] = []
-            for (primary, life) in lives where known[primary] != life {
+            for (primary, life) in lives where watch.primaryLives[primary] != life {
                 if !first { changed.append(primary) }
-                known[primary] = life
+                watch.primaryLives[primary] = life
             }
             return changed
         }
@@ -77,7 +88,12 @@ extension PresenceEngine {
         logger.warning("a Redis primary began a new life; settling this node's devices", metadata: [
             "presence.node_id": "\(configuration.nodeID)", "presence.primaries": "\(changed.sorted().joined(separator: ","))",
         ])
-        newLifeFound.withLockedValue { $0 = true }
+        noteNewLife()
+    }
+
+    /// Marks Redis as in a new life that ``settleNewLife()`` has still to settle.
+    func noteNewLife() {
+        newLife.withLockedValue { $0.found = true }
     }
 
     /// The `run_id` line of an `INFO server` answer.
@@ -90,9 +106,9 @@ extension PresenceEngine {
 
     /// Whether a renewal found Redis in a new life since the last ``settleNewLife()``; taking it.
     public func takeNewLife() -> Bool {
-        newLifeFound.withLockedValue { found in
-            defer { found = false }
-            return found
+        newLife.withLockedValue { watch in
+            defer { watch.found = false }
+            return watch.found
         }
     }
 
@@ -117,7 +133,7 @@ extension PresenceEngine {
         } while cursor != "0"
         let held = local.withLockedValue { $0 }
         members.formUnion(held.keys)
-        members.formUnion(recentReleases.withLockedValue { $0.members(now: .now) })
+        members.formUnion(newLife.withLockedValue { $0.releases.members(now: .now) })
         var byUser: [String: [(device: String, held: SettleNewLife.Held?)]] = [:]
         for member in members.sorted() {
             guard let (user, device) = keys.splitDeviceMember(member) else { continue }

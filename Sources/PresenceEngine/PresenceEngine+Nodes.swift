@@ -60,7 +60,7 @@ extension PresenceEngine {
             let sentAt = ContinuousClock.now
             let outcome = try await evaluate(RenewLease(node: node, register: register, sessions: sessions, messages: messagesStored.withLockedValue { $0 }))
             guard case .renewed(let storeNow, let ends, let indexed, let newLife) = outcome else { return false }
-            if newLife { newLifeFound.withLockedValue { $0 = true } }
+            if newLife { noteNewLife() }
             leaseHeldUntil.withLockedValue { $0 = max($0 ?? sentAt, sentAt + configuration.leaseTTL) }
             let local = (sent + clock.nowMilliseconds()) / 2
             storeClockOffset.withLockedValue { $0 = storeNow - local }

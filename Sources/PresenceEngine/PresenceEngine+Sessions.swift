@@ -121,7 +121,7 @@ extension PresenceEngine {
         local.withLockedValue { devices in
             if devices[member]?.session == session { devices[member] = nil }
         }
-        recentReleases.withLockedValue { $0.note(member, at: .now) }
+        newLife.withLockedValue { $0.releases.note(member, at: .now) }
         do {
             let change = try await release(user: user, device: device, session: session, clean: clean)
             return change

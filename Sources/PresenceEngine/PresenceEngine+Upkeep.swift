@@ -37,7 +37,7 @@ extension PresenceEngine {
             do {
                 try await settleNewLife()
             } catch {
-                newLifeFound.withLockedValue { $0 = true }
+                noteNewLife()
                 throw error
             }
         }

@@ -54,13 +54,9 @@ public final class PresenceEngine: Sendable {
     let sharedKeysKept = NIOLockedValueBox<ContinuousClock.Instant?>(nil)
     /// The last device the scheduled audit checked: the next one goes on after it.
     let auditCursor = NIOLockedValueBox("")
-    /// A renewal found Redis in a new life, and ``settleNewLife()`` has not run since.
-    let newLifeFound = NIOLockedValueBox(false)
-    /// On a cluster, the run id of each primary by address, as last seen
-    /// (``checkPrimaryLives()``).
-    let primaryLives = NIOLockedValueBox<[String: String]>([:])
-    /// Devices this node let go of lately (``settleNewLife()``).
-    let recentReleases = NIOLockedValueBox(RecentReleases())
+    /// What this node knows of Redis's lives: whether a new one is to be settled, each cluster
+    /// primary's run id, and the devices it let go of lately (``NewLifeWatch``).
+    let newLife = NIOLockedValueBox(NewLifeWatch())
     /// `delivered` moves in large conversations, to be written together (``flushDelivered()``).
     let deliveredBatch = NIOLockedValueBox(DeliveredBatch())
     /// When the audits asked for outside the schedule are due (``requestAudit(after:)``).

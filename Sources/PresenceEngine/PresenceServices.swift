@@ -80,7 +80,7 @@ public struct PresenceLeaseService: Service {
                     do {
                         try await engine.settleNewLife()
                     } catch {
-                        engine.newLifeFound.withLockedValue { $0 = true }
+                        engine.noteNewLife()
                         throw error
                     }
                 }
