@@ -158,7 +158,14 @@ struct MessageEdgeTests {
             // Readable again, without a membership event that would make the node read it anyway.
             _ = try await redis.send("DEL", key)
             _ = try await redis.send("SADD", key, "room")
-            try await Task.sleep(for: .seconds(1))
+            // The reads again back off (100 ms doubling to 5 s): wait until one has succeeded,
+            // bounded, rather than a fixed time that a loaded machine outlasts.
+            let session = try #require(gateway.hub.allSessions.first { $0.userID == "bob" })
+            let deadline = ContinuousClock.now + .seconds(10)
+            while gateway.hub.messages.conversations(of: session).isEmpty, ContinuousClock.now < deadline {
+                try await Task.sleep(for: .milliseconds(50))
+            }
+            #expect(gateway.hub.messages.conversations(of: session) == ["room"], "the session read its conversations again")
             let sent = try await MessageRollbackTests.send(port, "alice", "m1", "after the failed read")
             #expect(sent.status == 201)
             let live = await Sessions.messages(bob, count: 1, timeout: .seconds(5))
