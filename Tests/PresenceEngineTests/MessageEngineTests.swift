@@ -136,6 +136,43 @@ struct MessageEngineTests {
         }
     }
 
+    @Test("delivered moves of a large group written together: each member's highest, never back, never past the last seq, a member removed meanwhile left out; past a thousand members too")
+    func deliveredTogether() async throws {
+        try await EngineCluster.with { cluster in
+            let engine = cluster.engine(node: "n1", largeGroup: 3)
+            // 2,500 members: the write reads and checks them a thousand at a time.
+            let members = ["ann", "bo", "cy", "dee"] + (0..<2_496).map { "m\($0)" }
+            try await engine.setMembers(of: "hall", to: members)
+            for index in 1...5 { _ = try await engine.send(Self.text("h\(index)", "#\(index)"), to: "hall", from: "ann") }
+            // A member's first move is written at once: it tells the node that the group is a
+            // large one and that the user is a member. A non-member's is refused.
+            for member in members.dropFirst() { try await engine.markDelivered(1, of: member, in: "hall") }
+            await #expect(throws: PresenceError.self) { try await engine.markDelivered(5, of: "stranger", in: "hall") }
+            try await engine.markDelivered(2, of: "bo", in: "hall")
+            try await engine.markDelivered(4, of: "bo", in: "hall")
+            try await engine.markDelivered(3, of: "bo", in: "hall")
+            try await engine.markDelivered(99, of: "cy", in: "hall")
+            try await engine.markDelivered(3, of: "dee", in: "hall")
+            for member in members.dropFirst(4) { try await engine.markDelivered(2, of: member, in: "hall") }
+            #expect(try await engine.removeMember(from: "hall", "dee"))
+            func delivered() async throws -> [String: Int64] {
+                Dictionary(uniqueKeysWithValues: try await engine.receipts(of: "hall", for: "ann").map { ($0.user, $0.cursors.deliveredSeq) })
+            }
+            let before = try await delivered()
+            #expect(before["bo"] == 1 && before["cy"] == 1 && before["m0"] == 1, "queued, not written yet")
+            #expect(await engine.flushDelivered() == 2 + 2_496, "one move each of bo, cy and the 2,496; none of dee, no longer a member")
+            let after = try await delivered()
+            #expect(after["bo"] == 4, "the highest of the moves queued")
+            #expect(after["cy"] == 5, "past the last seq: the last")
+            #expect(after["stranger"] == nil && after["dee"] == nil)
+            #expect(members.dropFirst(4).allSatisfy { after[$0] == 2 })
+            // Lower than what is written: nothing moves back.
+            try await engine.markDelivered(1, of: "bo", in: "hall")
+            #expect(await engine.flushDelivered() == 0)
+            #expect(try await delivered()["bo"] == 4)
+        }
+    }
+
     @Test("a send and a cursor move are published on the conversation's message channel, and read back as sent")
     func published() async throws {
         try await EngineCluster.with { cluster in

@@ -90,14 +90,24 @@ struct MoveDeliveredTogether: ScriptCall {
     local epoch, last, forks = current(KEYS[2])
     if not epoch then return 0 end
     local fields = {}
-    for i = 3, #ARGV - 1, 2 do
-      local user, seq = ARGV[i], tonumber(ARGV[i + 1])
-      if redis.call('SISMEMBER', KEYS[1], user) == 1 then
-        local delivered, read = cursorOf(redis.call('HGET', KEYS[3], user), epoch, forks)
-        local target = math.min(seq, last)
-        if target > delivered then
-          fields[#fields + 1] = user
-          fields[#fields + 1] = cursorText(epoch, target, read)
+    -- A thousand users a step, each step one SMISMEMBER and one HMGET, whatever the number of
+    -- members: Lua's unpack takes a few thousand values at most.
+    for start = 3, #ARGV - 1, 2000 do
+      local users, seqs = {}, {}
+      for i = start, math.min(start + 1998, #ARGV - 1), 2 do
+        users[#users + 1] = ARGV[i]
+        seqs[#seqs + 1] = tonumber(ARGV[i + 1])
+      end
+      local member = redis.call('SMISMEMBER', KEYS[1], unpack(users))
+      local cursors = redis.call('HMGET', KEYS[3], unpack(users))
+      for j = 1, #users do
+        if member[j] == 1 then
+          local delivered, read = cursorOf(cursors[j], epoch, forks)
+          local target = math.min(seqs[j], last)
+          if target > delivered then
+            fields[#fields + 1] = users[j]
+            fields[#fields + 1] = cursorText(epoch, target, read)
+          end
         end
       end
     end
