@@ -27,6 +27,9 @@ public final class Gateway: Sendable {
     let sessionEnds: WorkGate
     /// Runs after each message a session handled, when set: tests slow a session down here.
     let afterMessageHandled = NIOLockedValueBox<(@Sendable (Session) async -> Void)?>(nil)
+    /// Runs before a new session's `initial_state` is read and sent, when set: tests slow an
+    /// opening down here.
+    let beforeInitialState = NIOLockedValueBox<(@Sendable (Session) async -> Void)?>(nil)
     /// The dashboard's overview, read at most once a second for every feed on this node.
     let overviews = OverviewCache()
     /// Frames, with ids in the node's format.

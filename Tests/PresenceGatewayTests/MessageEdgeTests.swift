@@ -173,6 +173,60 @@ struct MessageEdgeTests {
         }
     }
 
+    /// The frames up to the next `synced`: the seqs of its messages, and the `synced`.
+    static func syncAnswer(_ socket: TestSocket) async throws -> (seqs: [Int], synced: Frame) {
+        var seqs: [Int] = []
+        while true {
+            let frame = try await socket.next(timeout: .seconds(10))
+            if frame.type == "message" { seqs.append(frame.data["seq"] as? Int ?? -1) }
+            if frame.type == "synced" { return (seqs, frame) }
+        }
+    }
+
+    @Test("a node slow to open a session (2.5 s from its registration to its initial_state) holds live messages for its first sync all the same")
+    func slowOpeningHolds() async throws {
+        try await withGateway(configure: { $0.visibility = .open }) { port, gateway in
+            try await ConversationTests.setUp(port, ["alice", "bob"])
+            _ = try await MessageRollbackTests.send(port, "alice", "m1", "before bob")
+            gateway.beforeInitialState.withLockedValue { probe in
+                probe = { session in if session.userID == "bob" { try? await Task.sleep(for: .milliseconds(2_500)) } }
+            }
+            // Sent past a hold counted from the registration, before bob hears that his session is open.
+            let late = Task { () throws -> Int in
+                try await Task.sleep(for: .milliseconds(2_200))
+                return try await MessageRollbackTests.send(port, "alice", "m2", "while bob opens").status
+            }
+            let bob = try await Sessions.open(port, "bob", device: "phone")
+            #expect(try await late.value == 201)
+            bob.send("sync", ["positions": [["conversation_id": "room", "after_seq": 0]]], id: "s")
+            let answer = try await Self.syncAnswer(bob)
+            #expect(answer.seqs == [1, 2], "what bob missed, in order, from his sync")
+            #expect(answer.synced.data["complete"] as? Bool == true && (answer.synced.data["missing"] as? [Any])?.isEmpty == true, "\(answer.synced.data)")
+        }
+    }
+
+    @Test("a sync still waiting to be read when the opening hold's time is up (the node slow at a frame before it) is answered before live messages")
+    func holdWaitsForAQueuedSync() async throws {
+        try await withGateway(configure: { $0.visibility = .open }) { port, gateway in
+            try await ConversationTests.setUp(port, ["alice", "bob"])
+            _ = try await MessageRollbackTests.send(port, "alice", "m1", "before bob")
+            let bob = try await Sessions.open(port, "bob", device: "phone")
+            gateway.afterMessageHandled.withLockedValue { probe in
+                probe = { session in if session.userID == "bob" { try? await Task.sleep(for: .milliseconds(2_500)) } }
+            }
+            // The ping's turn takes 2.5 s; the sync waits behind it past the hold's 2 s.
+            bob.send("ping", [:], id: "p")
+            bob.send("sync", ["positions": [["conversation_id": "room", "after_seq": 0]]], id: "s")
+            try await Task.sleep(for: .milliseconds(2_200))
+            #expect(try await MessageRollbackTests.send(port, "alice", "m2", "while bob's sync waits").status == 201)
+            _ = try await bob.next("pong", timeout: .seconds(5))
+            gateway.afterMessageHandled.withLockedValue { $0 = nil }
+            let answer = try await Self.syncAnswer(bob)
+            #expect(answer.seqs == [1, 2], "what bob missed, in order, from his sync")
+            #expect(answer.synced.data["complete"] as? Bool == true && (answer.synced.data["missing"] as? [Any])?.isEmpty == true, "\(answer.synced.data)")
+        }
+    }
+
     @Test("a send moves the sender's cursors and every member's sessions, the sender's own, get its receipt")
     func sendersReceipt() async throws {
         try await withNodes(2) { ports in

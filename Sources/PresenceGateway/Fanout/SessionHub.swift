@@ -62,8 +62,12 @@ final class SessionHub: Service, Sendable {
         messages = MessageRoutes(engine: engine, subscriber: subscriber, frames: frames, logger: logger)
     }
 
-    /// How long a new session's live messages wait for its first `sync` (see Session+Messages.swift).
+    /// How long a new session's live messages wait for its first `sync` (see Session+Messages.swift),
+    /// counted from its `initial_state`.
     static let messageOpeningHold = Duration.seconds(2)
+    /// How much longer they wait at most while frames of the client wait to be handled when that
+    /// time is up (one may be the `sync`).
+    static let messageOpeningHoldExtension = Duration.seconds(10)
 
     var sessionCount: Int { state.withLockedValue { $0.sessions.count } }
 
@@ -95,10 +99,8 @@ final class SessionHub: Service, Sendable {
             state.own[session.userID, default: []].insert(session.id)
         }
         try? await subscriber.retain([engine.keys.userChannel(session.userID)])
-        // A timer of the connection's loop, not a task asleep on the pool: a task per session
-        // woke a pool thread for each two seconds after a connect storm.
-        session.connection.eventLoop.scheduleTask(in: TimeAmount(Self.messageOpeningHold)) { session.endOpeningHold() }
     }
+
 
     /// Reads the conversations of the sessions' user (one user) again and has each session
     /// receive the messages of exactly those; a failed read changes nothing (a reconnect's

@@ -242,7 +242,9 @@ final class SessionRun: Sendable {
             if opened.change.changed { GatewayMetrics.transition() }
             if let replaced = opened.replaced { await gateway.hub.closeRemote(node: replaced.node, session: replaced.session) }
             await routed
+            if let probe = gateway.beforeInitialState.withLockedValue({ $0 }) { await probe(session) }
             try await sendInitialState(to: session, user: user.userID)
+            startOpeningHoldClock(session)
         } catch {
             await routed
             let apiError = APIError.from(error)
@@ -258,6 +260,28 @@ final class SessionRun: Sendable {
         gateway.logger.info("session opened", metadata: Self.metadata(of: session))
         let handler = FrameHandlerBox(FrameHandler(gateway: gateway, session: session, user: user))
         openingEnded(Open(session: session, user: user, frames: handler))
+    }
+
+    /// Starts the clock of the session's opening hold once its `initial_state` is on its way:
+    /// from then on the client has the whole hold to send its first `sync`, and live messages
+    /// wait from the registration until then. When the time is up while frames of the client wait
+    /// to be handled (one may be that `sync`), the hold goes on until none waits, at most
+    /// ``SessionHub/messageOpeningHoldExtension`` more. Counted from the registration and ended
+    /// by the clock alone, a node slow to open and answer sessions (a reconnect storm) sent live
+    /// messages ahead of syncs it had not read yet, and those syncs then named what came before
+    /// them `missing`, to be read over REST. Timers of the connection's loop, not tasks asleep on
+    /// the pool: a task per session woke a pool thread for each after a connect storm.
+    private func startOpeningHoldClock(_ session: Session) {
+        let loop = session.connection.eventLoop
+        let latest = NIODeadline.now() + TimeAmount(SessionHub.messageOpeningHold + SessionHub.messageOpeningHoldExtension)
+        @Sendable func end() {
+            if state.withLockedValue({ $0.lifecycle.hasWaitingMessages }), NIODeadline.now() < latest {
+                loop.scheduleTask(in: .milliseconds(50)) { end() }
+            } else {
+                session.endOpeningHold()
+            }
+        }
+        loop.scheduleTask(in: TimeAmount(SessionHub.messageOpeningHold)) { end() }
     }
 
     /// What each line logged about a session says of it. Made for each line rather than kept in

@@ -124,6 +124,15 @@ struct SessionLifecycle<Opened> {
         }
     }
 
+    /// Whether messages of the client wait to be handled, or one is being handled.
+    var hasWaitingMessages: Bool {
+        switch phase {
+        case .opening(let inbox): !inbox.isEmpty
+        case .open(_, _, let handling): handling
+        case .stopped, .ended, .finished: false
+        }
+    }
+
     /// A message from the client: queued; handled at once when the session is open and no task
     /// handles its messages; dropped after the session stopped or ended, and when it is a
     /// refusal while `limits.refusedKept` wait already.
