@@ -13,10 +13,11 @@ final class BenchSocket: Sendable {
     private init(channel: any Channel) { self.channel = channel }
 
     /// Opens a session to `127.0.0.1:port` at `path` (with the query), from `source` if given.
-    /// `onText` gets every text frame, on the channel's event loop; `onClose` once it ends.
+    /// `onText` gets every text frame, on the channel's event loop; `onClose` once it ends, with
+    /// the code of the server's close frame (nil when the connection ended without one).
     static func connect(
         port: Int, path: String, source: String? = nil, group: any EventLoopGroup,
-        onText: @escaping @Sendable (String) -> Void, onClose: @escaping @Sendable () -> Void = {}
+        onText: @escaping @Sendable (String) -> Void, onClose: @escaping @Sendable (UInt16?) -> Void = { _ in }
     ) async throws -> BenchSocket {
         let upgraded = group.any().makePromise(of: Void.self)
         var bootstrap = ClientBootstrap(group: group)
@@ -67,7 +68,7 @@ private final class UpgradeHandler: ChannelInboundHandler, RemovableChannelHandl
     let path: String
     let port: Int
     let onText: @Sendable (String) -> Void
-    let onClose: @Sendable () -> Void
+    let onClose: @Sendable (UInt16?) -> Void
     let upgraded: EventLoopPromise<Void>
     private var settled = false
     private var response = ByteBuffer()
@@ -79,7 +80,7 @@ private final class UpgradeHandler: ChannelInboundHandler, RemovableChannelHandl
         if let error { upgraded.fail(error) } else { upgraded.succeed() }
     }
 
-    init(path: String, port: Int, upgraded: EventLoopPromise<Void>, onText: @escaping @Sendable (String) -> Void, onClose: @escaping @Sendable () -> Void) {
+    init(path: String, port: Int, upgraded: EventLoopPromise<Void>, onText: @escaping @Sendable (String) -> Void, onClose: @escaping @Sendable (UInt16?) -> Void) {
         self.path = path
         self.port = port
         self.upgraded = upgraded
@@ -126,7 +127,7 @@ private final class UpgradeHandler: ChannelInboundHandler, RemovableChannelHandl
 
     func channelInactive(context: ChannelHandlerContext) {
         settle(BenchSocketError.closed)
-        onClose()
+        onClose(nil)
         context.fireChannelInactive()
     }
 
@@ -142,10 +143,11 @@ private final class FrameHandler: ChannelInboundHandler {
     typealias OutboundOut = WebSocketFrame
 
     let onText: @Sendable (String) -> Void
-    let onClose: @Sendable () -> Void
+    let onClose: @Sendable (UInt16?) -> Void
     private var partial: ByteBuffer?
+    private var closeCode: UInt16?
 
-    init(onText: @escaping @Sendable (String) -> Void, onClose: @escaping @Sendable () -> Void) {
+    init(onText: @escaping @Sendable (String) -> Void, onClose: @escaping @Sendable (UInt16?) -> Void) {
         self.onText = onText
         self.onClose = onClose
     }
@@ -169,6 +171,8 @@ private final class FrameHandler: ChannelInboundHandler {
             let pong = WebSocketFrame(fin: true, opcode: .pong, maskKey: .random(), data: frame.unmaskedData)
             context.writeAndFlush(wrapOutboundOut(pong), promise: nil)
         case .connectionClose:
+            var data = frame.unmaskedData
+            closeCode = data.readInteger(as: UInt16.self)
             context.close(promise: nil)
         default:
             break
@@ -176,7 +180,7 @@ private final class FrameHandler: ChannelInboundHandler {
     }
 
     func channelInactive(context: ChannelHandlerContext) {
-        onClose()
+        onClose(closeCode)
         context.fireChannelInactive()
     }
 }

@@ -18,11 +18,12 @@ final class Fleet: Sendable {
     }
 
     /// Opens one session per `(user, device, node)`, `concurrency` at a time, with a progress
-    /// line; `onText` gets (index, frame). Returns the sockets in order.
+    /// line; `onText` gets (index, frame), `onClose` (index, the server's close code) once a
+    /// session ends. Returns the sockets in order.
     @discardableResult
     func connect(
         _ sessions: [(user: String, device: String, node: Int)], concurrency: Int = 128, label: String,
-        onText: @escaping @Sendable (Int, String) -> Void
+        onText: @escaping @Sendable (Int, String) -> Void, onClose: @escaping @Sendable (Int, UInt16?) -> Void = { _, _ in }
     ) async throws -> [BenchSocket] {
         let base = sockets.withLockedValue { $0.count }
         var opened = [BenchSocket?](repeating: nil, count: sessions.count)
@@ -39,7 +40,7 @@ final class Fleet: Sendable {
                 tasks.addTask {
                     let socket = try await BenchSocket.connect(
                         port: self.nodes.ports[session.node], path: path, source: source, group: self.group,
-                        onText: { onText(index, $0) }
+                        onText: { onText(index, $0) }, onClose: { onClose(index, $0) }
                     )
                     return (index, socket)
                 }

@@ -8,15 +8,16 @@ struct PresenceBench: AsyncParsableCommand {
         commandName: "presence-bench",
         abstract: "Measures the presence engine and the gateway against a running Redis.",
         discussion: """
-        The scenarios idle, churn, storm, fanout, death, cost and instructions start
-        presence-gateway processes (from beside this executable, or --gateway-binary) on the Redis
-        of --redis-url and load them over loopback WebSockets; engine, latency, group, messages
+        The scenarios idle, churn, storm, fanout, death, cost, group-messages, reconnect-storm and
+        instructions start presence-gateway processes (from beside this executable, or
+        --gateway-binary) on the Redis of --redis-url and load them over loopback WebSockets;
+        engine, latency, group, messages
         and sync-storm run nodes in this process (sync-storm drives them through the Swift SDK).
         Example: presence-bench churn --rate 1000 --duration 10 --json churn.json
         """,
         subcommands: [IdleScenario.self, ChurnScenario.self, StormScenario.self, FanoutScenario.self, DeathScenario.self,
                       CostScenario.self, SoakScenario.self, EngineBench.self, LatencyBench.self, GroupBench.self,
-                      MembershipBench.self, MessageBench.self, SyncStormScenario.self, DeliveryFloor.self, InstructionScenario.self]
+                      MembershipBench.self, MessageBench.self, SyncStormScenario.self, GroupMessagesScenario.self, ReconnectStormScenario.self, DeliveryFloor.self, InstructionScenario.self]
     )
 }
 

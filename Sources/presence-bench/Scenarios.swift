@@ -32,12 +32,20 @@ func redisInfo(_ redis: RedisClient, _ section: String, _ field: String) async t
 
 /// Total calls of every command since the last `CONFIG RESETSTAT` (INFO commandstats).
 func commandCalls(_ redis: RedisClient) async throws -> Double {
+    try await callsByCommand(redis).values.reduce(0, +)
+}
+
+/// Calls of each command since the last `CONFIG RESETSTAT` (INFO commandstats), by name
+/// (`evalsha`, `publish`; a script's own commands count under theirs).
+func callsByCommand(_ redis: RedisClient) async throws -> [String: Double] {
     let text = try await redis.execute(INFO(section: "commandstats"))
-    var total = 0.0
+    var calls: [String: Double] = [:]
     for line in text.split(whereSeparator: \.isNewline) where line.hasPrefix("cmdstat_") {
-        if let calls = line.split(separator: ",").first?.split(separator: "=").last { total += Double(calls) ?? 0 }
+        let fields = line.dropFirst("cmdstat_".count).split(separator: ":", maxSplits: 1)
+        guard fields.count == 2, let count = fields[1].split(separator: ",").first?.split(separator: "=").last else { continue }
+        calls[String(fields[0]), default: 0] += Double(count) ?? 0
     }
-    return total
+    return calls
 }
 
 // MARK: - 2. churn

@@ -90,6 +90,29 @@ struct BenchmarkTests {
         #expect((result["detected_seconds"] as? Double ?? 99) < 5)
     }
 
+    @Test("group-messages: every member gets every message once and in order; a large group's delivered moves cost fewer Redis commands and no receipts")
+    func groupMessages() throws {
+        let result = try run(["group-messages", "--members", "60", "--connected", "30", "--large-group", "20", "--messages", "5", "--rate", "5",
+                              "--uncoalesced-messages", "1", "--idle-window", "1"])
+        #expect(result["delivered"] as? Int == 150 && result["expected"] as? Int == 150 && result["misordered"] as? Int == 0)
+        #expect(result["receipts_per_member"] as? Double == 0)
+        let small = result["uncoalesced"] as? [String: Any] ?? [:]
+        #expect(small["delivered"] as? Int == 30, "\(small)")
+        #expect((small["receipts_per_member"] as? Double ?? 0) >= 29, "a receipt of each member's delivered to each member: \(small)")
+        let large = result["redis_commands_per_message"] as? Double ?? .nan
+        let alone = small["redis_commands_per_message"] as? Double ?? .nan
+        #expect(large < alone, "written together \(large) commands a message, one by one \(alone)")
+    }
+
+    @Test("reconnect-storm: a node killed under 300 devices in 5 conversations each: every one back elsewhere and caught up, nothing lost or repeated, nobody offline")
+    func reconnectStorm() throws {
+        let result = try run(["reconnect-storm", "--sessions", "300", "--conversations", "5", "--members", "10", "--rate", "100", "--lease", "10"])
+        #expect(result["caught_up"] as? Int == 300)
+        #expect(result["lost"] as? Int == 0 && result["repeated"] as? Int == 0 && result["closed_1008"] as? Int == 0, "\(result)")
+        #expect(result["flickers"] as? Int == 0)
+        #expect((result["messages_sent"] as? Int ?? 0) > 500)
+    }
+
     /// Needs valgrind unpacked by `scripts/fetch-valgrind` (`make instructions` does it): not in
     /// CI, which does not download it.
     @Test(
