@@ -184,7 +184,8 @@ cluster-stop:
 
 # The scenarios of BENCHMARKS.md against release-built node processes (several minutes; JSON
 # results in bench-results/), then the in-process engine and latency numbers. The largest idle
-# run is 50,000 sessions or what the open-file hard limit allows.
+# run is 50,000 sessions or what the open-file hard limit allows; the reconnect storm is 2,000
+# devices, what 2 cores hold (BENCHMARKS.md has the larger runs).
 bench: deps
 	$(SWIFT) build -c release --product presence-gateway
 	$(SWIFT) build -c release --product presence-bench
@@ -199,6 +200,8 @@ bench: deps
 	  $$b floor --connections 4000 --json $$r/floor.json; \
 	  $$b death --sessions 5000 --lease 10 --json $$r/death.json; \
 	  $$b cost --devices 10000 --idle-seconds 60 --json $$r/cost.json; \
+	  $$b group-messages --threads 2 --json $$r/group-messages.json; \
+	  $$b reconnect-storm --threads 2 --sessions 2000 --rate 100 --json $$r/reconnect-storm.json; \
 	  $$b engine --devices 10000 --idle-seconds 60; \
 	  $$b latency --rate 1000 --duration 20'
 
