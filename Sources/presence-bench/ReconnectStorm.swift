@@ -49,7 +49,7 @@ struct ReconnectStormScenario: AsyncParsableCommand {
                                                 environment: ["PRESENCE_LEASE_TTL": "\(lease)"])
         defer { processes.stop() }
         let users = (0..<sessions).map { "rs-\($0)" }
-        var random = SeededGenerator(seed: seed)
+        var random = SplitMix(seed: seed)
         // Each round puts every user in one conversation of `members`: `conversations` rounds.
         var rooms: [(id: String, members: [Int])] = []
         for round in 0..<conversations {
@@ -227,18 +227,6 @@ private final class StormSender: Sendable {
     }
 }
 
-/// A splitmix64 generator: the same memberships and jitter for the same seed.
-struct SeededGenerator: RandomNumberGenerator {
-    private var state: UInt64
-    init(seed: UInt64) { state = seed }
-    mutating func next() -> UInt64 {
-        state &+= 0x9E37_79B9_7F4A_7C15
-        var z = state
-        z = (z ^ (z >> 30)) &* 0xBF58_476D_1CE4_E5B9
-        z = (z ^ (z >> 27)) &* 0x94D0_49BB_1331_11EB
-        return z ^ (z >> 31)
-    }
-}
 
 /// The devices of a reconnect storm: one session each, reopened after a drop as the SDK decides
 /// (`ClientLifecycle.closed`, `ReconnectBackoff` with its jitter), each URL list starting with
@@ -254,7 +242,7 @@ private final class StormDevices: Sendable {
         var openedEarly = false
         var lifecycle = ClientLifecycle()
         var backoff = ReconnectBackoff()
-        var random: SeededGenerator
+        var random: SplitMix
         var urls: [Int]
         var urlIndex = 0
         /// Per conversation: the seq up to which every one was received (or named missing), and
@@ -338,7 +326,7 @@ private final class StormDevices: Sendable {
         let others = Array(1..<nodes.ports.count)
         state = NIOLockedValueBox(State(devices: users.indices.map { index in
             let turn = index % others.count
-            return Device(random: SeededGenerator(seed: seed &+ UInt64(index) &* 0x9E37_79B9), urls: [0] + others[turn...] + others[..<turn])
+            return Device(random: SplitMix(seed: seed &+ UInt64(index) &* 0x9E37_79B9), urls: [0] + others[turn...] + others[..<turn])
         }))
     }
 

@@ -280,8 +280,9 @@ struct RedisKeys {
     }
 }
 
-/// A small seeded generator, so that a soak's choices can be replayed (its timing cannot).
-struct SplitMix {
+/// A small seeded generator (splitmix64), so that a run's choices can be replayed (its timing
+/// cannot): a soak's, a reconnect storm's memberships and jitter.
+struct SplitMix: RandomNumberGenerator {
     private var state: UInt64
     init(seed: UInt64) { state = seed }
 
