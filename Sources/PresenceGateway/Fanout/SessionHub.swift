@@ -101,7 +101,6 @@ final class SessionHub: Service, Sendable {
         try? await subscriber.retain([engine.keys.userChannel(session.userID)])
     }
 
-
     /// Reads the conversations of the sessions' user (one user) again and has each session
     /// receive the messages of exactly those; a failed read changes nothing (a reconnect's
     /// catch-up reads again). A new session's first call runs once it is registered (its user's
