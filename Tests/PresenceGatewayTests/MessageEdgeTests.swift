@@ -183,21 +183,35 @@ struct MessageEdgeTests {
         }
     }
 
-    @Test("a node slow to open a session (2.5 s from its registration to its initial_state) holds live messages for its first sync all the same")
+    /// A probe that holds bob's session at its point until `release` is called, and says when it got there.
+    final class Gate: Sendable {
+        let entered = AsyncStream<Void>.makeStream()
+        let released = AsyncStream<Void>.makeStream()
+        @Sendable func hold(_ session: Session) async {
+            guard session.userID == "bob" else { return }
+            entered.continuation.yield()
+            for await _ in released.stream { break }
+        }
+        func reached() async { for await _ in entered.stream { break } }
+        func release() { released.continuation.yield() }
+    }
+
+    @Test("a node slow to open a session (held from its registration to its initial_state past the hold's 2 s) holds live messages for its first sync all the same")
     func slowOpeningHolds() async throws {
         try await withGateway(configure: { $0.visibility = .open }) { port, gateway in
             try await ConversationTests.setUp(port, ["alice", "bob"])
             _ = try await MessageRollbackTests.send(port, "alice", "m1", "before bob")
-            gateway.beforeInitialState.withLockedValue { probe in
-                probe = { session in if session.userID == "bob" { try? await Task.sleep(for: .milliseconds(2_500)) } }
-            }
-            // Sent past a hold counted from the registration, before bob hears that his session is open.
-            let late = Task { () throws -> Int in
-                try await Task.sleep(for: .milliseconds(2_200))
-                return try await MessageRollbackTests.send(port, "alice", "m2", "while bob opens").status
-            }
-            let bob = try await Sessions.open(port, "bob", device: "phone")
-            #expect(try await late.value == 201)
+            let gate = Gate()
+            gateway.beforeInitialState.withLockedValue { $0 = gate.hold }
+            let opening = Task { try await Sessions.open(port, "bob", device: "phone") }
+            await gate.reached()
+            // Past a hold counted from the registration; m2 is stored, and live on its way to
+            // bob's node, before bob hears that his session is open.
+            try await Task.sleep(for: SessionHub.messageOpeningHold + .milliseconds(300))
+            #expect(try await MessageRollbackTests.send(port, "alice", "m2", "while bob opens").status == 201)
+            try await Task.sleep(for: .milliseconds(300))
+            gate.release()
+            let bob = try await opening.value
             bob.send("sync", ["positions": [["conversation_id": "room", "after_seq": 0]]], id: "s")
             let answer = try await Self.syncAnswer(bob)
             #expect(answer.seqs == [1, 2], "what bob missed, in order, from his sync")
@@ -211,16 +225,19 @@ struct MessageEdgeTests {
             try await ConversationTests.setUp(port, ["alice", "bob"])
             _ = try await MessageRollbackTests.send(port, "alice", "m1", "before bob")
             let bob = try await Sessions.open(port, "bob", device: "phone")
-            gateway.afterMessageHandled.withLockedValue { probe in
-                probe = { session in if session.userID == "bob" { try? await Task.sleep(for: .milliseconds(2_500)) } }
-            }
-            // The ping's turn takes 2.5 s; the sync waits behind it past the hold's 2 s.
+            let gate = Gate()
+            gateway.afterMessageHandled.withLockedValue { $0 = gate.hold }
+            // The ping's turn is held; the sync waits behind it past the hold's 2 s, and m2 is
+            // stored, and live on its way to bob's node, meanwhile.
             bob.send("ping", [:], id: "p")
             bob.send("sync", ["positions": [["conversation_id": "room", "after_seq": 0]]], id: "s")
-            try await Task.sleep(for: .milliseconds(2_200))
-            #expect(try await MessageRollbackTests.send(port, "alice", "m2", "while bob's sync waits").status == 201)
-            _ = try await bob.next("pong", timeout: .seconds(5))
+            await gate.reached()
             gateway.afterMessageHandled.withLockedValue { $0 = nil }
+            try await Task.sleep(for: SessionHub.messageOpeningHold + .milliseconds(300))
+            #expect(try await MessageRollbackTests.send(port, "alice", "m2", "while bob's sync waits").status == 201)
+            try await Task.sleep(for: .milliseconds(300))
+            gate.release()
+            _ = try await bob.next("pong", timeout: .seconds(5))
             let answer = try await Self.syncAnswer(bob)
             #expect(answer.seqs == [1, 2], "what bob missed, in order, from his sync")
             #expect(answer.synced.data["complete"] as? Bool == true && (answer.synced.data["missing"] as? [Any])?.isEmpty == true, "\(answer.synced.data)")
